@@ -1,0 +1,120 @@
+"""nox sessions for the mcore monorepo.
+
+Packages are discovered from ``packages/*/pyproject.toml``: adding a package means adding a folder.
+
+Sessions:
+- ``lint``: ruff check and ruff format --check.
+- ``typecheck``: mypy over every package's source, with everything installed.
+- ``tests-<pkg>``: installs only that package, its declared sibling packages and its ``test`` extra (if any), then
+  runs ``tests/<pkg>/``. An undeclared cross-package import fails here.
+- ``integration``: everything installed, runs ``tests/integration/``.
+- ``demo``: the main job (see README).
+
+torch is pinned to the CPU build through ``.ci/constraints.txt`` (used only here and in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.2"]
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "tests", "integration"]
+
+
+def _packages() -> dict[str, dict]:
+    found = {}
+    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text())["project"]
+        found[data["name"]] = {"dir": pyproject.parent, "project": data}
+    return found
+
+
+PACKAGES = _packages()
+
+
+def _requirement_name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].strip().lower()
+
+
+def _local_closure(name: str) -> list[str]:
+    """The package and every sibling it (transitively) declares, dependencies first."""
+    order: list[str] = []
+
+    def visit(n: str) -> None:
+        if n in order:
+            return
+        for req in PACKAGES[n]["project"].get("dependencies", []):
+            dep = _requirement_name(req)
+            if dep in PACKAGES:
+                visit(dep)
+        order.append(n)
+
+    visit(name)
+    return order
+
+
+def _install(session: nox.Session, names: list[str], extras: dict[str, list[str]] | None = None) -> None:
+    session.install("-c", str(CONSTRAINTS), "hatchling>=1.18", *TEST_DEPS)
+    targets = []
+    for n in names:
+        spec = str(PACKAGES[n]["dir"])
+        wanted = [e for e in (extras or {}).get(n, []) if e in PACKAGES[n]["project"].get("optional-dependencies", {})]
+        if wanted:
+            spec += "[" + ",".join(wanted) + "]"
+        targets.append(spec)
+    session.install("-c", str(CONSTRAINTS), "--no-build-isolation", *targets)
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("mcore-")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    names = list(PACKAGES)
+    _install(session, names, {n: ["test"] for n in names})
+    session.install("mypy>=1.10", "types-PyYAML")
+    session.run("mypy", *[str(p["dir"] / "src") for p in PACKAGES.values()])
+
+
+@nox.session(name="tests")
+@nox.parametrize("package", [_short(n) for n in PACKAGES], ids=[_short(n) for n in PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    name = f"mcore-{package}"
+    _install(session, _local_closure(name), {name: ["test"]})
+    session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    names = list(PACKAGES)
+    _install(session, names, {n: ["test"] for n in names})
+    session.run("pytest", "tests/integration", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: see README.md."""
+    _install(session, _local_closure("mcore-parallel"))
+    nproc = os.environ.get("MCORE_DEMO_NPROC", "2")
+    session.run(
+        "torchrun", "--standalone", f"--nproc-per-node={nproc}", "examples/tp_demo.py", *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )

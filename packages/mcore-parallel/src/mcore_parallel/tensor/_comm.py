@@ -1,0 +1,55 @@
+"""Collectives over a :class:`~mcore_parallel.state.Group`, each a no-op when the group has one member.
+
+Gathers and reduce-scatters along any dimension are done as one flat collective along dim 0 (the only layout the
+single-tensor collectives support) plus at most one copy to move the split dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_parallel.state import Group
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``x`` in place over ``group`` and return it."""
+    if group.size > 1:
+        dist.all_reduce(x, op=op, group=group.pg)
+    return x
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    src = x.contiguous() if dim == 0 else x.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, src, group=group.pg)
+    return out if dim == 0 else out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and return this rank's chunk along ``dim``."""
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {group.size}")
+    src = x.contiguous() if dim == 0 else x.movedim(dim, 0).contiguous()
+    out = torch.empty((src.shape[0] // group.size, *src.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, src, group=group.pg)
+    return out if dim == 0 else out.movedim(0, dim)
+
+
+def split(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (contiguous)."""
+    if group.size == 1:
+        return x
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {group.size}")
+    return x.chunk(group.size, dim)[group.rank].contiguous()

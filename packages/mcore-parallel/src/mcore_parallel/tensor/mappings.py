@@ -1,0 +1,132 @@
+"""Autograd-correct communication at the edges of tensor- and sequence-parallel regions.
+
+Tensor-parallel regions split the last (hidden) dimension; sequence-parallel regions split dimension 0, the
+sequence dimension of mcore's ``[sequence, batch, hidden]`` activations. Each function is the identity when the
+group has one member, so a TP=1 model pays nothing.
+
+| function | forward | backward |
+|---|---|---|
+| ``copy_to_tp_region`` | identity | all-reduce |
+| ``reduce_from_tp_region`` | all-reduce | identity |
+| ``scatter_to_tp_region`` | split last dim | all-gather last dim |
+| ``gather_from_tp_region`` | all-gather last dim | split last dim |
+| ``scatter_to_sp_region`` | split dim 0 | all-gather dim 0 |
+| ``gather_from_sp_region`` | all-gather dim 0 | reduce-scatter dim 0 (or split, see below) |
+| ``reduce_scatter_to_sp_region`` | reduce-scatter dim 0 | all-gather dim 0 |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcore_parallel.state import Group
+from mcore_parallel.tensor import _comm
+
+__all__ = [
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "gather_from_tp_region",
+    "scatter_to_sp_region",
+    "gather_from_sp_region",
+    "reduce_scatter_to_sp_region",
+]
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.all_reduce(g.clone(), ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _comm.split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _comm.all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather forward; backward either splits (replicated consumers) or reduce-scatters (partial grads)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, reduce_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
+        return _comm.all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.reduce_grad:
+            return _comm.reduce_scatter(g, ctx.group, ctx.dim), None, None, None
+        return _comm.split(g, ctx.group, ctx.dim), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _comm.reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _comm.all_gather(g, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a TP region with a replicated input: gradients from every rank are summed in backward."""
+    return x if group.size == 1 else _Copy.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a TP region by summing the partial results of every rank."""
+    return x if group.size == 1 else _Reduce.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension."""
+    return x if group.size == 1 else _Split.apply(x, group, -1)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenate every rank's slice of the last dimension."""
+    return x if group.size == 1 else _Gather.apply(x, group, -1, False)
+
+
+def scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep this rank's chunk of the sequence (dimension 0)."""
+    return x if group.size == 1 else _Split.apply(x, group, 0)
+
+
+def gather_from_sp_region(x: torch.Tensor, group: Group, tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """All-gather the sequence (dimension 0).
+
+    With ``tensor_parallel_output_grad`` (the default, used in front of a column-parallel layer) the gradient arriving
+    in backward is a per-rank partial sum and is reduce-scattered; otherwise it is already complete and only split.
+    """
+    return x if group.size == 1 else _Gather.apply(x, group, 0, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum partial results over the group and keep this rank's chunk of the sequence (dimension 0)."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, 0)
