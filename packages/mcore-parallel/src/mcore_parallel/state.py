@@ -150,7 +150,9 @@ class ParallelState:
             "ep", "expert_tp", "expert_dp", "expert_tp_ep", "embedding", "position_embedding", "world",
         ]  # fmt: skip
         groups = {k: make(k) for k in kinds}
-        state = cls(config, layout, rank, world, local_rank, backend if use_dist else None, torch.device(device), **groups)
+        state = cls(
+            config, layout, rank, world, local_rank, backend if use_dist else None, torch.device(device), **groups
+        )
         if rank == 0:
             logger.info(
                 "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d ep=%d expert_tp=%d expert_dp=%d order=%s",

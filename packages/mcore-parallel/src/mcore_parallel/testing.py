@@ -1,4 +1,4 @@
-"""A multi-process test harness: run a function on N CPU ranks (gloo) and get every rank's result.
+"""A multi-process test harness: run a function on N ranks (gloo on CPU, or NCCL) and get every rank's result.
 
 Workers are started once per world size (forkserver, torch preloaded) and reused across calls, so a test suite pays
 the start-up cost once. The first rank to fail (earliest in time) has its traceback re-raised in the caller; a call
@@ -13,6 +13,7 @@ every rank, with ``torch.distributed`` initialised (gloo) and ``RANK``/``WORLD_S
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -31,7 +32,7 @@ class DistributedFailure(AssertionError):
     """A rank raised: the message holds that rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, store_path: str, conn: Connection) -> None:
+def _worker(rank: int, world_size: int, store_path: str, backend: str, conn: Connection) -> None:
     import datetime
 
     import torch
@@ -41,9 +42,11 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection) -> No
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S)
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S)
     )
     while True:
         try:
@@ -62,12 +65,9 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection) -> No
 
 
 class _Pool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str) -> None:
         ctx = mp.get_context("forkserver")
-        try:
-            ctx.set_forkserver_preload(["torch", "torch.distributed"])
-        except Exception:  # pragma: no cover - older Pythons
-            pass
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
         fd, self.store_path = tempfile.mkstemp(prefix="mcore-test-store-")
         os.close(fd)
         os.unlink(self.store_path)
@@ -76,7 +76,7 @@ class _Pool:
         self.procs: list[Any] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world_size, self.store_path, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, world_size, self.store_path, backend, child), daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
@@ -131,10 +131,8 @@ class _Pool:
     def close(self, graceful: bool = True) -> None:
         for c, p in zip(self.conns, self.procs):
             if graceful and p.is_alive():
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     c.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for p in self.procs:
             p.join(timeout=5 if graceful else 0.1)
             if p.is_alive():
@@ -146,7 +144,7 @@ class _Pool:
             os.unlink(self.store_path)
 
 
-_POOLS: dict[int, _Pool] = {}
+_POOLS: dict[tuple[int, str], _Pool] = {}
 
 
 def shutdown_pools() -> None:
@@ -159,16 +157,27 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return the per-rank results (rank order)."""
-    if world_size == 1:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return the per-rank results (rank order).
+
+    ``backend="nccl"`` runs one rank per GPU (rank r on ``cuda:r``); world size 1 with gloo runs in-process.
+    """
+    if world_size == 1 and backend == "gloo":
         return [fn(*args, **kwargs)]
-    pool = _POOLS.get(world_size)
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, backend)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except BaseException:
-        _POOLS.pop(world_size, None)
+        _POOLS.pop(key, None)
         pool.close(graceful=False)
         raise

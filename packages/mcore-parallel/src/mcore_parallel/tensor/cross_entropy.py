@@ -99,5 +99,7 @@ def vocab_parallel_cross_entropy(
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without its last dim {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal logits shape without its last dim {tuple(logits.shape[:-1])}"
+        )
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, label_smoothing)

@@ -90,9 +90,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, tp.size, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
         set_tp_attributes(self.weight, 0)
-        init_sharded_(
-            self.weight, (out_features, in_features), 0, tp.rank, tp.size, init_method or normal_init(), seed
-        )
+        init_sharded_(self.weight, (out_features, in_features), 0, tp.rank, tp.size, init_method or normal_init(), seed)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device))
             set_tp_attributes(self.bias, 0)
@@ -145,9 +143,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, tp.size, "RowParallelLinear in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
         set_tp_attributes(self.weight, 1)
-        init_sharded_(
-            self.weight, (out_features, in_features), 1, tp.rank, tp.size, init_method or normal_init(), seed
-        )
+        init_sharded_(self.weight, (out_features, in_features), 1, tp.rank, tp.size, init_method or normal_init(), seed)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             self.bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
@@ -235,9 +231,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, tp: Group) -> None:
     """
     if tp.size == 1:
         return
-    grads = [
-        p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -1,0 +1,202 @@
+"""Tensor/sequence-parallel layers against single-process torch references on random inputs.
+
+Each rank builds the TP layer, copies its slice of a reference weight into it, and checks its slice of the output
+and of every gradient against ``torch.nn.Linear`` / ``F.embedding`` / ``F.cross_entropy`` run in float64 on the full
+tensors. fp32 is checked tightly, bf16 loosely.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_parallel import ParallelConfig, ParallelState
+from mcore_parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    allreduce_sequence_parallel_grads,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+from mcore_parallel.testing import run_distributed
+
+S, B, H_IN, H_OUT, VOCAB = 8, 3, 16, 24, 200
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+CASES = [(tp, sp, dt) for tp in (1, 2, 4) for sp in (False, True) for dt in (torch.float32, torch.bfloat16)]
+IDS = [f"tp{tp}-{'sp' if sp else 'nosp'}-{'bf16' if dt == torch.bfloat16 else 'fp32'}" for tp, sp, dt in CASES]
+
+
+def _state(tp: int, sp: bool) -> ParallelState:
+    return ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=sp))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    torch.testing.assert_close(
+        actual.double().cpu(), expected.double().cpu(), **TOL[dtype], msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _seq_chunk(t: torch.Tensor, state: ParallelState, sp: bool) -> torch.Tensor:
+    return t.chunk(state.tp.size, 0)[state.tp.rank] if sp and state.tp.size > 1 else t
+
+
+def _column(tp: int, sp: bool, dtype: torch.dtype, gather_output: bool, device: str = "cpu") -> None:
+    state = _state(tp, sp)
+    torch.manual_seed(1234)
+    ref = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
+    x = torch.randn(S, B, H_IN, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(S, B, H_OUT, dtype=torch.float64)
+    (ref(x) * dy).sum().backward()
+
+    layer = ColumnParallelLinear(
+        H_IN,
+        H_OUT,
+        tp=state.tp,
+        sequence_parallel=sp,
+        gather_output=gather_output and not sp,
+        dtype=dtype,
+        device=device,
+    )
+    r, n = state.tp.rank, state.tp.size
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight.chunk(n, 0)[r])
+        layer.bias.copy_(ref.bias.chunk(n, 0)[r])
+    x_local = _seq_chunk(x.detach(), state, sp).to(device, dtype).requires_grad_()
+    y = layer(x_local)
+    gathered = gather_output and not sp
+    y_ref = ref(x).detach()
+    _close(y, y_ref if gathered else y_ref.chunk(n, -1)[r], dtype, "output")
+    (y * (dy if gathered else dy.chunk(n, -1)[r]).to(device, dtype)).sum().backward()
+    _close(x_local.grad, _seq_chunk(x.grad, state, sp), dtype, "input grad")
+    _close(layer.weight.grad, ref.weight.grad.chunk(n, 0)[r], dtype, "weight grad")
+    _close(layer.bias.grad, ref.bias.grad.chunk(n, 0)[r], dtype, "bias grad")
+
+
+def _row(tp: int, sp: bool, dtype: torch.dtype, input_is_parallel: bool, device: str = "cpu") -> None:
+    state = _state(tp, sp)
+    torch.manual_seed(4321)
+    ref = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
+    x = torch.randn(S, B, H_IN, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(S, B, H_OUT, dtype=torch.float64)
+    (ref(x) * dy).sum().backward()
+
+    parallel_in = input_is_parallel or sp
+    layer = RowParallelLinear(
+        H_IN, H_OUT, tp=state.tp, sequence_parallel=sp, input_is_parallel=parallel_in, dtype=dtype, device=device
+    )
+    r, n = state.tp.rank, state.tp.size
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight.chunk(n, 1)[r])
+        layer.bias.copy_(ref.bias)
+    x_in = x.detach().chunk(n, -1)[r] if parallel_in else x.detach()
+    x_in = x_in.to(device, dtype).requires_grad_()
+    y = layer(x_in)
+    _close(y, _seq_chunk(ref(x).detach(), state, sp), dtype, "output")
+    (y * _seq_chunk(dy, state, sp).to(device, dtype)).sum().backward()
+    allreduce_sequence_parallel_grads(layer, state.tp)
+    _close(x_in.grad, x.grad.chunk(n, -1)[r] if parallel_in else x.grad, dtype, "input grad")
+    _close(layer.weight.grad, ref.weight.grad.chunk(n, 1)[r], dtype, "weight grad")
+    _close(layer.bias.grad, ref.bias.grad, dtype, "bias grad")
+
+
+def _embedding(tp: int, sp: bool, dtype: torch.dtype, device: str = "cpu") -> None:
+    state = _state(tp, sp)
+    torch.manual_seed(99)
+    weight = torch.randn(VOCAB, H_IN, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, VOCAB, (S, B))
+    ids[0, 0], ids[1, 0] = 0, VOCAB - 1  # both ends of the vocabulary
+    dy = torch.randn(S, B, H_IN, dtype=torch.float64)
+    (F.embedding(ids, weight) * dy).sum().backward()
+
+    layer = VocabParallelEmbedding(VOCAB, H_IN, tp=state.tp, sequence_parallel=sp, dtype=dtype, device=device)
+    padded = padded_vocab_size(VOCAB, tp)
+    assert layer.padded_num_embeddings == padded and padded % (128 * tp) == 0
+    r, n = state.tp.rank, state.tp.size
+    full = torch.cat([weight.detach(), weight.new_zeros(padded - VOCAB, H_IN)])
+    with torch.no_grad():
+        layer.weight.copy_(full.chunk(n, 0)[r])
+    y = layer(ids.to(device))
+    _close(y, _seq_chunk(F.embedding(ids, weight).detach(), state, sp), dtype, "output")
+    (y * _seq_chunk(dy, state, sp).to(device, dtype)).sum().backward()
+    grad_full = torch.cat([weight.grad, weight.new_zeros(padded - VOCAB, H_IN)])
+    _close(layer.weight.grad, grad_full.chunk(n, 0)[r], dtype, "weight grad")
+
+
+def _cross_entropy(tp: int, dtype: torch.dtype, label_smoothing: float, device: str = "cpu") -> None:
+    state = _state(tp, False)
+    torch.manual_seed(7)
+    padded = padded_vocab_size(VOCAB, tp, multiple=8)
+    logits = (3 * torch.randn(S, B, padded, dtype=torch.float64)).requires_grad_()
+    target = torch.randint(0, VOCAB, (S, B))
+    target[0, 0], target[0, 1] = 0, VOCAB - 1
+    w = torch.rand(S, B, dtype=torch.float64)
+    ref = F.cross_entropy(
+        logits[..., :VOCAB].reshape(-1, VOCAB), target.reshape(-1), reduction="none", label_smoothing=label_smoothing
+    ).view(S, B)
+    (ref * w).sum().backward()
+
+    r, n = state.tp.rank, state.tp.size
+    local = logits.detach().chunk(n, -1)[r].to(device, dtype).requires_grad_()
+    loss = vocab_parallel_cross_entropy(
+        local, target.to(device), state.tp, vocab_size=VOCAB, label_smoothing=label_smoothing
+    )
+    assert loss.dtype == torch.float32 and loss.shape == (S, B)
+    _close(loss, ref.detach(), dtype, "loss")
+    (loss * w.float().to(device)).sum().backward()
+    assert local.grad.dtype == dtype
+    _close(local.grad, logits.grad.chunk(n, -1)[r], dtype, "logits grad")
+    if r == n - 1:  # padded columns get exactly zero gradient
+        pad_start = VOCAB - r * local.shape[-1]
+        assert torch.all(local.grad[..., pad_start:] == 0)
+
+
+@pytest.mark.parametrize("tp,sp,dtype", CASES, ids=IDS)
+@pytest.mark.parametrize("gather_output", [False, True], ids=["split-out", "gather-out"])
+def test_column_parallel_linear(tp: int, sp: bool, dtype: torch.dtype, gather_output: bool) -> None:
+    if sp and gather_output:
+        pytest.skip("sequence parallelism keeps the output split")
+    run_distributed(_column, tp, tp, sp, dtype, gather_output)
+
+
+@pytest.mark.parametrize("tp,sp,dtype", CASES, ids=IDS)
+@pytest.mark.parametrize("input_is_parallel", [True, False], ids=["parallel-in", "replicated-in"])
+def test_row_parallel_linear(tp: int, sp: bool, dtype: torch.dtype, input_is_parallel: bool) -> None:
+    if sp and not input_is_parallel:
+        pytest.skip("sequence parallelism needs a parallel input")
+    run_distributed(_row, tp, tp, sp, dtype, input_is_parallel)
+
+
+@pytest.mark.parametrize("tp,sp,dtype", CASES, ids=IDS)
+def test_vocab_parallel_embedding(tp: int, sp: bool, dtype: torch.dtype) -> None:
+    run_distributed(_embedding, tp, tp, sp, dtype)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["no-smoothing", "smoothing"])
+def test_vocab_parallel_cross_entropy(tp: int, dtype: torch.dtype, label_smoothing: float) -> None:
+    run_distributed(_cross_entropy, tp, tp, dtype, label_smoothing)
+
+
+def test_layer_argument_errors() -> None:
+    state = ParallelState.initialize(ParallelConfig())
+    with pytest.raises(ValueError, match="vocab_size=300 must be in"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 256), torch.zeros(2, dtype=torch.long), state.tp, vocab_size=300)
+    with pytest.raises(ValueError, match="target shape"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.zeros(3, dtype=torch.long), state.tp)
+    with pytest.raises(ValueError, match="sequence_parallel and gather_output"):
+        from mcore_parallel import Group
+
+        ColumnParallelLinear(4, 4, tp=Group("tp", (0, 1), 0), sequence_parallel=True, gather_output=True)
+
+
+def _divisibility(tp: int) -> None:
+    state = _state(tp, False)
+    with pytest.raises(ValueError, match="out_features=6 is not divisible by the tensor-parallel size 4"):
+        ColumnParallelLinear(4, 6, tp=state.tp)
+
+
+def test_divisibility_error_names_the_sizes() -> None:
+    run_distributed(_divisibility, 4, 4)
