@@ -1,0 +1,197 @@
+"""Tokenizing raw text into a Megatron ``.bin``/``.idx`` pair, in parallel worker processes, order preserved.
+
+The main process reads raw units in ~1 MB chunks and writes results; workers parse JSON and tokenize. At most a
+few chunks are in flight, so memory stays bounded; results are written in input order, so the output does not depend
+on the number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from mcore_data._files import check_outputs
+from mcore_data.errors import ConfigError, InputFormatError
+from mcore_data.indexed import IndexedDatasetWriter, optimal_dtype
+from mcore_data.inputs import Chunk, expand_inputs, iter_chunks, parse_unit
+from mcore_data.tokenizer import ByteTokenizer, Tokenizer, TokenizerSpec, build_tokenizer
+
+__all__ = ["PreprocessConfig", "PreprocessSummary", "preprocess"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreprocessConfig:
+    """What ``mcore-data preprocess`` does."""
+
+    inputs: Sequence[str] = ()
+    """JSONL / text files or directories (``.gz`` allowed)."""
+    output_prefix: str = ""
+    """Writes ``output_prefix.bin`` and ``output_prefix.idx``."""
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
+    """Which tokenizer encodes the text."""
+    json_key: str = "text"
+    """Key of the text in each JSONL object."""
+    text_unit: str = "file"
+    """For plain text files: one document per ``file`` or per ``line``."""
+    workers: int = 1
+    """Tokenizer processes; 1 tokenizes in the main process."""
+    append_eod: bool = True
+    """Append the tokenizer's end-of-document token to every document."""
+    skip_malformed: bool = False
+    """Skip and count malformed lines instead of stopping at the first one."""
+    chunk_bytes: int = 1 << 20
+    """Raw bytes per unit of work sent to a worker."""
+    overwrite: bool = False
+    """Replace existing outputs."""
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ConfigError("preprocess needs at least one input (--input)")
+        if not self.output_prefix:
+            raise ConfigError("preprocess needs an output prefix (--output-prefix)")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclass
+class PreprocessSummary:
+    """Counts reported at the end of a run."""
+
+    documents: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    blank: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    dtype: str = ""
+
+
+@dataclass
+class _Result:
+    tokens: npt.NDArray[Any]
+    lengths: npt.NDArray[np.int32]
+    skipped: int
+    blank: int
+    nbytes: int
+    error: str | None = None
+
+
+_TOKENIZER: Tokenizer | None = None
+_OPTS: tuple[str, bool, bool, Any] = ("text", True, False, np.uint16)
+
+
+def _init_worker(spec: TokenizerSpec, json_key: str, append_eod: bool, skip: bool, dtype: Any) -> None:
+    global _TOKENIZER, _OPTS
+    # one tokenizer thread per process: parallelism comes from worker processes
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _TOKENIZER = build_tokenizer(spec)
+    _OPTS = (json_key, append_eod, skip, dtype)
+
+
+def _encode_chunk(chunk: Chunk) -> _Result:
+    tok = _TOKENIZER
+    assert tok is not None, "worker not initialised"
+    json_key, append_eod, skip, dtype = _OPTS
+    texts: list[str] = []
+    skipped = blank = 0
+    for k, raw in enumerate(chunk.units):
+        try:
+            text = parse_unit(chunk.kind, raw, json_key)
+        except (ValueError, UnicodeDecodeError) as e:
+            if not skip:
+                return _Result(np.zeros(0, dtype), np.zeros(0, np.int32), 0, 0, chunk.nbytes, f"{k}\t{e}")
+            skipped += 1
+            continue
+        if text is None:
+            blank += 1
+            continue
+        texts.append(text)
+    eod = tok.eod
+    if isinstance(tok, ByteTokenizer):
+        encoded = [t.encode("utf-8") for t in texts]
+        lengths = np.fromiter((len(b) for b in encoded), np.int32, len(encoded))
+        tokens = np.frombuffer(b"".join(encoded), np.uint8).astype(dtype)
+        if append_eod:
+            tokens = np.insert(tokens, np.cumsum(lengths), eod)
+            lengths += 1
+    else:
+        ids = tok.encode_batch(texts)
+        flat: list[int] = []
+        lens: list[int] = []
+        for doc in ids:
+            flat.extend(doc)
+            if append_eod:
+                flat.append(eod)
+            lens.append(len(doc) + append_eod)
+        tokens = np.array(flat, dtype=dtype)
+        lengths = np.array(lens, dtype=np.int32)
+    if not append_eod and len(lengths):  # documents with no token at all are dropped
+        keep = lengths > 0
+        blank += int((~keep).sum())
+        lengths = lengths[keep]
+    return _Result(tokens, lengths, skipped, blank, chunk.nbytes)
+
+
+def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | None = None) -> PreprocessSummary:
+    """Tokenize ``config.inputs`` into ``config.output_prefix``; ``progress(documents, bytes)`` after every chunk."""
+    t0 = time.perf_counter()
+    check_outputs([config.output_prefix + ".bin", config.output_prefix + ".idx"], config.overwrite)
+    files = expand_inputs(config.inputs)
+    tokenizer = build_tokenizer(config.tokenizer)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    summary = PreprocessSummary(files=len(files), dtype=str(dtype))
+    chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes)
+    init_args = (config.tokenizer, config.json_key, config.append_eod, config.skip_malformed, dtype)
+
+    def consume(chunk: Chunk, res: _Result, writer: IndexedDatasetWriter) -> None:
+        if res.error is not None:
+            k, msg = res.error.split("\t", 1)
+            raise InputFormatError(chunk.path, chunk.first_line + int(k), msg + " (use --skip-malformed to skip)")
+        writer.add_documents(res.tokens, res.lengths)
+        summary.documents += len(res.lengths)
+        summary.tokens += int(res.tokens.size)
+        summary.skipped += res.skipped
+        summary.blank += res.blank
+        summary.input_bytes += res.nbytes
+        if progress is not None:
+            progress(len(res.lengths), res.nbytes)
+
+    with IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite) as writer:
+        if config.workers == 1:
+            _init_worker(*init_args)
+            for chunk in chunks:
+                consume(chunk, _encode_chunk(chunk), writer)
+        else:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            with ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool:
+                pending: deque[tuple[Chunk, Any]] = deque()
+                for chunk in chunks:
+                    pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
+                    if len(pending) >= 2 * config.workers + 2:
+                        c, r = pending.popleft()
+                        consume(c, r.get(), writer)
+                while pending:
+                    c, r = pending.popleft()
+                    consume(c, r.get(), writer)
+    summary.seconds = time.perf_counter() - t0
+    logger.info(
+        "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
+        summary.documents,
+        summary.tokens,
+        summary.skipped,
+        summary.seconds,
+    )
+    return summary
