@@ -33,21 +33,14 @@ VOCAB = 256  # bytes
 
 
 class TinyLM(nn.Module):
-    def __init__(self, tp: Group, hidden: int, sequence_parallel: bool, seed: int) -> None:
+    def __init__(self, tp: Group, hidden: int, sequence_parallel: bool, seed: int, device: torch.device) -> None:
         super().__init__()
         self.tp, self.sp = tp, sequence_parallel and tp.size > 1
-        self.embed = VocabParallelEmbedding(
-            VOCAB, hidden, tp=tp, sequence_parallel=self.sp, seed=derive_seed(seed, "embed")
-        )
-        self.up = ColumnParallelLinear(
-            hidden, 4 * hidden, tp=tp, sequence_parallel=self.sp, seed=derive_seed(seed, "up")
-        )
-        self.down = RowParallelLinear(
-            4 * hidden, hidden, tp=tp, sequence_parallel=self.sp, seed=derive_seed(seed, "dn")
-        )
-        self.out = ColumnParallelLinear(
-            hidden, VOCAB, tp=tp, bias=False, sequence_parallel=self.sp, seed=derive_seed(seed, "out")
-        )
+        common = dict(tp=tp, sequence_parallel=self.sp, device=device)
+        self.embed = VocabParallelEmbedding(VOCAB, hidden, seed=derive_seed(seed, "embed"), **common)
+        self.up = ColumnParallelLinear(hidden, 4 * hidden, seed=derive_seed(seed, "up"), **common)
+        self.down = RowParallelLinear(4 * hidden, hidden, seed=derive_seed(seed, "dn"), **common)
+        self.out = ColumnParallelLinear(hidden, VOCAB, bias=False, seed=derive_seed(seed, "out"), **common)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)  # [s / tp, b, hidden] with sequence parallelism, else [s, b, hidden]
@@ -82,15 +75,17 @@ def main() -> None:
         ParallelConfig(tp=read_launch_env().world_size, sequence_parallel=not args.no_sequence_parallel)
     )
     model_parallel_seed(args.seed, tp_rank=state.tp.rank)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, so the comparison below is meaningful
     data = corpus(2_000_000)
-    model = TinyLM(state.tp, args.hidden, state.sequence_parallel, args.seed)
+    model = TinyLM(state.tp, args.hidden, state.sequence_parallel, args.seed, state.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref = ref_opt = None
     if state.rank == 0:
-        ref = TinyLM(Group.single(), args.hidden, False, args.seed)
+        ref = TinyLM(Group.single(), args.hidden, False, args.seed, state.device)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
         print(
-            f"tensor parallel size {state.tp.size}, sequence parallel {state.sequence_parallel}, "
+            f"tensor parallel size {state.tp.size} ({state.backend or 'no backend'} on {state.device.type}), "
+            f"sequence parallel {state.sequence_parallel}, "
             f"{sum(p.numel() for p in ref.parameters())} parameters, {len(data) / 1e6:.1f} MB of stdlib source"
         )
         print(f"{'step':>4} {'loss (tp)':>10} {'loss (1 proc)':>13} {'|diff|':>9}")
@@ -100,7 +95,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
         window = torch.stack([data[s : s + args.seq + 1] for s in starts.tolist()]).t()  # [s+1, b]
-        tokens, labels = window[:-1], window[1:]
+        tokens, labels = window[:-1].to(state.device), window[1:].to(state.device)
         loss = model(tokens, labels)
         loss_value = loss.detach()
         opt.zero_grad()
