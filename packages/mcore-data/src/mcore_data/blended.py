@@ -69,6 +69,13 @@ class BlendedDataset:
             "exhaustive": size is None,
         }
 
+        for d, ds in enumerate(self.datasets):  # cheap early check; the exact one follows the build
+            if self.weights[d] * self.size > len(ds) + 1:
+                raise ConfigError(
+                    f"blended dataset {d} needs about {self.weights[d] * self.size:.0f} samples but has {len(ds)}; "
+                    "build its child with more samples (raise the surplus / num_samples)"
+                )
+
         def build() -> dict[str, npt.NDArray[Any]]:
             which, within = build_blending_indices(self.weights, self.size)
             return {"dataset_index": which, "dataset_sample_index": within}

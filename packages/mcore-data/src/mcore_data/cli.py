@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (MCoreDataError, FileNotFoundError) as e:
-        logger.error("%s", e)
+        sys.stderr.write(f"mcore-data: error: {e}\n")
         return 2
 
 
