@@ -79,7 +79,7 @@ class IndexCache:
         for name, arr in arrays.items():
             tmp = temporary_path(self.path(name))
             with open(tmp, "wb") as f:
-                np.lib.format.write_array(f, arr, allow_pickle=False)
+                np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
             os.replace(tmp, self.path(name))
         tmp = temporary_path(self.description_path)
         tmp.write_text(self.text, encoding="utf-8")

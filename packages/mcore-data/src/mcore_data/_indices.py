@@ -152,16 +152,21 @@ def build_sample_index(
     n = len(document_index)
     big = max(n, int(sizes.max()) if len(sizes) else 0) > _INT32_MAX
     out = np.empty((num_samples + 1, 2), dtype=np.int64 if big else np.int32)
+    chunk = 1 << 20  # small chunks: the temporaries stay in cache and are reused
+    lengths_buf = np.empty(chunk, dtype=np.int64)
+    ends_buf = np.empty(chunk, dtype=np.int64)
     carry = 0
     j = 0  # next row to fill
-    for a in range(0, n, _CHUNK):
+    for a in range(0, n, chunk):
+        m = min(chunk, n - a)
+        lengths, ends = lengths_buf[:m], ends_buf[:m]
         if ordered_lengths is not None:
-            lengths = np.asarray(ordered_lengths[a : a + _CHUNK], dtype=np.int64)
+            lengths[:] = ordered_lengths[a : a + m]
         else:
-            lengths = sizes[document_index[a : a + _CHUNK]].astype(np.int64)
-        ends = np.cumsum(lengths)
+            np.take(sizes, document_index[a : a + m], out=lengths)
+        np.cumsum(lengths, out=ends)
         ends += carry
-        last = int(ends[-1]) if len(ends) else carry
+        last = int(ends[-1])
         j_hi = min(num_samples + 1, -(-last // seq_length))  # rows with position < last
         if j_hi > j:
             pos = np.arange(j, j_hi, dtype=np.int64) * seq_length
