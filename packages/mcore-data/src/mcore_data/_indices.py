@@ -163,7 +163,7 @@ def build_sample_index(
         if ordered_lengths is not None:
             lengths[:] = ordered_lengths[a : a + m]
         else:
-            np.take(sizes, document_index[a : a + m], out=lengths)
+            lengths[:] = sizes[document_index[a : a + m]]
         np.cumsum(lengths, out=ends)
         ends += carry
         last = int(ends[-1])
