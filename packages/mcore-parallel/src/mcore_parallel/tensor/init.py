@@ -51,12 +51,15 @@ def init_sharded_(
     init_method: InitMethod,
     seed: int | None,
     padded_rows: int = 0,
+    stride: int = 1,
 ) -> None:
     """Fill ``weight`` (this rank's shard) with its slice of a full weight of ``full_shape``.
 
     The full weight is drawn in float32 on the shard's device and cast, so a bf16 shard equals the bf16 cast of the
     float32 reference. ``padded_rows`` zero rows are appended along dim 0 before sharding (vocabulary padding); they
-    are not drawn from the generator, so padding never changes the real rows.
+    are not drawn from the generator, so padding never changes the real rows. With ``stride`` > 1 the full weight is
+    ``stride`` blocks along ``shard_dim`` (e.g. the gate and up halves of a gated MLP) and the shard is this rank's
+    chunk of every block, concatenated.
     """
     if weight.device.type == "meta":
         return
@@ -70,6 +73,7 @@ def init_sharded_(
         full = torch.cat([full, full.new_zeros((padded_rows, *full_shape[1:]))], dim=0)
     expected = list(full.shape)
     expected[shard_dim] //= world
-    if list(weight.shape) != expected or full.shape[shard_dim] % world:
+    if list(weight.shape) != expected or full.shape[shard_dim] % (world * stride):
         raise ValueError(f"shard shape {tuple(weight.shape)} does not match {tuple(full.shape)} split {world} ways")
-    weight.copy_(full.chunk(world, shard_dim)[rank])
+    blocks = full.chunk(stride, shard_dim)
+    weight.copy_(torch.cat([b.chunk(world, shard_dim)[rank] for b in blocks], dim=shard_dim))

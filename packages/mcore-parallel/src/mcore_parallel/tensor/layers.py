@@ -45,11 +45,17 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def set_tp_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
-    """Mark ``param`` as split along ``partition_dim`` across the TP group."""
+def set_tp_attributes(param: torch.Tensor, partition_dim: int, global_shape: tuple[int, ...], stride: int = 1) -> None:
+    """Mark ``param`` as split along ``partition_dim`` across the TP group.
+
+    ``global_shape`` is the full, unpadded shape (vocabulary padding rows are not part of it); ``stride`` > 1 means
+    the full tensor is ``stride`` blocks along that dimension, each split across the group (a gated MLP's fused
+    input projection).
+    """
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = partition_dim  # type: ignore[attr-defined]
     param.partition_stride = stride  # type: ignore[attr-defined]
+    param.global_shape = tuple(global_shape)  # type: ignore[attr-defined]
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -65,6 +71,10 @@ class ColumnParallelLinear(nn.Module):
 
     ``gather_output`` all-gathers ``Y`` along the last dimension (otherwise the output stays split, ready for a
     :class:`RowParallelLinear`). With ``sequence_parallel`` the input is ``[s / tp, b, h]`` and is all-gathered.
+    ``stride`` > 1 splits each of ``stride`` equal blocks of the output separately (gate and up halves of a gated
+    MLP stay paired on every rank). ``pad_rows`` output rows at the end are padding (zero, never drawn: vocabulary
+    padding of an output layer). ``skip_weight_allocation`` creates no weight: pass ``weight=`` to ``forward``
+    (an output layer tied to the embedding).
     """
 
     def __init__(
@@ -78,31 +88,49 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
         seed: int | None = None,
+        stride: int = 1,
+        pad_rows: int = 0,
+        skip_weight_allocation: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel and gather_output cannot both be set")
+        if pad_rows and stride != 1:
+            raise ValueError("ColumnParallelLinear: pad_rows needs stride=1")
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output = tp, gather_output
         self.sequence_parallel = sequence_parallel and tp.size > 1
-        self.out_per_rank = _divide(out_features, tp.size, "ColumnParallelLinear out_features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
-        set_tp_attributes(self.weight, 0)
-        init_sharded_(self.weight, (out_features, in_features), 0, tp.rank, tp.size, init_method or normal_init(), seed)
+        if out_features % stride:
+            raise ValueError(f"ColumnParallelLinear out_features={out_features} is not divisible by stride={stride}")
+        what = "ColumnParallelLinear out_features" + (f" / stride {stride}" if stride > 1 else "")
+        per_block = _divide(out_features // stride, tp.size, what)
+        self.out_per_rank = per_block * stride
+        real = (out_features - pad_rows, in_features)
+        self.weight: nn.Parameter | None
+        if skip_weight_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
+            set_tp_attributes(self.weight, 0, real, stride)
+            init = init_method or normal_init()
+            init_sharded_(self.weight, real, 0, tp.rank, tp.size, init, seed, pad_rows, stride)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device))
-            set_tp_attributes(self.bias, 0)
+            set_tp_attributes(self.bias, 0, real[:1], stride)
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("ColumnParallelLinear was built with skip_weight_allocation: pass weight= to forward")
         if self.sequence_parallel:
             x = gather_from_sp_region(x, self.tp, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, weight, self.bias)
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -142,7 +170,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.in_per_rank = _divide(in_features, tp.size, "RowParallelLinear in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
-        set_tp_attributes(self.weight, 1)
+        set_tp_attributes(self.weight, 1, (out_features, in_features))
         init_sharded_(self.weight, (out_features, in_features), 1, tp.rank, tp.size, init_method or normal_init(), seed)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
@@ -193,7 +221,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = self.vocab_start + self.rows_per_rank
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, dtype=dtype, device=device))
-        set_tp_attributes(self.weight, 0)
+        set_tp_attributes(self.weight, 0, (num_embeddings, embedding_dim))
         init_sharded_(
             self.weight,
             (num_embeddings, embedding_dim),
