@@ -48,7 +48,7 @@ def shard_info(key: str, tensor: torch.Tensor, tp: Group, like: torch.Tensor | N
     """Describe ``tensor`` (a parameter, or e.g. an optimizer state shaped like parameter ``like``) globally."""
     meta = like if like is not None else tensor
     full = tuple(tensor.shape)
-    if not getattr(meta, "tensor_model_parallel", False) or tp.size == 1 and not hasattr(meta, "global_shape"):
+    if not getattr(meta, "tensor_model_parallel", False):
         everything = tuple(slice(0, n) for n in full)
         return ShardedTensor(key, tensor, full, ((everything, everything),), replica=tp.rank > 0)
     dim: int = meta.partition_dim  # type: ignore[attr-defined]
