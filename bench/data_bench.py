@@ -152,16 +152,20 @@ def bench_preprocess(work: Path) -> list[dict[str, object]]:
 
 
 BUILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 from mcore_data import GPTDataset, GPTDatasetConfig, IndexedDataset
 prefix, cache, ordering = sys.argv[1], sys.argv[2], sys.argv[3]
 ds = IndexedDataset(prefix)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def hwm():  # this process's own peak RSS (ru_maxrss would include the parent's peak from before exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+base = hwm()
 t0 = time.perf_counter()
 g = GPTDataset(ds, GPTDatasetConfig(sequence_length=4096, random_seed=1234, ordering=ordering, cache_dir=cache))
 dt = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = hwm()
 rng = np.random.default_rng(0)
 idx = rng.integers(0, len(g), 2000)
 t1 = time.perf_counter()

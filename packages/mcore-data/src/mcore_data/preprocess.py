@@ -7,6 +7,7 @@ on the number of workers.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -45,7 +46,7 @@ class PreprocessConfig:
     text_unit: str = "file"
     """For plain text files: one document per ``file`` or per ``line``."""
     workers: int = 1
-    """Tokenizer processes; 1 tokenizes in the main process."""
+    """Tokenizer worker processes (the main process reads, parses and writes)."""
     append_eod: bool = True
     """Append the tokenizer's end-of-document token to every document."""
     skip_malformed: bool = False
@@ -78,32 +79,20 @@ class PreprocessSummary:
     dtype: str = ""
 
 
-@dataclass
-class _Result:
-    tokens: npt.NDArray[Any]
-    lengths: npt.NDArray[np.int32]
-    skipped: int
-    blank: int
-    nbytes: int
-    error: str | None = None
-
-
 _TOKENIZER: Tokenizer | None = None
-_OPTS: tuple[str, bool, bool, Any] = ("text", True, False, np.uint16)
+_OPTS: tuple[bool, Any] = (True, np.uint16)
 
 
-def _init_worker(spec: TokenizerSpec, json_key: str, append_eod: bool, skip: bool, dtype: Any) -> None:
+def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any) -> None:
     global _TOKENIZER, _OPTS
     # one tokenizer thread per process: parallelism comes from worker processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _TOKENIZER = build_tokenizer(spec)
-    _OPTS = (json_key, append_eod, skip, dtype)
+    _OPTS = (append_eod, dtype)
 
 
-def _encode_chunk(chunk: Chunk) -> _Result:
-    tok = _TOKENIZER
-    assert tok is not None, "worker not initialised"
-    json_key, append_eod, skip, dtype = _OPTS
+def _parse_chunk(chunk: Chunk, json_key: str, skip: bool) -> tuple[list[str], int, int]:
+    """(texts, skipped, blank) of a chunk; the first malformed unit raises unless ``skip``."""
     texts: list[str] = []
     skipped = blank = 0
     for k, raw in enumerate(chunk.units):
@@ -111,13 +100,21 @@ def _encode_chunk(chunk: Chunk) -> _Result:
             text = parse_unit(chunk.kind, raw, json_key)
         except (ValueError, UnicodeDecodeError) as e:
             if not skip:
-                return _Result(np.zeros(0, dtype), np.zeros(0, np.int32), 0, 0, chunk.nbytes, f"{k}\t{e}")
+                raise InputFormatError(chunk.path, chunk.first_line + k, f"{e} (use --skip-malformed to skip)") from e
             skipped += 1
             continue
         if text is None:
             blank += 1
             continue
         texts.append(text)
+    return texts, skipped, blank
+
+
+def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
+    """(concatenated tokens, per-document lengths) of ``texts`` with the worker's tokenizer."""
+    tok = _TOKENIZER
+    assert tok is not None, "worker not initialised"
+    append_eod, dtype = _OPTS
     eod = tok.eod
     if isinstance(tok, ByteTokenizer):
         encoded = [t.encode("utf-8") for t in texts]
@@ -128,20 +125,15 @@ def _encode_chunk(chunk: Chunk) -> _Result:
             lengths += 1
     else:
         ids = tok.encode_batch(texts)
-        flat: list[int] = []
-        lens: list[int] = []
-        for doc in ids:
-            flat.extend(doc)
-            if append_eod:
-                flat.append(eod)
-            lens.append(len(doc) + append_eod)
-        tokens = np.array(flat, dtype=dtype)
-        lengths = np.array(lens, dtype=np.int32)
+        lengths = np.fromiter((len(d) for d in ids), np.int32, len(ids))
+        if append_eod:
+            for d in ids:
+                d.append(eod)
+            lengths += 1
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
     if not append_eod and len(lengths):  # documents with no token at all are dropped
-        keep = lengths > 0
-        blank += int((~keep).sum())
-        lengths = lengths[keep]
-    return _Result(tokens, lengths, skipped, blank, chunk.nbytes)
+        lengths = lengths[lengths > 0]
+    return tokens, lengths
 
 
 def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | None = None) -> PreprocessSummary:
@@ -153,39 +145,39 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary(files=len(files), dtype=str(dtype))
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes)
-    init_args = (config.tokenizer, config.json_key, config.append_eod, config.skip_malformed, dtype)
+    init_args = (config.tokenizer, config.append_eod, dtype)
 
-    def consume(chunk: Chunk, res: _Result, writer: IndexedDatasetWriter) -> None:
-        if res.error is not None:
-            k, msg = res.error.split("\t", 1)
-            raise InputFormatError(chunk.path, chunk.first_line + int(k), msg + " (use --skip-malformed to skip)")
-        writer.add_documents(res.tokens, res.lengths)
-        summary.documents += len(res.lengths)
-        summary.tokens += int(res.tokens.size)
-        summary.skipped += res.skipped
-        summary.blank += res.blank
-        summary.input_bytes += res.nbytes
+    def consume(head: tuple[int, int, int, int], res: Any, writer: IndexedDatasetWriter) -> None:
+        n_docs_in, skipped, blank, nbytes = head
+        tokens, lengths = res
+        writer.add_documents(tokens, lengths)
+        summary.documents += len(lengths)
+        summary.tokens += int(tokens.size)
+        summary.skipped += skipped
+        summary.blank += blank + n_docs_in - len(lengths)
+        summary.input_bytes += nbytes
         if progress is not None:
-            progress(len(res.lengths), res.nbytes)
+            progress(len(lengths), nbytes)
 
-    with IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite) as writer:
-        if config.workers == 1:
-            _init_worker(*init_args)
-            for chunk in chunks:
-                consume(chunk, _encode_chunk(chunk), writer)
-        else:
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            ctx = mp.get_context(method)
-            with ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool:
-                pending: deque[tuple[Chunk, Any]] = deque()
-                for chunk in chunks:
-                    pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
-                    if len(pending) >= 2 * config.workers + 2:
-                        c, r = pending.popleft()
-                        consume(c, r.get(), writer)
-                while pending:
-                    c, r = pending.popleft()
-                    consume(c, r.get(), writer)
+    # The main process reads and parses (JSON is fast next to tokenizing), workers only tokenize: with --workers N
+    # there are N tokenizer processes plus this one, as in Megatron's preprocess_data.py.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    with (
+        IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite) as writer,
+        ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool,
+    ):
+        pending: deque[tuple[tuple[int, int, int, int], Any]] = deque()
+        for chunk in chunks:
+            texts, skipped, blank = _parse_chunk(chunk, config.json_key, config.skip_malformed)
+            head = (len(texts), skipped, blank, chunk.nbytes)
+            pending.append((head, pool.apply_async(_encode, (texts,))))
+            if len(pending) >= 2 * config.workers + 2:
+                h, r = pending.popleft()
+                consume(h, r.get(), writer)
+        while pending:
+            h, r = pending.popleft()
+            consume(h, r.get(), writer)
     summary.seconds = time.perf_counter() - t0
     logger.info(
         "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
