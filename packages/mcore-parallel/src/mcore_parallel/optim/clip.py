@@ -1,0 +1,49 @@
+"""Global gradient norm, clipping and zero counting across model-parallel (and data-parallel) ranks.
+
+Each rank passes the gradients it *owns for the norm*: replicated parameters (no ``tensor_model_parallel``
+attribute) only on tensor-parallel rank 0, the shared embedding only on the first pipeline stage. The squares are
+summed locally and then over ``group`` (model-parallel ranks, plus data-parallel ranks under the distributed
+optimizer where each holds a disjoint shard), so each element is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mcore_parallel.state import Group
+from mcore_parallel.tensor import _comm
+
+__all__ = ["global_grad_norm", "clip_grads_", "count_zeros"]
+
+
+def _device(grads: list[torch.Tensor]) -> torch.device:
+    return grads[0].device if grads else torch.device("cpu")
+
+
+def global_grad_norm(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> float:
+    """L2 norm over every element of ``grads`` on every rank of ``group`` (float64 accumulation)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device or _device(grads))
+    for g in grads:
+        total += g.detach().double().pow(2).sum()
+    _comm.all_reduce(total, group)
+    return math.sqrt(total.item())
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale ``grads`` in place by ``max_norm / total_norm`` when that is below 1; returns the factor used."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0 and grads:
+        torch._foreach_mul_(grads, coef)
+        return coef
+    return 1.0
+
+
+def count_zeros(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> int:
+    """Number of exactly-zero gradient elements over ``group``."""
+    total = torch.zeros(1, dtype=torch.float64, device=device or _device(grads))
+    for g in grads:
+        total += (g == 0).sum()
+    _comm.all_reduce(total, group)
+    return int(total.item())

@@ -1,0 +1,322 @@
+"""``MixedPrecisionOptimizer``: fp32 master weights, fp16 loss scaling, global clipping, per-parameter state access.
+
+The optimizer steps fp32 *master* tensors: the parameters themselves when they are fp32, fp32 copies when they are
+bf16/fp16 (updated values are cast back after the step). Gradients come from ``param.main_grad`` (DDP's fp32
+buffer) or, for unwrapped modules, ``param.grad``. One step: unscale (fp16) and skip on inf/nan found on any rank,
+global norm over model-parallel ranks, clip, count zeros, the torch optimizer's step (``foreach`` on CPU,
+``fused`` on CUDA), copy back. :class:`~mcore_parallel.optim.distributed.DistributedOptimizer` changes only which
+slice of each parameter this rank owns and how updated values return to the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mcore_parallel.ddp.ddp import DistributedDataParallel
+from mcore_parallel.optim.clip import clip_grads_, count_zeros, global_grad_norm
+from mcore_parallel.optim.config import OptimizerConfig
+from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from mcore_parallel.state import Group, ParallelState
+from mcore_parallel.tensor import _comm
+
+__all__ = ["MixedPrecisionOptimizer", "StepResult", "ParamShardState", "default_no_weight_decay"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and 1-D parameters (norm weights) get no weight decay."""
+    return name.endswith("bias") or param.dim() < 2
+
+
+@dataclass(frozen=True)
+class StepResult:
+    success: bool
+    """False when the step was skipped (inf/nan gradients under fp16 loss scaling)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when skipped)."""
+    num_zeros: int | None
+    """Zero gradient elements over all ranks, each counted once (None when skipped or not logged)."""
+    loss_scale: float | None
+    """The loss scale the gradients were divided by (None without fp16)."""
+
+
+@dataclass(eq=False)
+class _Slot:
+    name: str
+    param: nn.Parameter
+    master: torch.Tensor
+    lo: int
+    hi: int
+    counts_in_norm: bool
+    decay: bool
+
+
+@dataclass
+class ParamShardState:
+    """What this rank holds of one parameter's optimizer state, addressed in the parameter's global shape.
+
+    The local parameter is this tensor-parallel rank's slice along ``partition_dim`` (``None``: replicated); this
+    rank holds elements ``flat_range`` of that slice flattened. ``tensors`` maps ``master``, ``exp_avg``,
+    ``exp_avg_sq`` or ``momentum_buffer`` to 1-D tensors of that range.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    partition_dim: int | None
+    tp_rank: int
+    tp_size: int
+    flat_range: tuple[int, int]
+    step: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def _local(self, global_tensor: torch.Tensor) -> torch.Tensor:
+        if tuple(global_tensor.shape) != self.global_shape:
+            raise ValueError(f"{self.name}: global tensor shape {tuple(global_tensor.shape)} != {self.global_shape}")
+        if self.partition_dim is None:
+            return global_tensor
+        n = self.local_shape[self.partition_dim]
+        return global_tensor.narrow(self.partition_dim, self.tp_rank * n, n)
+
+    def select(self, global_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's 1-D piece of a tensor given in the global shape."""
+        lo, hi = self.flat_range
+        return self._local(global_tensor).reshape(-1)[lo:hi]
+
+    def place(self, global_tensor: torch.Tensor, piece: torch.Tensor) -> None:
+        """Write this rank's 1-D ``piece`` into a tensor of the global shape (assembling a checkpoint)."""
+        local = self._local(global_tensor)
+        flat = local.contiguous().view(-1)
+        flat[self.flat_range[0] : self.flat_range[1]] = piece
+        local.copy_(flat.view(local.shape))
+
+
+def named_trainable_params(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """``(name, param)`` of every chunk (DDP unwrapped); names must be unique across chunks."""
+    out: list[tuple[str, nn.Parameter]] = []
+    seen: set[str] = set()
+    for chunk in chunks:
+        module = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name in seen:
+                raise ValueError(
+                    f"parameter name {name!r} appears in more than one model chunk; give chunks globally unique "
+                    "parameter names (e.g. global layer numbers) so optimizer state can be checkpointed"
+                )
+            seen.add(name)
+            out.append((name, p))
+    return out
+
+
+class MixedPrecisionOptimizer:
+    """Optimizer over ``model_chunks`` (plain modules or DDP-wrapped) with fp32 master weights."""
+
+    def __init__(
+        self,
+        model_chunks: Sequence[nn.Module],
+        state: ParallelState,
+        config: OptimizerConfig | None = None,
+        *,
+        no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay,
+    ) -> None:
+        self.chunks, self.state = list(model_chunks), state
+        self.config = config = config or OptimizerConfig()
+        named = named_trainable_params(self.chunks)
+        if not named:
+            raise ValueError("the model chunks have no trainable parameters")
+        self.fp16 = any(p.dtype == torch.float16 for _, p in named)
+        self.scaler: LossScaler | None = None
+        if self.fp16:
+            self.scaler = (
+                ConstantLossScaler(config.loss_scale)
+                if config.loss_scale is not None
+                else DynamicLossScaler(
+                    config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window, config.hysteresis
+                )
+            )
+        self.slots = self._build_slots(named, no_weight_decay)
+        self.optimizer = _torch_optimizer(self.slots, config, state.device)
+        self._step_count = 0
+
+    # ------------------------------------------------------------------------------------------- layout hooks
+    @property
+    def norm_group(self) -> Group:
+        """Ranks whose gradients are disjoint pieces of the model: tensor x pipeline parallel."""
+        return self.state.mp
+
+    def _counts_in_norm(self, p: torch.Tensor) -> bool:
+        if getattr(p, "shared_embedding", False) and not self.state.is_first_stage:
+            return False
+        return bool(getattr(p, "tensor_model_parallel", False)) or self.state.tp.rank == 0
+
+    def _build_slots(
+        self, named: list[tuple[str, nn.Parameter]], no_wd: Callable[[str, torch.Tensor], bool]
+    ) -> list[_Slot]:
+        slots = []
+        for name, p in named:
+            master = p if p.dtype == torch.float32 else p.detach().float().clone()
+            slots.append(_Slot(name, p, master, 0, p.numel(), self._counts_in_norm(p), not no_wd(name, p)))
+        return slots
+
+    def _grad_of(self, s: _Slot) -> torch.Tensor | None:
+        g = getattr(s.param, "main_grad", None)
+        g = s.param.grad if g is None else g
+        if g is None:
+            return None
+        return g.float().view(s.master.shape) if s.lo == 0 and s.hi == s.param.numel() else g.reshape(-1)[s.lo : s.hi]
+
+    @torch.no_grad()
+    def _copy_to_model(self) -> None:
+        for s in self.slots:
+            if s.master is not s.param:
+                s.param.data.copy_(s.master)
+
+    # ------------------------------------------------------------------------------------------- public API
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply the loss by the fp16 loss scale (identity otherwise); pass as the schedule's grad_scale_func."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [] if self.optimizer is None else self.optimizer.param_groups
+
+    def master_params(self) -> list[torch.Tensor]:
+        return [s.master for s in self.slots]
+
+    def zero_grad(self) -> None:
+        """Zero DDP gradient buffers (or drop ``.grad`` of plain modules) of every chunk."""
+        for chunk in self.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.zero_grad_buffer()
+            else:
+                for p in chunk.parameters():
+                    p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, check, clip and apply the gradients; copy the new weights to the model."""
+        owned = [(s, self._grad_of(s)) for s in self.slots]
+        grads = [g for _, g in owned if g is not None]
+        counted = [g for s, g in owned if g is not None and s.counts_in_norm]
+        try:
+            scale = None
+            if self.scaler is not None:
+                scale = self.scaler.scale
+                if grads:
+                    torch._foreach_mul_(grads, 1.0 / scale)
+                found = torch.zeros(1, dtype=torch.float32, device=self.state.device)
+                for g in grads:
+                    found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+                _comm.all_reduce(found, self.state.world, op=dist.ReduceOp.MAX)
+                self.scaler.update(bool(found.item()))
+                if found.item():
+                    logger.warning("step skipped: inf/nan gradients (loss scale was %g)", scale)
+                    return StepResult(False, None, None, scale)
+            norm = global_grad_norm(counted, self.norm_group, self.state.device)
+            if self.config.clip_grad > 0:
+                clip_grads_(grads, self.config.clip_grad, norm)
+            zeros = (
+                count_zeros(counted, self.norm_group, self.state.device) if self.config.log_num_zeros_in_grad else None
+            )
+            for slot, grad in owned:
+                if grad is not None:
+                    slot.master.grad = grad.view(slot.master.shape)
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self._copy_to_model()
+            self._step_count += 1
+            return StepResult(True, norm, zeros, scale)
+        finally:
+            for s in self.slots:
+                s.master.grad = None
+
+    # ------------------------------------------------------------------------------------------- state
+    def sharded_state(self) -> Iterator[ParamShardState]:
+        """Per parameter: its global shape and this rank's flat range of master weights and optimizer moments."""
+        tp = self.state.tp
+        for s in self.slots:
+            p = s.param
+            dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+            global_shape = list(p.shape)
+            if dim is not None:
+                global_shape[dim] *= tp.size
+            st = {} if self.optimizer is None else self.optimizer.state.get(s.master, {})
+            step = st.get("step", 0)
+            entry = ParamShardState(
+                s.name, tuple(global_shape), tuple(p.shape), dim, tp.rank, tp.size, (s.lo, s.hi),
+                int(step.item() if isinstance(step, torch.Tensor) else step),
+            )  # fmt: skip
+            entry.tensors["master"] = s.master.detach().reshape(-1)
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.numel() == s.master.numel() and value.dim() > 0:
+                    entry.tensors[key] = value.reshape(-1)
+            yield entry
+
+    @torch.no_grad()
+    def load_sharded_state(self, global_tensors: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
+        """Load master weights and moments given per parameter name in the global (unsharded) shape.
+
+        Any tp/pp/dp layout can load what any other saved: each rank selects its own piece. The model parameters
+        are updated from the loaded master weights.
+        """
+        if self.optimizer is None:
+            return
+        for entry in self.sharded_state():
+            if entry.name not in global_tensors:
+                raise KeyError(f"no saved optimizer state for parameter {entry.name!r}")
+            saved = global_tensors[entry.name]
+            slot = next(s for s in self.slots if s.name == entry.name)
+            slot.master.view(-1).copy_(entry.select(saved["master"]).to(slot.master.device))
+            st = self.optimizer.state[slot.master]
+            for key, value in saved.items():
+                if key != "master":
+                    st[key] = entry.select(value).to(slot.master).reshape(slot.master.shape).clone()
+            if len(saved) > 1:
+                fused = slot.master.is_cuda
+                st["step"] = torch.tensor(
+                    float(step), dtype=torch.float32, device=slot.master.device if fused else "cpu"
+                )
+        self._step_count = step
+        self._copy_to_model()
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.optimizer is not None and sd.get("optimizer") is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        if self.scaler is not None and sd.get("scaler") is not None:
+            self.scaler.load_state_dict(sd["scaler"])
+
+
+def _torch_optimizer(slots: list[_Slot], config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer | None:
+    decay = [s.master for s in slots if s.decay]
+    no_decay = [s.master for s in slots if not s.decay]
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
+    if not groups:
+        return None
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **kernel
+        )
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, **kernel)
