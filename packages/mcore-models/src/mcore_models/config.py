@@ -1,0 +1,205 @@
+"""``TransformerConfig``: the validated description of a GPT-style decoder.
+
+Every field has a default and a one-line doc. :meth:`TransformerConfig.validate` (called on construction) checks
+every field and every cross-field rule and raises one :class:`~mcore_models.errors.ConfigError` listing all the
+problems. Checks that depend on the tensor-parallel size live in :meth:`check_parallel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_models.errors import ConfigError
+
+__all__ = ["TransformerConfig", "RopeScaling", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned_absolute", "rope", "none")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-style decoder-only transformer."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model (residual stream) width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); ``None`` = one per query head (MHA); 1 = MQA."""
+    kv_channels: int | None = None
+    """Per-head dimension; ``None`` = hidden_size / num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; ``None`` = 4 * hidden_size."""
+    activation: str = "gelu"
+    """MLP activation: gelu (exact), gelu_tanh (GPT-2's), swiglu (gated SiLU, Llama), squared_relu."""
+    normalization: str = "layernorm"
+    """layernorm or rmsnorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of every normalisation."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (GPT-2: yes, Llama: no)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even when add_bias_linear is off (Qwen-2 style)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before attention."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on the attention and MLP outputs before each residual add, and on the embeddings."""
+    position_embedding: str = "learned_absolute"
+    """learned_absolute (GPT-2), rope (Llama) or none."""
+    max_position_embeddings: int = 2048
+    """Longest sequence (size of the learned position table; RoPE tables are built on demand)."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that are rotated."""
+    rope_scaling: RopeScaling | None = None
+    """Llama-3 style frequency scaling, or None."""
+    vocab_size: int = 256
+    """True vocabulary size (the embedding is padded beyond it for TP)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the TP size."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the input embedding."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation."""
+    scaled_output_init: bool = True
+    """Initialise output projections (attention proj, MLP fc2) with std / sqrt(2 * num_layers)."""
+    params_dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (core attention only) or full (whole layers)."""
+    recompute_num_layers: int | None = None
+    """With full recompute, how many layers of each stage are recomputed (None = all)."""
+    seed: int = 1234
+    """Base seed of the initialisation (each parameter draws from a seed derived from it and its name)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form metadata carried along (e.g. the architecture name); not used by the model."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # accept the plain mapping a YAML file or HF config gives
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def query_groups(self) -> int:
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.params_dtype]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def problems(self, tp_size: int = 1) -> list[str]:
+        """Every problem with this config (empty when valid) for a tensor-parallel size."""
+        p: list[str] = []
+
+        def positive(name: str) -> bool:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                p.append(f"{name}={v!r} must be a positive integer")
+                return False
+            return True
+
+        ok = all([positive(n) for n in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")])
+        for n in ("num_query_groups", "kv_channels", "ffn_hidden_size", "recompute_num_layers"):
+            ok = positive(n) and ok
+        positive("make_vocab_size_divisible_by")
+        positive("max_position_embeddings")
+        for name, allowed in (
+            ("activation", ACTIVATIONS),
+            ("normalization", NORMS),
+            ("position_embedding", POSITIONS),
+            ("recompute", RECOMPUTE),
+            ("params_dtype", tuple(DTYPES)),
+        ):
+            if getattr(self, name) not in allowed:
+                p.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                p.append(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            p.append(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.norm_eps <= 0:
+            p.append(f"norm_eps={self.norm_eps} must be positive")
+        if self.init_method_std <= 0:
+            p.append(f"init_method_std={self.init_method_std} must be positive")
+        if self.rope_scaling is not None and self.position_embedding != "rope":
+            p.append("rope_scaling is set but position_embedding is not 'rope'")
+        if not ok:
+            return p
+        heads, groups = self.num_attention_heads, self.query_groups
+        if self.kv_channels is None and self.hidden_size % heads:
+            p.append(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
+                "change one of them or set kv_channels explicitly"
+            )
+        if heads % groups:
+            p.append(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
+        if self.position_embedding == "rope":
+            rot = int(self.head_dim * self.rotary_percent)
+            if rot % 2:
+                p.append(f"rotary dimension head_dim*rotary_percent = {rot} must be even")
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            p.append(f"recompute_num_layers={self.recompute_num_layers} needs recompute='full'")
+        if tp_size > 1:
+            if heads % tp_size:
+                p.append(f"num_attention_heads={heads} is not divisible by the tensor-parallel size {tp_size}")
+            if groups % tp_size:
+                p.append(
+                    f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}; "
+                    f"use tp <= {groups} that divides it"
+                )
+            if self.ffn_size % tp_size:
+                p.append(f"ffn_hidden_size={self.ffn_size} is not divisible by the tensor-parallel size {tp_size}")
+        return p
+
+    def check_parallel(self, tp_size: int) -> None:
+        """Raise one ConfigError listing every problem of this config under ``tp_size``."""
+        problems = self.problems(tp_size)
+        if problems:
+            raise ConfigError(problems, header=f"TransformerConfig does not work with tensor parallelism {tp_size}")

@@ -1,0 +1,211 @@
+"""``GPTModel``: embedding → transformer layers → final norm → output layer → loss or logits.
+
+One class serves every pipeline stage: ``pre_process`` builds the embedding (first stage), ``post_process`` the final
+norm and output layer (last stage), and ``layers`` says which global layer numbers this stage holds. Parameter names
+use global layer numbers (``decoder.layers.7.mlp.linear_fc1.weight``), so they do not change with TP or PP, and each
+parameter is drawn from a seed derived from its name, so the unsharded weights do not depend on the layout either.
+On a stage without ``pre_process`` the input hidden states come from :meth:`set_input_tensor` (the pipeline schedule
+calls it). Activations inside are ``[sequence, batch, hidden]``; inputs and outputs are batch-first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mcore_models.config import TransformerConfig
+from mcore_models.embedding import LanguageModelEmbedding
+from mcore_models.spec import LayerSpec, default_spec
+from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.rope import RotaryEmbedding
+from mcore_parallel import Group, ShardedTensor, shard_info
+from mcore_parallel.tensor import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    gather_from_tp_region,
+    normal_init,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["GPTModel"]
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+class GPTModel(nn.Module):
+    """A GPT-style decoder (GPT-2 and Llama families), tensor/sequence-parallel and pipeline-stage aware."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        tp: Group | None = None,
+        sequence_parallel: bool = False,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layers: range | None = None,
+        spec: LayerSpec | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp or Group.single("tp")
+        config.check_parallel(tp.size)
+        layers = range(config.num_layers) if layers is None else layers
+        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
+            raise ValueError(f"layers={layers} must be a contiguous range inside [0, {config.num_layers})")
+        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        self.layer_numbers = layers
+        self.ctx = ModelContext(tp, sequence_parallel and tp.size > 1, rng_tracker, device, config.seed)
+        spec = spec or default_spec()
+        self.padded_vocab_size = padded_vocab_size(config.vocab_size, tp.size, config.make_vocab_size_divisible_by)
+        self.input_tensor: torch.Tensor | None = None
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.ctx)
+        self.rotary: RotaryEmbedding | None = None
+        if config.position_embedding == "rope":
+            rot = int(config.head_dim * config.rotary_percent)
+            self.rotary = RotaryEmbedding(rot, config.rotary_base, config.rope_scaling, device)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict(
+            {str(i): spec.layer(config, self.ctx, spec, i, f"decoder.layers.{i}") for i in layers}
+        )
+        if post_process:
+            self.decoder.final_layernorm = spec.norm(config, config.hidden_size, device, self.ctx.sequence_parallel)
+            tied = config.share_embeddings_and_output_weights
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                self.padded_vocab_size,
+                tp=tp,
+                bias=False,
+                sequence_parallel=self.ctx.sequence_parallel,
+                pad_rows=self.padded_vocab_size - config.vocab_size,
+                skip_weight_allocation=tied and pre_process,
+                init_method=normal_init(config.init_method_std),
+                seed=self.ctx.seed_for(EMBEDDING_KEY if tied else "output_layer.weight"),
+                dtype=config.dtype,
+                device=device,
+            )
+            if tied and not pre_process:  # a copy of the first stage's embedding, kept in sync by the runtime
+                self.output_layer.weight.shared_embedding = True  # type: ignore[union-attr]
+        if pre_process and not post_process and config.share_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
+        self._full_recompute = self._recompute_set(config)
+
+    def _recompute_set(self, config: TransformerConfig) -> set[int]:
+        if config.recompute != "full":
+            return set()
+        n = len(self.layer_numbers) if config.recompute_num_layers is None else config.recompute_num_layers
+        return set(list(self.layer_numbers)[:n])
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
+        self.input_tensor = tensor
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        gather_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run this stage.
+
+        ``input_ids``, ``position_ids``, ``labels``: ``[b, s]``. Returns, on the last stage, the per-token loss
+        ``[b, s]`` (float32) when ``labels`` are given, else logits ``[b, s, vocab / tp]`` (``[b, s, vocab]`` with
+        ``gather_logits``); on other stages the hidden states ``[s (/ tp), b, hidden]`` for the next stage.
+        """
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage needs input_ids")
+            s = input_ids.shape[1]
+            pos = self._positions(position_ids, s, input_ids.device)
+            hidden = self.embedding(input_ids.t(), pos)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("set_input_tensor() was not called on a stage without pre_process")
+            hidden = self.input_tensor
+            s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
+            pos = self._positions(position_ids, s, hidden.device)
+        rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
+        for key, layer in self.decoder.layers.items():
+            if int(key) in self._full_recompute and self.training:
+                hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
+            else:
+                hidden = layer(hidden, rotary)
+        if not self.post_process:
+            return hidden
+        hidden = self.decoder.final_layernorm(hidden)
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
+        if labels is None:
+            if gather_logits:
+                logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, vocab_size=self.config.vocab_size)
+        return loss.t()
+
+    def _positions(self, position_ids: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor:
+        if position_ids is None:
+            return torch.arange(s, device=device)[:, None]
+        return position_ids.t()
+
+    # ---------------------------------------------------------------------------------------- state handling
+    def sharded_state_dict(self) -> dict[str, ShardedTensor]:
+        """Every parameter as its piece of the global (unsharded, unpadded) tensor, keyed by a stable name.
+
+        A last stage's copy of a tied embedding is listed under the embedding's key as a replica.
+        """
+        out: dict[str, ShardedTensor] = {}
+        for name, param in self.named_parameters():
+            if getattr(param, "shared_embedding", False) and name == "output_layer.weight":
+                info = shard_info(EMBEDDING_KEY, param, self.ctx.tp)
+                out[f"{EMBEDDING_KEY}@output"] = ShardedTensor(
+                    EMBEDDING_KEY, info.local, info.global_shape, info.pieces, replica=True
+                )
+                continue
+            out[name] = shard_info(name, param, self.ctx.tp)
+        return out
+
+    def load_global_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this rank's pieces from global tensors (e.g. a converted Hugging Face state dict)."""
+        mine = self.sharded_state_dict()
+        wanted = {info.key for info in mine.values()}
+        missing = sorted(wanted - set(state))
+        unexpected = sorted(set(state) - wanted)
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for info in mine.values():
+            if info.key in state:
+                info.load_from(state[info.key].to(info.local.device))
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gather every parameter of this stage into its global tensor (all TP ranks must call; small models)."""
+        out = {}
+        for info in self.sharded_state_dict().values():
+            if info.key in out:
+                continue
+            full = torch.zeros(info.global_shape, dtype=info.local.dtype, device=info.local.device)
+            info.scatter_into(full)
+            if self.ctx.tp.size > 1 and not info.replica and _is_split(info):
+                torch.distributed.all_reduce(full, group=self.ctx.tp.pg)
+            out[info.key] = full
+        return out
+
+
+class _LayerCall:
+    """``layer(hidden, (cos, sin))`` with the rotary tables as separate tensors, as checkpointing needs."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, hidden: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, (rotary[0], rotary[1]) if rotary else None)
+
+
+def _is_split(info: ShardedTensor) -> bool:
+    return any(g != tuple(slice(0, n) for n in info.global_shape) for _, g in info.pieces) or not info.pieces

@@ -1,0 +1,1 @@
+"""Transformer building blocks: attention, MLP, norms, RoPE and the layer."""

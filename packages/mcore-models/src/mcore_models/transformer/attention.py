@@ -1,0 +1,115 @@
+"""Self-attention: fused QKV projection in Megatron's grouped layout, RoPE, GQA, causal SDPA, output projection.
+
+The fused QKV weight is ``[(heads + 2 * groups) * head_dim, hidden]`` laid out group by group: for each key/value
+group, its query heads, then its key head, then its value head. Splitting it into equal row chunks gives each TP
+rank whole groups, so no communication is needed inside attention.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcore_models.config import TransformerConfig
+from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.norm import build_norm
+from mcore_models.transformer.rope import apply_rotary
+from mcore_parallel.tensor import normal_init, scaled_normal_init
+
+if TYPE_CHECKING:
+    from mcore_models.spec import LayerSpec
+
+__all__ = ["SelfAttention", "SDPACoreAttention"]
+
+_TORCH_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class SDPACoreAttention(nn.Module):
+    """Causal scaled-dot-product attention over ``[s, b, heads, d]`` queries and ``[s, b, groups, d]`` keys/values.
+
+    Uses ``F.scaled_dot_product_attention`` (flash / cuDNN / memory-efficient kernels on GPU) with native GQA when
+    the installed torch has it.
+    """
+
+    def __init__(self, config: TransformerConfig, ctx: ModelContext) -> None:
+        super().__init__()
+        self.dropout, self.ctx = config.attention_dropout, ctx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b, heads, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.dropout if self.training else 0.0
+        kwargs = {}
+        if k.shape[1] != heads:
+            if _TORCH_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(heads // k.shape[1], dim=1)
+                v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        with self.ctx.model_parallel_rng() if p > 0 else nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **kwargs)
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self, config: TransformerConfig, ctx: ModelContext, spec: LayerSpec, prefix: str, selective_recompute: bool
+    ) -> None:
+        super().__init__()
+        tp = ctx.tp
+        self.ctx, self.selective_recompute = ctx, selective_recompute
+        self.heads = config.num_attention_heads // tp.size
+        self.groups = config.query_groups // tp.size
+        self.head_dim = config.head_dim
+        qkv_out = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
+        common = dict(tp=tp, sequence_parallel=ctx.sequence_parallel, dtype=config.dtype, device=ctx.device)
+        self.linear_qkv = spec.column_linear(
+            config.hidden_size,
+            qkv_out,
+            bias=config.qkv_bias,
+            init_method=normal_init(config.init_method_std),
+            seed=ctx.seed_for(f"{prefix}.linear_qkv.weight"),
+            **common,
+        )
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, self.head_dim, ctx.device)
+            self.k_layernorm = build_norm(config, self.head_dim, ctx.device)
+        else:
+            self.q_layernorm = self.k_layernorm = None  # type: ignore[assignment]
+        self.core_attention = spec.core_attention(config, ctx)
+        out_init = (
+            scaled_normal_init(config.init_method_std, config.num_layers)
+            if config.scaled_output_init
+            else normal_init(config.init_method_std)
+        )
+        self.linear_proj = spec.row_linear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=out_init,
+            seed=ctx.seed_for(f"{prefix}.linear_proj.weight"),
+            **common,
+        )
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        per_group = self.heads // self.groups
+        qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.selective_recompute and self.training:
+            out = self.ctx.recompute(self.core_attention, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out)

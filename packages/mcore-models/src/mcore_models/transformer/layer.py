@@ -1,0 +1,44 @@
+"""A pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)), with dropout before each add."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcore_models.config import TransformerConfig
+from mcore_models.transformer.context import ModelContext
+
+if TYPE_CHECKING:
+    from mcore_models.spec import LayerSpec
+
+__all__ = ["TransformerLayer"]
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self, config: TransformerConfig, ctx: ModelContext, spec: LayerSpec, layer_number: int, prefix: str
+    ) -> None:
+        super().__init__()
+        self.layer_number, self.ctx = layer_number, ctx
+        self.hidden_dropout = config.hidden_dropout
+        sp = ctx.sequence_parallel
+        self.input_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
+        self.self_attention = spec.attention(
+            config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute == "selective"
+        )
+        self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
+        self.mlp = spec.mlp(config, ctx, spec, f"{prefix}.mlp")
+
+    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.hidden_dropout > 0 and self.training:
+            with self.ctx.sp_region_rng():
+                x = F.dropout(x, self.hidden_dropout, training=True)
+        return residual + x
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary), x)
+        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+
