@@ -22,6 +22,7 @@ from mcore_parallel.ddp.ddp import DistributedDataParallel
 from mcore_parallel.optim.clip import clip_grads_, count_zeros, global_grad_norm
 from mcore_parallel.optim.config import OptimizerConfig
 from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from mcore_parallel.sharding import ShardedTensor, shard_info
 from mcore_parallel.state import Group, ParallelState
 from mcore_parallel.tensor import _comm
 
@@ -62,40 +63,38 @@ class _Slot:
 class ParamShardState:
     """What this rank holds of one parameter's optimizer state, addressed in the parameter's global shape.
 
-    The local parameter is this tensor-parallel rank's slice along ``partition_dim`` (``None``: replicated); this
-    rank holds elements ``flat_range`` of that slice flattened. ``tensors`` maps ``master``, ``exp_avg``,
-    ``exp_avg_sq`` or ``momentum_buffer`` to 1-D tensors of that range.
+    The local parameter (``local_shape``) is this tensor-parallel rank's piece of the global (unsharded,
+    unpadded) tensor, as described by :func:`mcore_parallel.sharding.shard_info`; this rank holds elements
+    ``flat_range`` of the local parameter flattened. ``tensors`` maps ``master``, ``exp_avg``, ``exp_avg_sq`` or
+    ``momentum_buffer`` to 1-D tensors of that range. :meth:`select` and :meth:`place` convert between global
+    tensors and this rank's piece, so a checkpoint can be resharded to any tp/pp/dp layout.
     """
 
     name: str
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    partition_dim: int | None
-    tp_rank: int
-    tp_size: int
     flat_range: tuple[int, int]
     step: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    param: torch.Tensor | None = field(default=None, repr=False)
+    tp: Group | None = field(default=None, repr=False)
 
-    def _local(self, global_tensor: torch.Tensor) -> torch.Tensor:
-        if tuple(global_tensor.shape) != self.global_shape:
-            raise ValueError(f"{self.name}: global tensor shape {tuple(global_tensor.shape)} != {self.global_shape}")
-        if self.partition_dim is None:
-            return global_tensor
-        n = self.local_shape[self.partition_dim]
-        return global_tensor.narrow(self.partition_dim, self.tp_rank * n, n)
+    def _info(self, local: torch.Tensor) -> ShardedTensor:
+        return shard_info(self.name, local, self.tp or Group.single(), like=self.param)
 
     def select(self, global_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's 1-D piece of a tensor given in the global shape."""
-        lo, hi = self.flat_range
-        return self._local(global_tensor).reshape(-1)[lo:hi]
+        local = torch.zeros(self.local_shape, dtype=global_tensor.dtype, device=global_tensor.device)
+        self._info(local).load_from(global_tensor)
+        return local.reshape(-1)[self.flat_range[0] : self.flat_range[1]]
 
     def place(self, global_tensor: torch.Tensor, piece: torch.Tensor) -> None:
         """Write this rank's 1-D ``piece`` into a tensor of the global shape (assembling a checkpoint)."""
-        local = self._local(global_tensor)
-        flat = local.contiguous().view(-1)
-        flat[self.flat_range[0] : self.flat_range[1]] = piece
-        local.copy_(flat.view(local.shape))
+        local = torch.zeros(self.local_shape, dtype=global_tensor.dtype, device=global_tensor.device)
+        info = self._info(local)
+        info.load_from(global_tensor)
+        local.view(-1)[self.flat_range[0] : self.flat_range[1]] = piece.to(local)
+        info.scatter_into(global_tensor)
 
 
 def named_trainable_params(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -242,19 +241,18 @@ class MixedPrecisionOptimizer:
     # ------------------------------------------------------------------------------------------- state
     def sharded_state(self) -> Iterator[ParamShardState]:
         """Per parameter: its global shape and this rank's flat range of master weights and optimizer moments."""
-        tp = self.state.tp
         for s in self.slots:
-            p = s.param
-            dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
-            global_shape = list(p.shape)
-            if dim is not None:
-                global_shape[dim] *= tp.size
             st = {} if self.optimizer is None else self.optimizer.state.get(s.master, {})
             step = st.get("step", 0)
             entry = ParamShardState(
-                s.name, tuple(global_shape), tuple(p.shape), dim, tp.rank, tp.size, (s.lo, s.hi),
+                s.name,
+                shard_info(s.name, s.param, self.state.tp).global_shape,
+                tuple(s.param.shape),
+                (s.lo, s.hi),
                 int(step.item() if isinstance(step, torch.Tensor) else step),
-            )  # fmt: skip
+                param=s.param,
+                tp=self.state.tp,
+            )
             entry.tensors["master"] = s.master.detach().reshape(-1)
             for key, value in st.items():
                 if isinstance(value, torch.Tensor) and value.numel() == s.master.numel() and value.dim() > 0:
