@@ -31,6 +31,17 @@ def description_text(description: dict[str, Any]) -> str:
     return json.dumps(description, indent=4)
 
 
+def _write_npy(f: Any, arr: npt.NDArray[Any], chunk: int = 1 << 22) -> None:
+    """``numpy.save`` of a 1-D or 2-D array, copying a strided one in chunks (no full-size temporary)."""
+    header = {"descr": np.lib.format.dtype_to_descr(arr.dtype), "fortran_order": False, "shape": arr.shape}
+    np.lib.format.write_array_header_1_0(f, header)
+    if arr.flags.c_contiguous:
+        f.write(np.ascontiguousarray(arr).data)
+        return
+    for lo in range(0, arr.shape[0], chunk):
+        f.write(np.ascontiguousarray(arr[lo : lo + chunk]).tobytes())
+
+
 class IndexCache:
     """One cached set of arrays in ``directory`` for ``description``."""
 
@@ -79,7 +90,7 @@ class IndexCache:
         for name, arr in arrays.items():
             tmp = temporary_path(self.path(name))
             with open(tmp, "wb") as f:
-                np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
+                _write_npy(f, arr)
             os.replace(tmp, self.path(name))
         tmp = temporary_path(self.description_path)
         tmp.write_text(self.text, encoding="utf-8")

@@ -85,11 +85,14 @@ def _prefix(path_prefix: str | os.PathLike[str]) -> str:
     return p
 
 
-def _map(path: str, size: int) -> mmap.mmap | bytes:
+def _map(path: str, size: int, random_access: bool = False) -> mmap.mmap | bytes:
     if size == 0:
         return b""
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if random_access and hasattr(m, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        m.madvise(mmap.MADV_RANDOM)  # samples are read at random: no readahead of megabytes around each one
+    return m
 
 
 class IndexedDataset:
@@ -166,7 +169,7 @@ class IndexedDataset:
             )
         if bin_size % itemsize:
             raise IndexFormatError(self.bin_path, f".bin size {bin_size} is not a multiple of {itemsize}")
-        self._bin_buf = _map(self.bin_path, bin_size)
+        self._bin_buf = _map(self.bin_path, bin_size, random_access=True)
         self.tokens: npt.NDArray[Any] = np.frombuffer(self._bin_buf, dtype=self.dtype)
 
     # -- sizes ---------------------------------------------------------------------------------------------
