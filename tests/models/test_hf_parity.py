@@ -61,7 +61,9 @@ def _compare(config: TransformerConfig) -> None:
     # and back: mcore -> HF reproduces every HF tensor (and nothing else)
     ours = model.global_state_dict()
     back = dict(mcore_to_hf(config, lambda k: ours[k]))
-    expected = {k: v for k, v in hf_sd.items() if not (k == "lm_head.weight" and config.share_embeddings_and_output_weights)}
+    expected = {
+        k: v for k, v in hf_sd.items() if not (k == "lm_head.weight" and config.share_embeddings_and_output_weights)
+    }
     expected = {k: v for k, v in expected.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     assert set(back) == set(expected)
     for k, v in expected.items():
@@ -74,8 +76,15 @@ def _compare(config: TransformerConfig) -> None:
         llama(),
         llama(num_query_groups=4),
         llama(num_query_groups=1, share_embeddings_and_output_weights=True),
-        llama(rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 16}, rotary_base=500000.0),  # fmt: skip
+        llama(
+            rope_scaling={
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            rotary_base=500000.0,
+        ),
         llama(kv_channels=16),
     ],
     ids=["gqa-untied", "mha-untied", "mqa-tied", "llama3-rope-scaling", "headdim16"],

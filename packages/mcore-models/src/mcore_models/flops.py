@@ -30,7 +30,9 @@ def num_parameters(config: TransformerConfig, *, tp_size: int = 1, include_paddi
     mlp = h * fc1_out + fc1_out * int(bias) + f * h + h * int(bias)
     qk = 2 * head_norm if c.qk_layernorm else 0
     per_layer = 2 * norm + qkv + proj + mlp + qk
-    vocab = padded_vocab_size(c.vocab_size, tp_size, c.make_vocab_size_divisible_by) if include_padding else c.vocab_size
+    vocab = (
+        padded_vocab_size(c.vocab_size, tp_size, c.make_vocab_size_divisible_by) if include_padding else c.vocab_size
+    )
     embed = vocab * h
     positions = c.max_position_embeddings * h if c.position_embedding == "learned_absolute" else 0
     output = 0 if c.share_embeddings_and_output_weights else vocab * h

@@ -68,12 +68,11 @@ class GPTModel(nn.Module):
         if config.position_embedding == "rope":
             rot = int(config.head_dim * config.rotary_percent)
             self.rotary = RotaryEmbedding(rot, config.rotary_base, config.rope_scaling, device)
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict(
-            {str(i): spec.layer(config, self.ctx, spec, i, f"decoder.layers.{i}") for i in layers}
+        self.decoder = TransformerBlock(
+            {str(i): spec.layer(config, self.ctx, spec, i, f"decoder.layers.{i}") for i in layers},
+            spec.norm(config, config.hidden_size, device, self.ctx.sequence_parallel) if post_process else None,
         )
         if post_process:
-            self.decoder.final_layernorm = spec.norm(config, config.hidden_size, device, self.ctx.sequence_parallel)
             tied = config.share_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -139,6 +138,7 @@ class GPTModel(nn.Module):
                 hidden = layer(hidden, rotary)
         if not self.post_process:
             return hidden
+        assert self.decoder.final_layernorm is not None
         hidden = self.decoder.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
@@ -195,6 +195,15 @@ class GPTModel(nn.Module):
                 torch.distributed.all_reduce(full, group=self.ctx.tp.pg)
             out[info.key] = full
         return out
+
+
+class TransformerBlock(nn.Module):
+    """This stage's layers, keyed by global layer number, and (on the last stage) the final norm."""
+
+    def __init__(self, layers: dict[str, nn.Module], final_layernorm: nn.Module | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+        self.final_layernorm = final_layernorm
 
 
 class _LayerCall:

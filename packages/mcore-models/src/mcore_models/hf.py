@@ -116,7 +116,9 @@ def llama_config_from_hf(hf: dict[str, Any], **overrides: Any) -> TransformerCon
     for flag in ("mlp_bias", "attention_bias"):
         if hf.get(flag, False):
             raise ConversionError(f"{flag}=True is not supported (mcore's Llama layout has no such biases)")
-    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") if "rope_type" in (hf.get("rope_parameters") or {}) else None)
+    scaling = hf.get("rope_scaling") or (
+        hf.get("rope_parameters") if "rope_type" in (hf.get("rope_parameters") or {}) else None
+    )
     rope = None
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         if scaling.get("rope_type", scaling.get("type")) != "llama3":
@@ -283,10 +285,13 @@ def hf_to_mcore(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
             for mk, hk in _layer_map_llama(c, i):
                 yield mk, get(hk)
             m, h = f"decoder.layers.{i}", f"model.layers.{i}.self_attn"
-            qkv = [get(f"{h}.{p}_proj.weight") for p in "qkv"]
-            yield f"{m}.self_attention.linear_qkv.weight", _fuse_qkv(*qkv, c)
+            q, k, v = (get(f"{h}.{p}_proj.weight") for p in "qkv")
+            yield f"{m}.self_attention.linear_qkv.weight", _fuse_qkv(q, k, v, c)
             mlp = f"model.layers.{i}.mlp"
-            yield f"{m}.mlp.linear_fc1.weight", torch.cat([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")])
+            yield (
+                f"{m}.mlp.linear_fc1.weight",
+                torch.cat([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")]),
+            )
         yield "decoder.final_layernorm.weight", get("model.norm.weight")
         if not c.share_embeddings_and_output_weights:
             yield "output_layer.weight", get("lm_head.weight")
@@ -299,9 +304,10 @@ def hf_to_mcore(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
         for mk, hk in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
             yield f"{m}.{mk}.weight", get(f"{h}.{hk}.weight")
             yield f"{m}.{mk}.bias", get(f"{h}.{hk}.bias")
-        w = get(f"{h}.attn.c_attn.weight").t()
-        yield f"{m}.self_attention.linear_qkv.weight", _fuse_qkv(*w.split(h_size, dim=0), c).contiguous()
-        yield f"{m}.self_attention.linear_qkv.bias", _fuse_qkv(*get(f"{h}.attn.c_attn.bias").split(h_size), c)
+        q, k, v = get(f"{h}.attn.c_attn.weight").t().split(h_size, dim=0)
+        yield f"{m}.self_attention.linear_qkv.weight", _fuse_qkv(q, k, v, c).contiguous()
+        qb, kb, vb = get(f"{h}.attn.c_attn.bias").split(h_size)
+        yield f"{m}.self_attention.linear_qkv.bias", _fuse_qkv(qb, kb, vb, c)
         yield f"{m}.self_attention.linear_proj.weight", get(f"{h}.attn.c_proj.weight").t().contiguous()
         yield f"{m}.self_attention.linear_proj.bias", get(f"{h}.attn.c_proj.bias")
         yield f"{m}.mlp.linear_fc1.weight", get(f"{h}.mlp.c_fc.weight").t().contiguous()

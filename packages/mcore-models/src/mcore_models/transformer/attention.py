@@ -8,7 +8,7 @@ rank whole groups, so no communication is needed inside attention.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class SDPACoreAttention(nn.Module):
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.dropout if self.training else 0.0
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if k.shape[1] != heads:
             if _TORCH_GQA:
                 kwargs["enable_gqa"] = True
@@ -76,8 +76,10 @@ class SelfAttention(nn.Module):
             **common,
         )
         if config.qk_layernorm:
-            self.q_layernorm = build_norm(config, self.head_dim, ctx.device)
-            self.k_layernorm = build_norm(config, self.head_dim, ctx.device)
+            # each TP rank normalises only its own heads, so these replicated weights get partial gradients:
+            # mark them like sequence-parallel parameters, whose gradients are summed over the TP group
+            self.q_layernorm = build_norm(config, self.head_dim, ctx.device, sequence_parallel=tp.size > 1)
+            self.k_layernorm = build_norm(config, self.head_dim, ctx.device, sequence_parallel=tp.size > 1)
         else:
             self.q_layernorm = self.k_layernorm = None  # type: ignore[assignment]
         self.core_attention = spec.core_attention(config, ctx)

@@ -41,4 +41,3 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
-

@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rot_dim: int, base: float, scaling: RopeScaling | None, device: torch.device | str | None):
         super().__init__()
         self.rot_dim = rot_dim
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(rot_dim, base, scaling).float().to(device), persistent=False)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,126 @@
+"""GPTModel behaviour: config validation, parameter counts, recompute, pipeline stages, meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_models import ConfigError, GPTModel, TransformerConfig, num_parameters, preset, training_flops_per_token
+from mcore_parallel import Group
+from mcore_parallel.tensor import model_parallel_seed
+from tests.models._configs import gpt2, llama
+
+
+def test_invalid_config_lists_every_problem() -> None:
+    with pytest.raises(ConfigError) as exc:
+        TransformerConfig(hidden_size=30, num_attention_heads=4, num_query_groups=3, activation="relu",
+                          hidden_dropout=1.5, recompute_num_layers=2)  # fmt: skip
+    text = str(exc.value)
+    for expected in ("hidden_size=30 is not divisible by num_attention_heads=4", "num_attention_heads=4 is not "
+                     "divisible by num_query_groups=3", "activation='relu' is not one of", "hidden_dropout=1.5",
+                     "recompute_num_layers=2 needs recompute='full'"):  # fmt: skip
+        assert expected in text
+    assert len(exc.value.problems) == 5 and isinstance(exc.value, ValueError)
+
+
+def test_tp_specific_problems() -> None:
+    cfg = llama(num_attention_heads=4, num_query_groups=2)
+    with pytest.raises(ConfigError) as exc:
+        GPTModel(cfg, tp=Group("tp", (0, 1, 2, 3), 0), device="meta")
+    assert "num_query_groups=2 is not divisible by the tensor-parallel size 4" in str(exc.value)
+    assert "ffn_hidden_size=48" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        llama(num_query_groups=4),
+        llama(num_query_groups=4, share_embeddings_and_output_weights=True, qk_layernorm=True),
+        gpt2(),
+        gpt2(add_bias_linear=False, normalization="rmsnorm"),
+    ],
+    ids=["llama", "llama-tied-qknorm", "gpt2", "gpt2-nobias-rms"],
+)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_parameter_count_matches_the_formula(config: TransformerConfig, tp: int) -> None:
+    total = 0
+    for rank in range(tp):  # TP-split parameters add up over ranks; replicated ones count once
+        model = GPTModel(config, tp=Group("tp", tuple(range(tp)), rank), device="meta")
+        total += sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False) or rank == 0)
+    assert total == num_parameters(config, tp_size=tp)
+
+
+def test_presets_and_flops() -> None:
+    cfg = preset("llama-1b")
+    assert abs(training_flops_per_token(cfg, 4096) / 1e9 - 7.05) < 0.01  # the figure quoted in the speed issue
+    assert num_parameters(preset("gpt2-124m"), include_padding=False) == 124_439_808  # GPT-2 small's known size
+    with pytest.raises(KeyError, match="unknown preset 'gpt5'"):
+        preset("gpt5")
+    for name in ("gpt2-350m", "llama3-8b", "llama3-70b"):
+        model = GPTModel(preset(name).replace(num_layers=1), device="meta")
+        assert all(p.is_meta for p in model.parameters())
+
+
+def _grads(model: GPTModel, ids: torch.Tensor, labels: torch.Tensor, tracker_seed: int | None) -> dict:
+    tracker = None
+    if tracker_seed is not None:
+        tracker = model_parallel_seed(tracker_seed)
+        model.ctx = type(model.ctx)(model.ctx.tp, False, tracker, None, model.ctx.seed)
+        for m in model.modules():
+            if hasattr(m, "ctx"):
+                m.ctx = model.ctx
+    model.zero_grad()
+    loss = model(ids, labels=labels)
+    loss.mean().backward()
+    return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("recompute,num", [("selective", None), ("full", None), ("full", 1)])
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_recompute_gives_the_same_gradients(recompute: str, num: int | None, dropout: float) -> None:
+    base = llama(num_layers=3, attention_dropout=dropout, hidden_dropout=dropout)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = _grads(GPTModel(base).train(), ids, labels, 5 if dropout else None)
+    other = _grads(GPTModel(base.replace(recompute=recompute, recompute_num_layers=num)).train(), ids, labels,
+                   5 if dropout else None)  # fmt: skip
+    for k in ref:
+        torch.testing.assert_close(other[k], ref[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_chain_to_the_full_model(tied: bool) -> None:
+    config = llama(num_layers=4, share_embeddings_and_output_weights=tied)
+    full = GPTModel(config)
+    stages = [
+        GPTModel(config, pre_process=True, post_process=False, layers=range(0, 1)),
+        GPTModel(config, pre_process=False, post_process=False, layers=range(1, 3)),
+        GPTModel(config, pre_process=False, post_process=True, layers=range(3, 4)),
+    ]
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(set(names)) == sorted(n for n, _ in full.named_parameters()) + (
+        ["output_layer.weight"] if tied else []
+    )
+    if tied:  # the last stage's copy of the embedding starts identical and is marked for the embedding-group sync
+        assert torch.equal(stages[2].output_layer.weight, stages[0].embedding.word_embeddings.weight)
+        assert (
+            stages[2].output_layer.weight.shared_embedding
+            and stages[0].embedding.word_embeddings.weight.shared_embedding
+        )
+    ids = torch.randint(0, 100, (2, 8))
+    labels = torch.randint(0, 100, (2, 8))
+    h = stages[0](ids)
+    stages[1].set_input_tensor(h)
+    h = stages[1](None)
+    stages[2].set_input_tensor(h)
+    torch.testing.assert_close(stages[2](None, labels=labels), full(ids, labels=labels), rtol=0, atol=0)
+    keys = {info.key for s in stages for info in s.sharded_state_dict().values()}
+    assert keys == set(full.global_state_dict())
+
+
+def test_bf16_model_runs_and_stays_bf16() -> None:
+    model = GPTModel(llama(params_dtype="bfloat16"))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    loss = model(torch.randint(0, 100, (2, 8)), labels=torch.randint(0, 100, (2, 8)))
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    loss.mean().backward()
