@@ -11,6 +11,7 @@ MFU and peak memory. Results go to stdout as a table and to ``--json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -74,8 +75,6 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float) ->
         "last_loss": loss.item(),
         "recompute": args.recompute,
     }
-    del model, opt
-    torch.cuda.empty_cache()
     return result
 
 
@@ -92,7 +91,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     peak = matmul_ceiling()
-    results = [bench_one(args, mb, peak) for mb in args.micro_batch]
+    results = []
+    for mb in args.micro_batch:
+        results.append(bench_one(args, mb, peak))
+        gc.collect()
+        torch.cuda.empty_cache()
     env = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
