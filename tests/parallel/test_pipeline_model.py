@@ -179,7 +179,7 @@ def train_step(state: ParallelState, chunks: list, opt: Any, spec: Spec, step: i
         getattr(torch, spec.dtype), grad_scale_func=opt.scale_loss, p2p_timeout=60,
     )  # fmt: skip
     if spec.inject_inf is not None and spec.inject_inf == (step, state.rank):
-        next(iter(chunks[0].module.parameters())).main_grad.view(-1)[0] = float("inf")
+        chunks[0].grad_buffers[0].grad_data.fill_(float("inf"))  # after the dp reduction: only this rank sees it
     return [r["loss"].item() for r in reported], opt.step()
 
 
