@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
@@ -115,6 +115,10 @@ def demo(session: nox.Session) -> None:
     _install(session, _local_closure("mcore-parallel"))
     nproc = os.environ.get("MCORE_DEMO_NPROC", "2")
     session.run(
-        "torchrun", "--standalone", f"--nproc-per-node={nproc}", "examples/tp_demo.py", *session.posargs,
+        "torchrun",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "examples/tp_demo.py",
+        *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
     )
