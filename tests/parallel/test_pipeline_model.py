@@ -39,17 +39,29 @@ VOCAB, HIDDEN, FFN, SEQ, MBS = 32, 16, 32, 8, 2
 
 
 class Block(nn.Module):
-    def __init__(self, tp: Group, sp: bool, name: str, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, tp: Group, sp: bool, name: str, seed: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(
-            HIDDEN, FFN, tp=tp, sequence_parallel=sp, seed=derive_seed(seed, f"{name}.fc1"), dtype=dtype
+            HIDDEN,
+            FFN,
+            tp=tp,
+            sequence_parallel=sp,
+            seed=derive_seed(seed, f"{name}.fc1"),
+            dtype=dtype,
+            device=device,
         )
         self.fc2 = RowParallelLinear(
-            FFN, HIDDEN, tp=tp, sequence_parallel=sp, seed=derive_seed(seed, f"{name}.fc2"), dtype=dtype
+            FFN,
+            HIDDEN,
+            tp=tp,
+            sequence_parallel=sp,
+            seed=derive_seed(seed, f"{name}.fc2"),
+            dtype=dtype,
+            device=device,
         )
         with torch.no_grad():  # non-zero biases (drawn in full, then this rank's slice) so updates are checked too
             full = torch.randn(FFN, generator=torch.Generator().manual_seed(derive_seed(seed, name) % 2**31)) * 0.02
-            self.fc1.bias.copy_(full.chunk(tp.size)[tp.rank])
+            self.fc1.bias.copy_(full.chunk(tp.size)[tp.rank].to(device))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.fc2(F.gelu(self.fc1(h)))
@@ -59,30 +71,40 @@ class TinyChunk(nn.Module):
     """One pipeline chunk: global layers ``layers``; ``pre``/``post``: holds the embedding / the output layer."""
 
     def __init__(
-        self, tp: Group, sp: bool, layers: range, pre: bool, post: bool, tie: bool, seed: int, dtype: torch.dtype
+        self,
+        tp: Group,
+        sp: bool,
+        layers: range,
+        pre: bool,
+        post: bool,
+        tie: bool,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.sp, self.pre, self.post, self.tie = tp, sp and tp.size > 1, pre, post, tie
+        device = device or torch.device("cpu")
         self.input_tensor: torch.Tensor | None = None
         if pre:
             self.embedding = VocabParallelEmbedding(
                 VOCAB, HIDDEN, tp=tp, pad_to_multiple_of=1, sequence_parallel=sp,
-                seed=derive_seed(seed, "embedding"), dtype=dtype,
+                seed=derive_seed(seed, "embedding"), dtype=dtype, device=device,
             )  # fmt: skip
             self.embedding.weight.shared_embedding = tie  # type: ignore[attr-defined]
-        self.layers = nn.ModuleDict({str(i): Block(tp, sp, f"layers.{i}", seed, dtype) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(tp, sp, f"layers.{i}", seed, dtype, device) for i in layers})
         if post:
-            self.norm = nn.LayerNorm(HIDDEN, dtype=dtype)
+            self.norm = nn.LayerNorm(HIDDEN, dtype=dtype, device=device)
             for p in self.norm.parameters():
                 p.sequence_parallel = self.sp  # type: ignore[attr-defined]
             if tie and not pre:  # last stage's copy of the tied weight: zeros until synced from the first stage
-                self.output_weight = nn.Parameter(torch.zeros(VOCAB // tp.size, HIDDEN, dtype=dtype))
+                self.output_weight = nn.Parameter(torch.zeros(VOCAB // tp.size, HIDDEN, dtype=dtype, device=device))
                 set_tp_attributes(self.output_weight, 0, (VOCAB, HIDDEN))
                 self.output_weight.shared_embedding = True  # type: ignore[attr-defined]
             elif not tie:
                 self.output = ColumnParallelLinear(
                     HIDDEN, VOCAB, tp=tp, bias=False, sequence_parallel=sp, seed=derive_seed(seed, "output"),
-                    dtype=dtype,
+                    dtype=dtype, device=device,
                 )  # fmt: skip
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -138,7 +160,7 @@ def build_chunks(state: ParallelState, spec: Spec) -> list[TinyChunk]:
     for c in range(v):
         layers = stage_layer_range(spec.layers, pp, r, v, c)
         pre, post = r == 0 and c == 0, r == pp - 1 and c == v - 1
-        chunks.append(TinyChunk(state.tp, spec.sp, layers, pre, post, spec.tie, spec.seed, dtype))
+        chunks.append(TinyChunk(state.tp, spec.sp, layers, pre, post, spec.tie, spec.seed, dtype, state.device))
     return chunks
 
 
@@ -173,6 +195,7 @@ def setup(spec: Spec) -> tuple[ParallelState, list[DistributedDataParallel], Any
 def train_step(state: ParallelState, chunks: list, opt: Any, spec: Spec, step: int) -> tuple[list[float], Any]:
     dp, d, m = state.dp.size, state.dp.rank, spec.micro
     mine = batches(0 if spec.fixed_batch else step, m * dp, spec.mbs, spec.seed)[d * m : (d + 1) * m]
+    mine = [(t.to(state.device), y.to(state.device)) for t, y in mine]
     opt.zero_grad()
     reported = forward_backward(
         forward_step, [iter(mine) for _ in chunks], chunks, m, SEQ, spec.mbs, HIDDEN, state,
@@ -188,7 +211,7 @@ def param_entries(state: ParallelState, chunks: list) -> dict[str, tuple[torch.T
     for chunk in chunks:
         for name, p in chunk.module.named_parameters():
             dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-            out[name] = (p.detach().float().clone(), dim)
+            out[name] = (p.detach().float().cpu().clone(), dim)
     return out
 
 
@@ -243,8 +266,10 @@ def reference(spec: Spec, dp: int) -> dict[str, Any]:
     return run_distributed(train, 1, ref)[0]
 
 
-def assert_matches_reference(spec: Spec, world: int, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict]:
-    outs = run_distributed(train, world, spec, timeout=120)
+def assert_matches_reference(
+    spec: Spec, world: int, rtol: float = 1e-5, atol: float = 1e-6, backend: str = "gloo"
+) -> list[dict]:
+    outs = run_distributed(train, world, spec, timeout=120, backend=backend)
     dp = outs[0]["dp"]
     ref = reference(spec, dp)
     torch.testing.assert_close(
