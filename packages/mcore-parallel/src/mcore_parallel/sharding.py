@@ -29,6 +29,8 @@ class ShardedTensor:
     global_shape: tuple[int, ...]
     pieces: tuple[tuple[Index, Index], ...]  # (index into local, index into the global tensor)
     replica: bool = False
+    chunk_shape: tuple[int, ...] | None = None
+    """A chunking of the global tensor in which every piece starts on a chunk boundary (None: one chunk)."""
 
     def scatter_into(self, full: torch.Tensor) -> None:
         """Write this rank's pieces into a global-shaped tensor (for tests and small models)."""
@@ -69,4 +71,6 @@ def shard_info(key: str, tensor: torch.Tensor, tp: Group, like: torch.Tensor | N
         local_idx[dim] = slice(l_start, l_start + (g_end - g_start))
         global_idx[dim] = slice(g_start, g_end)
         pieces.append((tuple(local_idx), tuple(global_idx)))
-    return ShardedTensor(key, tensor, global_shape, tuple(pieces), replica=False)
+    chunk = list(global_shape)
+    chunk[dim] = max(block_local, 1)
+    return ShardedTensor(key, tensor, global_shape, tuple(pieces), replica=False, chunk_shape=tuple(chunk))

@@ -1,0 +1,251 @@
+"""Publishing checkpoints atomically, keeping the last N, and saving asynchronously.
+
+A save writes into ``<root>/.tmp.<name>``; once every rank has finished, rank 0 renames it to ``<root>/<name>``
+and only then rewrites ``<root>/latest`` (itself via a temporary file and rename). A crash or ``kill -9`` at any
+moment therefore leaves ``latest`` pointing at the previous complete checkpoint; a stale temporary directory is
+removed by the next save. With ``async_save`` the tensors are copied to (pinned) CPU memory during ``save`` and written
+by a background thread while training continues; ``poll()`` (call it every step: one tiny all-reduce) publishes the
+checkpoint once every rank's writer is done, and ``wait()`` blocks until it is published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_parallel.checkpoint.sharded import (
+    FORMAT_VERSION,
+    BackgroundWriter,
+    load_model,
+    load_optimizer,
+    plan_model_writes,
+    plan_optimizer_writes,
+    write_jobs,
+)
+from mcore_parallel.checkpoint.zarr_io import CheckpointFormatError, fsync_tree, write_group_metadata
+from mcore_parallel.sharding import ShardedTensor
+from mcore_parallel.state import ParallelState
+
+__all__ = ["CheckpointManager", "SaveStats", "latest_checkpoint", "read_metadata"]
+
+logger = logging.getLogger(__name__)
+LATEST = "latest"
+
+
+@dataclass
+class SaveStats:
+    name: str
+    bytes_written: int = 0
+    blocking_s: float = 0.0  # time the caller was blocked in save()
+    total_s: float = 0.0  # from the start of save() until the checkpoint was published
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``root/latest`` points at, or None when there is none yet."""
+    root = Path(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    path = root / name
+    if not (path / "zarr.json").exists():
+        raise CheckpointFormatError(f"{root / LATEST} points at {name!r}, which is not a complete checkpoint")
+    return path
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata (attributes of the root zarr group) of one checkpoint directory."""
+    meta_path = Path(path) / "zarr.json"
+    try:
+        return json.loads(meta_path.read_text())["attributes"]
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{meta_path}: missing; {path} is not an mcore checkpoint") from None
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _all_done(done: bool, device: torch.device) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return done
+    flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class CheckpointManager:
+    """Saves and loads sharded checkpoints under ``root`` for one parallel layout."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        state: ParallelState,
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        fsync: bool = False,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep everything)")
+        self.root, self.state = Path(root), state
+        self.keep_last, self.async_save, self.fsync = keep_last, async_save, fsync
+        self._pending: tuple[BackgroundWriter, str, SaveStats, float] | None = None
+        self.last_stats: SaveStats | None = None
+
+    # ------------------------------------------------------------------------------------------------- save
+    def save(
+        self,
+        name: str,
+        model_items: Mapping[str, ShardedTensor],
+        optimizer: Any = None,
+        metadata: dict[str, Any] | None = None,
+        rank_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Save (collective: every rank calls it with its own items). Returns once the data is safe to change."""
+        if "/" in name or name.startswith(".") or name == LATEST:
+            raise ValueError(f"checkpoint name {name!r} must be a plain directory name (e.g. 'step_000100')")
+        self.wait()
+        start = time.perf_counter()
+        tmp = self.root / f".tmp.{name}"
+        if self.state.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            attrs = {
+                "format": "mcore-checkpoint",
+                "format_version": FORMAT_VERSION,
+                "name": name,
+                "saved_layout": {
+                    "world_size": self.state.world_size,
+                    "tp": self.state.tp.size,
+                    "pp": self.state.pp.size,
+                    "dp": self.state.dp_size,
+                    "cp": self.state.cp.size,
+                    "ep": self.state.ep.size,
+                },
+                **(metadata or {}),
+            }
+            write_group_metadata(tmp, attrs)
+            write_group_metadata(tmp / "model")
+            write_group_metadata(tmp / "optimizer")
+        _barrier()
+        pin = self.async_save and torch.cuda.is_available()
+        jobs = plan_model_writes(model_items, self.state, pin)
+        if optimizer is not None:
+            jobs += plan_optimizer_writes(optimizer, model_items, self.state, pin)
+        if rank_state is not None:
+            (tmp / "rank_state").mkdir(exist_ok=True)
+            torch.save(rank_state, tmp / "rank_state" / f"rank_{self.state.rank:05d}.pt")
+        stats = SaveStats(name)
+        if self.async_save:
+            if pin:
+                torch.cuda.synchronize()  # the non-blocking copies to pinned memory have landed
+            self._pending = (BackgroundWriter(tmp, jobs), name, stats, start)
+            stats.blocking_s = time.perf_counter() - start
+        else:
+            stats.bytes_written = write_jobs(tmp, jobs)
+            stats.blocking_s = time.perf_counter() - start
+            self._publish(name, stats, start)
+
+    def poll(self) -> bool:
+        """Publish a finished async save (collective; cheap). True when nothing is in flight any more."""
+        if self._pending is None:
+            return True
+        writer, name, stats, start = self._pending
+        if not _all_done(writer.done(), self.state.device):
+            return False
+        stats.bytes_written = writer.wait()
+        self._pending = None
+        self._publish(name, stats, start)
+        return True
+
+    def wait(self) -> None:
+        """Block until any async save is written and published (collective)."""
+        if self._pending is None:
+            return
+        writer, name, stats, start = self._pending
+        blocked = time.perf_counter()
+        stats.bytes_written = writer.wait()
+        self._pending = None
+        self._publish(name, stats, start)
+        stats.blocking_s += time.perf_counter() - blocked
+
+    def _publish(self, name: str, stats: SaveStats, start: float) -> None:
+        _barrier()  # every rank's files are written
+        if self.state.rank == 0:
+            tmp, final = self.root / f".tmp.{name}", self.root / name
+            if self.fsync:
+                fsync_tree(tmp)
+            if final.exists():
+                trash = self.root / f".old.{name}"
+                if trash.exists():
+                    shutil.rmtree(trash)
+                final.rename(trash)
+                tmp.rename(final)
+                shutil.rmtree(trash)
+            else:
+                tmp.rename(final)
+            latest_tmp = self.root / f".{LATEST}.tmp"
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, self.root / LATEST)
+            self._prune(name)
+        _barrier()
+        stats.total_s = time.perf_counter() - start
+        self.last_stats = stats
+        logger.info(
+            "saved checkpoint %s: %.2f GB written by rank %d, blocked %.2f s, total %.2f s",
+            name, stats.bytes_written / 1e9, self.state.rank, stats.blocking_s, stats.total_s,
+        )  # fmt: skip
+
+    def _prune(self, newest: str) -> None:
+        if self.keep_last is None:
+            return
+        done = sorted(
+            (
+                p
+                for p in self.root.iterdir()
+                if p.is_dir() and not p.name.startswith(".") and (p / "zarr.json").exists()
+            ),
+            key=lambda p: p.stat().st_mtime,
+        )
+        for old in done[: max(0, len(done) - self.keep_last)]:
+            if old.name != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------- load
+    def load(
+        self,
+        model_items: Mapping[str, ShardedTensor],
+        optimizer: Any = None,
+        path: str | Path | None = None,
+        *,
+        strict: bool = True,
+    ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
+        """Load ``path`` (default: ``latest``) into the model (and optimizer); returns (path, metadata, rank state)."""
+        ckpt = Path(path) if path is not None else latest_checkpoint(self.root)
+        if ckpt is None:
+            raise CheckpointFormatError(f"{self.root}: no checkpoint to load ({self.root / LATEST} does not exist)")
+        meta = read_metadata(ckpt)
+        if meta.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{ckpt}: format version {meta.get('format_version')} is newer than this mcore ({FORMAT_VERSION})"
+            )
+        load_model(ckpt, model_items, strict=strict)
+        if optimizer is not None:
+            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)))
+        rank_file = ckpt / "rank_state" / f"rank_{self.state.rank:05d}.pt"
+        rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None
+        return ckpt, meta, rank_state

@@ -1,0 +1,277 @@
+"""Sharded, reshardable checkpoints: every tensor one zarr v3 array in its global shape, written by all ranks.
+
+Layout of one checkpoint directory::
+
+    zarr.json                          group; attributes = the caller's metadata + format version
+    model/<key>/zarr.json, c/...        one array per model parameter (global, unsharded, unpadded shape)
+    optimizer/<key>/<state>/...         fp32 master weights and moments (``master``, ``exp_avg``, ...)
+    rank_state/rank_00000.pt            per-rank state (RNG streams), torch.save
+
+Who writes what: a TP-split parameter is written by the TP ranks that own its pieces, each piece one chunk (the
+chunk grid follows the saving layout's TP split); a parameter replicated over data-parallel ranks is written by one of
+them, chosen by a hash of its name so the write load spreads over the dp ranks; replicas (a last stage's copy of a
+tied embedding) are not written. Under the distributed optimizer each dp rank holds a flat slice of a parameter's
+optimizer state; the slices are summed (``reduce``) onto that parameter's writer first.
+
+Loading reads, for each piece a rank holds in the new layout, only the chunks that overlap it, so any TP/PP/DP
+layout loads any other. Writes go to a temporary directory published by :mod:`mcore_parallel.checkpoint.manager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_parallel.checkpoint.zarr_io import (
+    ArraySpec,
+    CheckpointFormatError,
+    read_array_spec,
+    read_region,
+    write_array_metadata,
+    write_chunk,
+    write_group_metadata,
+)
+from mcore_parallel.sharding import ShardedTensor
+from mcore_parallel.state import Group, ParallelState
+
+__all__ = ["WriteJob", "plan_model_writes", "plan_optimizer_writes", "write_jobs", "load_model", "load_optimizer"]
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+@dataclass
+class WriteJob:
+    """Chunks of one array that this rank writes (tensors already on the CPU, so writing needs no GPU)."""
+
+    path: str
+    spec: ArraySpec
+    write_metadata: bool
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.chunks)
+
+
+def writer_index(key: str, group: Group) -> int:
+    """Which member of ``group`` (e.g. the data-parallel ranks holding identical copies) writes ``key``."""
+    return zlib.crc32(key.encode()) % group.size
+
+
+def _chunk_index(global_idx: tuple[slice, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple((s.start or 0) // c for s, c in zip(global_idx, chunk_shape))
+
+
+def _to_cpu(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.detach().clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t.detach(), non_blocking=pin)
+    return out
+
+
+def _jobs_for(
+    path: str,
+    info: ShardedTensor,
+    local: torch.Tensor,
+    write: bool,
+    pin: bool,
+    attributes: dict[str, Any] | None = None,
+) -> WriteJob | None:
+    """The chunks of ``local`` (laid out like ``info.local``) that this rank writes into array ``path``."""
+    if not write or info.replica:
+        return None
+    chunk_shape = info.chunk_shape or info.global_shape
+    spec = ArraySpec(info.global_shape, local.dtype, tuple(max(c, 1) for c in chunk_shape))
+    job = WriteJob(path, spec, write_metadata=False, attributes=attributes or {})
+    for local_idx, global_idx in info.pieces:
+        index = _chunk_index(global_idx, spec.chunk_shape)
+        job.chunks.append((index, _to_cpu(local[local_idx], pin)))
+        job.write_metadata |= all(i == 0 for i in index)
+    return job if job.chunks else None
+
+
+def plan_model_writes(items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True) -> list[WriteJob]:
+    """This rank's share of writing the model parameters ``items`` (from ``model.sharded_state_dict()``)."""
+    jobs = []
+    for info in items.values():
+        write = state.dp_cp.rank == writer_index(info.key, state.dp_cp)
+        job = _jobs_for(f"model/{info.key}", info, info.local, write, pin, {"kind": "parameter"})
+        if job is not None:
+            jobs.append(job)
+    return jobs
+
+
+def _optimizer_state_keys(optimizer: Any) -> list[str]:
+    kind = getattr(getattr(optimizer, "config", None), "optimizer", "adam")
+    return ["master", "momentum_buffer"] if kind == "sgd" else ["master", "exp_avg", "exp_avg_sq"]
+
+
+def _params_by_identity(items: Mapping[str, ShardedTensor]) -> dict[int, ShardedTensor]:
+    return {id(info.local): info for info in items.values()}
+
+
+def plan_optimizer_writes(
+    optimizer: Any, items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True
+) -> list[WriteJob]:
+    """This rank's share of writing master weights and moments of ``optimizer`` (a mcore_parallel optimizer).
+
+    Collective over the data-parallel group when the optimizer is distributed: every dp rank must call it.
+    """
+    from mcore_parallel.optim import DistributedOptimizer
+
+    by_id = _params_by_identity(items)
+    entries = {id(e.param): e for e in optimizer.sharded_state()}
+    keys = _optimizer_state_keys(optimizer)
+    distributed = isinstance(optimizer, DistributedOptimizer) and state.dp_cp.size > 1
+    jobs = []
+    for _, param in _optimizer_params(optimizer):
+        info = by_id.get(id(param))
+        if info is None:
+            raise CheckpointFormatError("an optimizer parameter is missing from the model's sharded_state_dict()")
+        writer = writer_index(info.key, state.dp_cp)
+        entry = entries.get(id(param))
+        if distributed:
+            stacked = torch.zeros((len(keys), param.numel()), dtype=torch.float32, device=param.device)
+            if entry is not None and entry.tensors:
+                lo, hi = entry.flat_range
+                for i, k in enumerate(keys):
+                    if k in entry.tensors:
+                        stacked[i, lo:hi] = entry.tensors[k].float()
+            dist.reduce(stacked, dst=state.dp_cp.ranks[writer], group=state.dp_cp.pg)
+            if state.dp_cp.rank != writer or info.replica:
+                continue
+            full = {k: stacked[i].view(param.shape) for i, k in enumerate(keys)}
+        else:
+            if state.dp_cp.rank != writer or info.replica or entry is None:
+                continue
+            full = {k: entry.tensors[k].view(param.shape) for k in keys if k in entry.tensors}
+        for k, tensor in full.items():
+            job = _jobs_for(f"optimizer/{info.key}/{k}", info, tensor, True, pin, {"kind": k})
+            if job is not None:
+                jobs.append(job)
+    return jobs
+
+
+def _optimizer_params(optimizer: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    from mcore_parallel.optim import named_trainable_params
+
+    return named_trainable_params(optimizer.chunks)
+
+
+def write_jobs(root: Path, jobs: list[WriteJob]) -> int:
+    """Write the chunks (and, where this rank owns chunk 0, the array metadata). Returns bytes written."""
+    total = 0
+    groups: set[Path] = set()
+    for job in jobs:
+        array_dir = root / job.path
+        if job.write_metadata:
+            write_array_metadata(array_dir, job.spec, job.attributes)
+            if job.path.startswith("optimizer/"):
+                groups.add(array_dir.parent)
+        for index, tensor in job.chunks:
+            total += write_chunk(array_dir, job.spec, index, tensor)
+    for g in groups:
+        if not (g / "zarr.json").exists():
+            write_group_metadata(g)
+    return total
+
+
+class BackgroundWriter:
+    """Writes jobs on a thread (files only: no collectives), so training continues during an async save."""
+
+    def __init__(self, root: Path, jobs: list[WriteJob]) -> None:
+        self.root, self.jobs = root, jobs
+        self.error: BaseException | None = None
+        self.bytes = 0
+        self._thread = threading.Thread(target=self._run, name="mcore-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.bytes = write_jobs(self.root, self.jobs)
+        except BaseException as e:  # reported to the caller by wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> int:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.bytes
+
+
+# ------------------------------------------------------------------------------------------------------ load
+def _read_piece(array_dir: Path, info: ShardedTensor, dest: torch.Tensor, spec: ArraySpec | None = None) -> None:
+    spec = spec or read_array_spec(array_dir)
+    if spec.shape != info.global_shape:
+        raise CheckpointFormatError(
+            f"{array_dir}: saved shape {spec.shape} does not match the model's global shape {info.global_shape} "
+            f"for {info.key!r} (a different architecture?)"
+        )
+    with torch.no_grad():
+        for local_idx, global_idx in info.pieces:
+            dest[local_idx].copy_(read_region(array_dir, global_idx, spec).to(dest.dtype))
+
+
+def load_model(root: Path, items: Mapping[str, ShardedTensor], strict: bool = True) -> list[str]:
+    """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys."""
+    missing = []
+    for info in items.values():
+        array_dir = root / "model" / info.key
+        if not (array_dir / "zarr.json").exists():
+            missing.append(info.key)
+            continue
+        _read_piece(array_dir, info, info.local)
+    if strict and missing:
+        raise CheckpointFormatError(f"{root}: no saved tensor for {sorted(set(missing))}")
+    return missing
+
+
+class _LazyGlobal(Mapping[str, Mapping[str, torch.Tensor]]):
+    """``optimizer_param_name -> {state: global tensor}``, read from disk on access (one parameter at a time)."""
+
+    def __init__(self, root: Path, names_to_info: dict[str, ShardedTensor]) -> None:
+        self.root, self.names = root, names_to_info
+
+    def __getitem__(self, name: str) -> Mapping[str, torch.Tensor]:
+        info = self.names[name]
+        group = self.root / "optimizer" / info.key
+        if not group.is_dir():
+            raise KeyError(name)
+        out = {}
+        for state_dir in sorted(p for p in group.iterdir() if (p / "zarr.json").exists()):
+            out[state_dir.name] = read_region(state_dir)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def load_optimizer(root: Path, optimizer: Any, items: Mapping[str, ShardedTensor], step: int) -> None:
+    """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model)."""
+    by_id = _params_by_identity(items)
+    names = {}
+    for name, param in _optimizer_params(optimizer):
+        info = by_id.get(id(param))
+        if info is None:
+            raise CheckpointFormatError(
+                f"optimizer parameter {name!r} is missing from the model's sharded_state_dict()"
+            )
+        names[name] = info
+    optimizer.load_sharded_state(_LazyGlobal(root, names), step)

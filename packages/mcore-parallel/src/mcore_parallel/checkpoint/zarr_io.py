@@ -1,0 +1,203 @@
+"""Minimal zarr v3 array I/O: regular chunk grid, ``bytes`` codec (little endian, uncompressed), ``/`` chunk keys.
+
+Written by hand rather than through zarr-python so that every rank writes its own chunk files with plain file I/O
+(no locks, no metadata round trips) and so that mcore does not need zarr to save or load. The files are standard
+zarr v3: fp32/fp16/int arrays open with ``zarr.open_array``; bfloat16 arrays carry the ``bfloat16`` data type name
+that tensorstore reads (their chunks are raw little-endian 16-bit words; see ``docs/checkpoints.md`` for reading them
+with numpy alone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mcore_parallel.errors import MCoreParallelError
+
+__all__ = [
+    "ArraySpec",
+    "CheckpointFormatError",
+    "write_array_metadata",
+    "write_chunk",
+    "read_array_spec",
+    "read_region",
+]
+
+# torch dtype -> (zarr v3 data type name, numpy dtype used for the raw bytes)
+_TORCH_TO_ZARR: dict[torch.dtype, tuple[str, np.dtype]] = {
+    torch.float32: ("float32", np.dtype("<f4")),
+    torch.float64: ("float64", np.dtype("<f8")),
+    torch.float16: ("float16", np.dtype("<f2")),
+    torch.bfloat16: ("bfloat16", np.dtype("<u2")),
+    torch.int64: ("int64", np.dtype("<i8")),
+    torch.int32: ("int32", np.dtype("<i4")),
+    torch.int16: ("int16", np.dtype("<i2")),
+    torch.int8: ("int8", np.dtype("i1")),
+    torch.uint8: ("uint8", np.dtype("u1")),
+    torch.bool: ("bool", np.dtype("?")),
+}
+_ZARR_TO_TORCH = {name: dt for dt, (name, _) in _TORCH_TO_ZARR.items()}
+
+
+class CheckpointFormatError(MCoreParallelError, ValueError):
+    """A checkpoint file that is missing, malformed or of an unsupported layout (names the file)."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def zarr_dtype(self) -> str:
+        return _TORCH_TO_ZARR[self.dtype][0]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return _TORCH_TO_ZARR[self.dtype][1]
+
+    def grid(self) -> tuple[int, ...]:
+        return tuple(math.ceil(s / c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def write_array_metadata(array_dir: Path, spec: ArraySpec, attributes: dict[str, Any] | None = None) -> None:
+    if spec.dtype not in _TORCH_TO_ZARR:
+        raise CheckpointFormatError(
+            f"dtype {spec.dtype} cannot be stored; supported: {sorted(map(str, _TORCH_TO_ZARR))}"
+        )
+    fill: Any = False if spec.dtype == torch.bool else (0 if not spec.dtype.is_floating_point else 0.0)
+    meta = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(spec.shape),
+        "data_type": spec.zarr_dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "attributes": attributes or {},
+    }
+    array_dir.mkdir(parents=True, exist_ok=True)
+    (array_dir / "zarr.json").write_text(json.dumps(meta, indent=1))
+
+
+def write_group_metadata(group_dir: Path, attributes: dict[str, Any] | None = None) -> None:
+    group_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+    (group_dir / "zarr.json").write_text(json.dumps(meta, indent=1))
+
+
+def _chunk_path(array_dir: Path, index: tuple[int, ...]) -> Path:
+    return array_dir.joinpath("c", *map(str, index)) if index else array_dir / "c"
+
+
+def write_chunk(array_dir: Path, spec: ArraySpec, index: tuple[int, ...], data: torch.Tensor | np.ndarray) -> int:
+    """Write one chunk (``data`` may be smaller at the array's edge: it is padded to the chunk shape)."""
+    arr = _to_numpy(data) if isinstance(data, torch.Tensor) else data
+    if arr.shape != spec.chunk_shape:
+        full = np.zeros(spec.chunk_shape, dtype=spec.np_dtype)
+        full[tuple(slice(0, n) for n in arr.shape)] = arr
+        arr = full
+    path = _chunk_path(array_dir, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.ascontiguousarray(arr, dtype=spec.np_dtype).tofile(f)
+    return arr.nbytes
+
+
+def read_array_spec(array_dir: Path) -> ArraySpec:
+    meta_path = array_dir / "zarr.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{meta_path}: missing (is this array in the checkpoint?)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{meta_path}: not valid JSON ({e})") from None
+    problems = []
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        problems.append("not a zarr v3 array")
+    if meta.get("data_type") not in _ZARR_TO_TORCH:
+        problems.append(f"unsupported data_type {meta.get('data_type')!r}")
+    grid = meta.get("chunk_grid", {})
+    if grid.get("name") != "regular":
+        problems.append(f"unsupported chunk grid {grid.get('name')!r}")
+    codecs = meta.get("codecs", [])
+    if (
+        len(codecs) != 1
+        or codecs[0].get("name") != "bytes"
+        or codecs[0].get("configuration", {}).get("endian", "little") != "little"
+    ):
+        problems.append(f"unsupported codecs {codecs} (only uncompressed little-endian bytes)")
+    enc = meta.get("chunk_key_encoding", {})
+    if enc.get("name") != "default" or enc.get("configuration", {}).get("separator", "/") != "/":
+        problems.append(f"unsupported chunk key encoding {enc}")
+    if problems:
+        raise CheckpointFormatError(f"{meta_path}: " + "; ".join(problems))
+    return ArraySpec(
+        tuple(meta["shape"]), _ZARR_TO_TORCH[meta["data_type"]], tuple(grid["configuration"]["chunk_shape"])
+    )
+
+
+def read_region(
+    array_dir: Path, region: tuple[slice, ...] | None = None, spec: ArraySpec | None = None
+) -> torch.Tensor:
+    """Read ``array[region]`` (whole array by default), touching only the chunks it overlaps."""
+    spec = spec or read_array_spec(array_dir)
+    region = region or tuple(slice(0, n) for n in spec.shape)
+    starts = [r.start or 0 for r in region]
+    stops = [spec.shape[d] if r.stop is None else r.stop for d, r in enumerate(region)]
+    out = np.empty([b - a for a, b in zip(starts, stops)], dtype=spec.np_dtype)
+    ranges = [
+        range(a // c, math.ceil(b / c)) if b > a else range(0) for a, b, c in zip(starts, stops, spec.chunk_shape)
+    ]
+    for index in itertools.product(*ranges):
+        path = _chunk_path(array_dir, index)
+        count = math.prod(spec.chunk_shape)
+        try:
+            chunk = np.fromfile(path, dtype=spec.np_dtype, count=count)
+        except FileNotFoundError:
+            chunk = np.zeros(count, dtype=spec.np_dtype)  # never written: the fill value
+        if chunk.size != count:
+            raise CheckpointFormatError(f"{path}: truncated chunk ({chunk.size} of {count} elements)")
+        chunk = chunk.reshape(spec.chunk_shape)
+        src, dst = [], []
+        for d, i in enumerate(index):
+            lo, hi = i * spec.chunk_shape[d], (i + 1) * spec.chunk_shape[d]
+            a, b = max(lo, starts[d]), min(hi, stops[d])
+            src.append(slice(a - lo, b - lo))
+            dst.append(slice(a - starts[d], b - starts[d]))
+        out[tuple(dst)] = chunk[tuple(src)]
+    return _to_torch(out, spec.dtype)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` to disk (before the rename that publishes a checkpoint)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
