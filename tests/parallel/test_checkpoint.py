@@ -95,6 +95,8 @@ def _load(root: str, tp: int, dist_opt: bool, dtype: torch.dtype) -> float:
     mgr = CheckpointManager(root, state)
     path, meta, rank_state = mgr.load(net.sharded_state_dict(), opt)
     assert meta["step"] == 2 and meta["saved_layout"]["world_size"] >= 1
+    saved_world = meta["saved_layout"]["world_size"]
+    assert rank_state == ({"rank": state.rank} if state.rank < saved_world else None)
     _matches_checkpoint(path, net, opt)
     ids = torch.randint(0, 50, (6, 2), generator=torch.Generator().manual_seed(7))
     return ddp(ids).item()
