@@ -129,6 +129,20 @@ class TransformerConfig:
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready fields (the form stored in checkpoint metadata under ``"model"``)."""
+        out = dataclasses.asdict(self)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError([f"unknown TransformerConfig field(s) {unknown}"])
+        return cls(**data)
+
     def replace(self, **changes: Any) -> TransformerConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
