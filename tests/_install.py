@@ -25,6 +25,7 @@ def check_installed(dist_name: str) -> None:
     for name in module.__all__:
         assert hasattr(module, name), f"{dist_name}: __all__ names {name!r} but the module has no such attribute"
     for req in md.requires(dist_name) or []:
+        req = req.split(";", 1)[0]  # the version part only: markers such as `extra == "all"` are not pins
         name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower()
         if name == "torch":
             assert "==" not in req, f"{dist_name} pins torch ({req}); declare a range such as torch>=2.4"
