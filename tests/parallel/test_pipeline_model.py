@@ -160,7 +160,8 @@ def build_chunks(state: ParallelState, spec: Spec) -> list[TinyChunk]:
     for c in range(v):
         layers = stage_layer_range(spec.layers, pp, r, v, c)
         pre, post = r == 0 and c == 0, r == pp - 1 and c == v - 1
-        chunks.append(TinyChunk(state.tp, spec.sp, layers, pre, post, spec.tie, spec.seed, dtype, state.device))
+        # built on the CPU (CPU and CUDA generators draw different numbers), then moved: same weights everywhere
+        chunks.append(TinyChunk(state.tp, spec.sp, layers, pre, post, spec.tie, spec.seed, dtype).to(state.device))
     return chunks
 
 
