@@ -1,0 +1,246 @@
+"""Hugging Face export (mcore checkpoint -> ``transformers`` directory) and import (the reverse).
+
+Key layouts live in :mod:`mcore_models.hf` (``mcore_to_hf`` / ``hf_to_mcore``); this module streams them between
+files. Both directions hold one global tensor in memory at a time: a first pass over ``meta`` tensors plans the files
+(and finds missing tensors and unrepresentable features before anything is written), a second pass reads and writes.
+Outputs are written into a temporary directory renamed into place at the end, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_export._hf_files import HFTensors
+from mcore_export._safetensors import SafetensorsWriter, TensorEntry
+from mcore_export._source import CheckpointReader, resolve_dtype
+from mcore_export._staging import check_output, staged_output
+from mcore_export._tokenizer import export_tokenizer, import_tokenizer
+from mcore_export.errors import ExportError, LayoutError
+from mcore_models import DTYPES, ConversionError, GPTModel, TransformerConfig
+from mcore_models.hf import (
+    gpt2_config_from_hf,
+    gpt2_config_to_hf,
+    hf_architecture,
+    hf_to_mcore,
+    llama_config_from_hf,
+    llama_config_to_hf,
+    mcore_to_hf,
+)
+from mcore_parallel import Group
+from mcore_parallel.checkpoint import FORMAT_VERSION
+from mcore_parallel.checkpoint.zarr_io import ArraySpec, write_array_metadata, write_chunk, write_group_metadata
+from mcore_parallel.sharding import ShardedTensor
+
+__all__ = ["export_hf", "import_hf", "hf_config_for", "plan_shards", "DEFAULT_MAX_SHARD_SIZE"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3  # bytes: transformers' default "5GB"
+_DTYPE_JSON = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def hf_config_for(config: TransformerConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` content (raises ConversionError naming what HF cannot represent)."""
+    if hf_architecture(config) == "LlamaForCausalLM":
+        return llama_config_to_hf(config)
+    return gpt2_config_to_hf(config)
+
+
+def plan_shards(entries: list[TensorEntry], max_shard_size: int) -> list[list[TensorEntry]]:
+    """Greedy, in order: a new shard starts when the next tensor would push the current one past the limit."""
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size={max_shard_size} must be positive")
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+) -> Path:
+    """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads; returns its path.
+
+    ``dtype``: bf16, fp16 or fp32 (default: the checkpoint's ``params_dtype``). Weights go to ``model.safetensors``,
+    or to ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_size`` bytes (a single larger tensor
+    gets a shard of its own) with ``model.safetensors.index.json``.
+    """
+    reader = CheckpointReader(checkpoint)
+    config = reader.config
+    hf_config = hf_config_for(config)
+    target = resolve_dtype(dtype, config.dtype)
+    out_path = Path(out)
+    check_output(out_path.absolute(), overwrite)
+    entries = [TensorEntry(k, tuple(t.shape), target) for k, t in mcore_to_hf(config, reader.as_meta().get)]
+    shards = plan_shards(entries, max_shard_size)
+    total = sum(e.nbytes for e in entries)
+    logger.info(
+        "exporting %s (%s, %d tensors, %.3f GB %s) to %s in %d file(s)",
+        reader.path,
+        hf_config["architectures"][0],
+        len(entries),
+        total / 1e9,
+        _DTYPE_JSON[target],
+        out,
+        len(shards),
+    )
+    with staged_output(out_path, overwrite) as tmp:
+        ids = export_tokenizer(reader.tokenizer, tmp, config.max_position_embeddings)
+        hf_config["torch_dtype"] = _DTYPE_JSON[target]
+        hf_config["bos_token_id"] = ids.bos[1] if ids.bos else None
+        hf_config["eos_token_id"] = ids.eos[1] if ids.eos else None
+        if ids.pad:
+            hf_config["pad_token_id"] = ids.pad[1]
+        _write_json(tmp / "config.json", hf_config)
+        generation = {
+            "_from_model_config": True,
+            "bos_token_id": hf_config["bos_token_id"],
+            "eos_token_id": hf_config["eos_token_id"],
+        }
+        if ids.pad:
+            generation["pad_token_id"] = ids.pad[1]
+        _write_json(tmp / "generation_config.json", generation)
+        tensors = mcore_to_hf(config, reader.get)
+        if len(shards) == 1:
+            _write_file(tmp / "model.safetensors", shards[0], tensors)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_file(tmp / name, shard, tensors)
+                weight_map.update({e.name: name for e in shard})
+                logger.info("wrote shard %d/%d (%s)", i + 1, len(shards), name)
+            _write_json(
+                tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}
+            )
+    return out_path
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_file(path: Path, entries: list[TensorEntry], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+        for e in entries:
+            key, tensor = next(tensors)
+            writer.write(key, tensor.to(e.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------- import
+def _config_from_hf(hf: dict[str, Any], params_dtype: str) -> TransformerConfig:
+    arch = (hf.get("architectures") or [None])[0]
+    model_type = hf.get("model_type")
+    if arch == "LlamaForCausalLM" or (arch is None and model_type == "llama"):
+        return llama_config_from_hf(hf, params_dtype=params_dtype)
+    if arch == "GPT2LMHeadModel" or (arch is None and model_type == "gpt2"):
+        return gpt2_config_from_hf(hf, params_dtype=params_dtype)
+    raise ConversionError(
+        f"architecture {arch!r} (model_type {model_type!r}) is not supported; supported: LlamaForCausalLM, "
+        "GPT2LMHeadModel"
+    )
+
+
+def import_hf(
+    model_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a Hugging Face directory (``config.json`` + safetensors) into an mcore checkpoint at ``out``.
+
+    The checkpoint, like every mcore checkpoint, stores global tensors and loads under any TP/PP layout; ``tp``
+    and ``pp`` choose the chunking (one chunk per TP piece, as a run of that layout would save it) and are checked
+    against the model (heads, groups and layers must divide). ``dtype`` defaults to the model's ``torch_dtype``.
+    """
+    src = Path(model_dir)
+    try:
+        hf_cfg = json.loads((src / "config.json").read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{src}/config.json is missing: not a Hugging Face model directory") from None
+    stored = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
+    params = resolve_dtype(dtype, DTYPES.get(str(stored), torch.float32))
+    config = _config_from_hf(hf_cfg, _DTYPE_JSON[params])
+    hf_architecture(config)
+    problems = config.problems(tp)
+    if tp < 1 or pp < 1 or pp > config.num_layers or problems:
+        raise LayoutError(
+            f"tp={tp}, pp={pp} does not fit the model ({config.num_layers} layers): "
+            + "; ".join(problems or ["tp and pp must be at least 1 and pp at most num_layers"])
+        )
+    out_path = Path(out)
+    check_output(out_path.absolute(), overwrite)
+    layout = GPTModel(config, tp=Group("tp", tuple(range(tp)), 0, None), device="meta").sharded_state_dict()
+    infos: dict[str, ShardedTensor] = {}
+    for info in layout.values():
+        infos.setdefault(info.key, info)
+    with HFTensors(src) as tensors:
+        planned = {k: tuple(t.shape) for k, t in hf_to_mcore(config, tensors.meta_get)}
+        wrong = [
+            f"{k}: {s} (expected {infos[k].global_shape})"
+            for k, s in planned.items()
+            if k in infos and s != infos[k].global_shape
+        ]
+        if wrong or set(planned) != set(infos):
+            raise ConversionError(
+                f"{src}: tensors do not match the config: shapes {wrong}, "
+                f"unexpected {sorted(set(planned) - set(infos))}, "
+                f"missing {sorted(set(infos) - set(planned))}"
+            )
+        with staged_output(out_path, overwrite) as tmp:
+            tokenizer = import_tokenizer(src, tmp)
+            attrs: dict[str, Any] = {
+                "format": "mcore-checkpoint",
+                "format_version": FORMAT_VERSION,
+                "name": out_path.name,
+                "saved_layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1},
+                "step": 0,
+                "consumed_samples": 0,
+                "model": config.to_dict(),
+                "imported_from": {
+                    "format": "huggingface",
+                    "path": str(src.absolute()),
+                    "architecture": hf_architecture(config),
+                },
+            }
+            if tokenizer is not None:
+                attrs["tokenizer"] = tokenizer
+            write_group_metadata(tmp, attrs)
+            write_group_metadata(tmp / "model")
+            write_group_metadata(tmp / "optimizer")
+            for key, tensor in hf_to_mcore(config, tensors.get):
+                info = infos[key]
+                chunk = tuple(max(c, 1) for c in (info.chunk_shape or info.global_shape))
+                spec = ArraySpec(info.global_shape, params, chunk)
+                array_dir = tmp / "model" / key
+                write_array_metadata(array_dir, spec, {"kind": "parameter"})
+                tensor = tensor.to(params)
+                for index in itertools.product(*(range(n) for n in spec.grid())):
+                    region = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))
+                    write_chunk(array_dir, spec, index, tensor[region])
+        unused = sorted(set(tensors.keys()) - tensors.used)
+    if unused:
+        logger.info("tensors of %s not used by the conversion: %s", src, unused)
+    logger.info("imported %s (%s) into %s", src, hf_architecture(config), out_path)
+    return out_path

@@ -1,0 +1,103 @@
+"""Tiny configs and checkpoint builders shared by the export tests.
+
+Weights are not the seed-derived initialisation (norms of ones, zero biases): every parameter is overwritten with a
+random global tensor drawn from a seed derived from its name, so the same values come out under any layout and no
+tensor is trivial.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_models import GPTModel, TransformerConfig
+from mcore_models.checkpoint import save_weights
+from mcore_parallel import ParallelConfig, ParallelState
+
+
+def llama(**kw: Any) -> TransformerConfig:
+    base: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        activation="swiglu",
+        normalization="rmsnorm",
+        add_bias_linear=False,
+        position_embedding="rope",
+        rotary_base=10000.0,
+        vocab_size=101,
+        max_position_embeddings=64,
+        share_embeddings_and_output_weights=False,
+        norm_eps=1e-6,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def gpt2(**kw: Any) -> TransformerConfig:
+    base: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        activation="gelu_tanh",
+        normalization="layernorm",
+        add_bias_linear=True,
+        position_embedding="learned_absolute",
+        vocab_size=101,
+        max_position_embeddings=64,
+        share_embeddings_and_output_weights=True,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def global_value(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    t = torch.randn(shape, generator=g) * (0.2 if len(shape) == 1 else 0.08)
+    if len(shape) == 1 and "norm" in key and key.endswith("weight"):
+        t += 1.0
+    return t
+
+
+def randomize(model: GPTModel) -> GPTModel:
+    for info in model.sharded_state_dict().values():
+        info.load_from(global_value(info.key, info.global_shape).to(info.local.dtype))
+    return model
+
+
+def reference_model(config: TransformerConfig) -> GPTModel:
+    """The single-process model holding the same weights as any checkpoint :func:`save` writes."""
+    return randomize(GPTModel(config)).eval()
+
+
+def _save_rank(config: TransformerConfig, tp: int, pp: int, root: str, metadata: dict[str, Any]) -> None:
+    state = ParallelState.initialize(ParallelConfig(tp=tp, pp=pp))
+    n = config.num_layers // pp
+    stage = state.pp.rank
+    model = GPTModel(
+        config,
+        tp=state.tp,
+        pre_process=state.is_first_stage,
+        post_process=state.is_last_stage,
+        layers=range(stage * n, (stage + 1) * n),
+    )
+    save_weights(randomize(model), state, root, metadata=metadata)
+
+
+def save(config: TransformerConfig, root: Path, tp: int = 1, pp: int = 1, tokenizer: dict | None = None) -> Path:
+    """Write a checkpoint of the randomised model under a tp x pp layout (gloo ranks); returns its directory."""
+    from mcore_parallel.testing import run_distributed
+
+    meta = {"tokenizer": tokenizer} if tokenizer else {}
+    run_distributed(_save_rank, tp * pp, config, tp, pp, str(root), meta)
+    return root / "step_0000000"
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, gather_logits=True)
