@@ -101,3 +101,10 @@ def save(config: TransformerConfig, root: Path, tp: int = 1, pp: int = 1, tokeni
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids, gather_logits=True)
+
+
+def cached_checkpoint(cache: dict, root: Path, name: str, config: TransformerConfig, tp: int, pp: int) -> Path:
+    """A checkpoint of ``config`` saved under tp x pp, written once per test session."""
+    if (name, tp, pp) not in cache:
+        cache[(name, tp, pp)] = save(config, root / f"{name}-tp{tp}pp{pp}", tp, pp)
+    return cache[(name, tp, pp)]

@@ -247,9 +247,11 @@ def mcore_to_hf(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
             yield f"{h}.q_proj.weight", q
             yield f"{h}.k_proj.weight", k
             yield f"{h}.v_proj.weight", v
+            del q, k, v  # streaming: drop the fused tensor before the next read
             gate, up = get(f"{m}.mlp.linear_fc1.weight").chunk(2, dim=0)
             yield f"model.layers.{i}.mlp.gate_proj.weight", gate
             yield f"model.layers.{i}.mlp.up_proj.weight", up
+            del gate, up
         yield "model.norm.weight", get("decoder.final_layernorm.weight")
         if not c.share_embeddings_and_output_weights:
             yield "lm_head.weight", get("output_layer.weight")
@@ -263,8 +265,10 @@ def mcore_to_hf(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
             yield f"{h}.{hk}.bias", get(f"{m}.{mk}.bias")
         q, k, v = _split_qkv(get(f"{m}.self_attention.linear_qkv.weight"), c)
         yield f"{h}.attn.c_attn.weight", torch.cat([q, k, v], dim=0).t().contiguous()
+        del q, k, v  # streaming: drop the fused tensor before the next read
         qb, kb, vb = _split_qkv(get(f"{m}.self_attention.linear_qkv.bias"), c)
         yield f"{h}.attn.c_attn.bias", torch.cat([qb, kb, vb])
+        del qb, kb, vb
         yield f"{h}.attn.c_proj.weight", get(f"{m}.self_attention.linear_proj.weight").t().contiguous()
         yield f"{h}.attn.c_proj.bias", get(f"{m}.self_attention.linear_proj.bias")
         yield f"{h}.mlp.c_fc.weight", get(f"{m}.mlp.linear_fc1.weight").t().contiguous()
