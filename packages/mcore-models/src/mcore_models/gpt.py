@@ -16,6 +16,7 @@ from torch import nn
 from mcore_models.config import TransformerConfig
 from mcore_models.embedding import LanguageModelEmbedding
 from mcore_models.spec import LayerSpec, default_spec
+from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
@@ -111,12 +112,16 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         gather_logits: bool = False,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """Run this stage.
 
         ``input_ids``, ``position_ids``, ``labels``: ``[b, s]``. Returns, on the last stage, the per-token loss
         ``[b, s]`` (float32) when ``labels`` are given, else logits ``[b, s, vocab / tp]`` (``[b, s, vocab]`` with
         ``gather_logits``); on other stages the hidden states ``[s (/ tp), b, hidden]`` for the next stage.
+
+        ``inference_context`` (an engine's :class:`InferenceContext`, batch 1 of flat tokens) makes attention read
+        and write the engine's KV cache; only the rows in its ``logits_index`` get logits.
         """
         if self.pre_process:
             if input_ids is None:
@@ -132,13 +137,17 @@ class GPTModel(nn.Module):
             pos = self._positions(position_ids, s, hidden.device)
         rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
         for key, layer in self.decoder.layers.items():
-            if int(key) in self._full_recompute and self.training:
+            if inference_context is not None:
+                hidden = layer(hidden, rotary, inference_context)
+            elif int(key) in self._full_recompute and self.training:
                 hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
             else:
                 hidden = layer(hidden, rotary)
         if not self.post_process:
             return hidden
         assert self.decoder.final_layernorm is not None
+        if inference_context is not None and inference_context.logits_index is not None:
+            hidden = hidden.index_select(0, inference_context.logits_index)
         hidden = self.decoder.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]

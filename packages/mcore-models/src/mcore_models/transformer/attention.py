@@ -8,7 +8,7 @@ rank whole groups, so no communication is needed inside attention.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,23 @@ from mcore_parallel.tensor import normal_init, scaled_normal_init
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
 
-__all__ = ["SelfAttention", "SDPACoreAttention"]
+__all__ = ["InferenceContext", "SelfAttention", "SDPACoreAttention"]
 
 _TORCH_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class InferenceContext(Protocol):
+    """What an inference engine passes through ``GPTModel.forward`` to run attention over its KV cache.
+
+    The tokens of one step are laid out as one flat sequence (``[s, 1, ...]``); the context knows which request each
+    token belongs to, its position, and where its key/value go in the cache. ``attention`` stores this step's
+    keys/values for ``layer_number`` and returns attention over each token's request cache (``[s, 1, heads * d]``).
+    ``logits_index`` (or None for all) names the tokens whose logits the caller needs.
+    """
+
+    logits_index: torch.Tensor | None
+
+    def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class SDPACoreAttention(nn.Module):
@@ -98,7 +112,13 @@ class SelfAttention(nn.Module):
             **common,
         )
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        inference_context: InferenceContext | None = None,
+        layer_number: int = 0,
+    ) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
@@ -110,7 +130,9 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.selective_recompute and self.training:
+        if inference_context is not None:
+            out = inference_context.attention(layer_number, q, k, v)
+        elif self.selective_recompute and self.training:
             out = self.ctx.recompute(self.core_attention, q, k, v)
         else:
             out = self.core_attention(q, k, v)

@@ -13,6 +13,7 @@ from mcore_models.transformer.context import ModelContext
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
+    from mcore_models.transformer.attention import InferenceContext
 
 __all__ = ["TransformerLayer"]
 
@@ -38,6 +39,15 @@ class TransformerLayer(nn.Module):
                 x = F.dropout(x, self.hidden_dropout, training=True)
         return residual + x
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary), x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_context: InferenceContext | None = None,
+    ) -> torch.Tensor:
+        if inference_context is None:
+            attn = self.self_attention(self.input_layernorm(x), rotary)
+        else:  # inference: attention over the engine's KV cache (see InferenceContext)
+            attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, self.layer_number)
+        x = self._dropout_add(attn, x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

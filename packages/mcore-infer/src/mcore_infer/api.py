@@ -1,0 +1,189 @@
+"""The Python API: ``LLM(checkpoint).generate(prompts, SamplingParams(...))`` and ``LLM.generate_stream``.
+
+``LLM`` loads an mcore checkpoint (weights only, any training layout) into this process's TP shard, builds the
+tokenizer named in the checkpoint (the byte tokenizer when none is named), and drives an :class:`LLMEngine` in the
+caller's thread. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
+calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_data import ByteTokenizer, TokenizerSpec, build_tokenizer
+from mcore_infer.config import EngineConfig
+from mcore_infer.engine import LLMEngine, RequestOutput
+from mcore_infer.errors import InvalidRequestError
+from mcore_infer.runner import ModelRunner
+from mcore_infer.sampling import SamplingParams
+from mcore_models import GPTModel, TransformerConfig
+from mcore_models.checkpoint import (
+    load_weights,
+    model_config_from_checkpoint,
+    resolve_checkpoint,
+    tokenizer_spec_from_checkpoint,
+)
+from mcore_parallel import Group
+
+__all__ = ["LLM", "Generation", "load_model"]
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Generation:
+    """The completions of one prompt (``n`` of them, in order)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[RequestOutput]
+
+
+def load_model(
+    checkpoint: str | Path,
+    *,
+    tp: Group | None = None,
+    device: torch.device | str | None = None,
+    dtype: str | None = None,
+) -> tuple[GPTModel, Any]:
+    """Build the checkpoint's model on ``device`` (this rank's TP shard), load its weights; and its tokenizer."""
+    ckpt = resolve_checkpoint(checkpoint)
+    config = model_config_from_checkpoint(ckpt)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = _inference_config(config, dtype)
+    model = GPTModel(config, tp=tp, device=device)
+    load_weights(model, ckpt)
+    spec = tokenizer_spec_from_checkpoint(ckpt)
+    tokenizer = ByteTokenizer() if spec is None else build_tokenizer(TokenizerSpec(spec["kind"], spec.get("path")))
+    return model.eval(), tokenizer
+
+
+def _inference_config(config: TransformerConfig, dtype: str) -> TransformerConfig:
+    return config.replace(params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, recompute="none")
+
+
+class LLM:
+    """Offline generation over one engine. Pass a checkpoint, or a built ``model`` and ``tokenizer``."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path | None = None,
+        *,
+        model: GPTModel | None = None,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        tp: Group | None = None,
+        device: torch.device | str | None = None,
+        dtype: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        if (checkpoint is None) == (model is None):
+            raise ValueError("pass either a checkpoint or a model")
+        if checkpoint is not None:
+            model, tokenizer = load_model(checkpoint, tp=tp, device=device, dtype=dtype)
+            name = name or Path(checkpoint).resolve().name
+        assert model is not None
+        tp = tp or model.ctx.tp
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.config = config or EngineConfig()
+        self.name = name or str(model.config.extra.get("preset", "mcore-model"))
+        self.runner = ModelRunner(model, self.config, tp)
+        self.runner.capture_graphs()
+        self.engine = LLMEngine(self.runner, self.tokenizer, max_queue=self.config.max_queue, seed=self.config.seed)
+        self.is_driver = tp.rank == 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # ---------------------------------------------------------------------------------------------- generating
+    def encode(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        n: int = 1,
+    ) -> list[Generation]:
+        """Generate for every prompt (text or token ids) with continuous batching; results in prompt order."""
+        plist = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(plist))
+        groups: list[tuple[Generation, list[str]]] = []
+        for prompt, p in zip(plist, params_list):
+            ids = self.encode(prompt)
+            rids = self._add(ids, p, n, stream=False)
+            groups.append((Generation(prompt if isinstance(prompt, str) else None, ids, []), rids))
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        results = []
+        for gen, rids in groups:
+            gen.outputs = [done[r] for r in rids]
+            results.append(gen)
+        return results
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one :class:`RequestOutput` per step with new tokens (``new_text``/``new_token_ids``); the last one
+        has ``finished`` set and the whole completion. Other requests already queued keep running alongside."""
+        ids = self.encode(prompt)
+        (rid,) = self._add(ids, params or SamplingParams(), 1, stream=True)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if rid in self.engine._seqs:
+                self.engine.abort(rid)
+                self.engine.step()
+
+    def _add(self, ids: list[int], params: SamplingParams, n: int, stream: bool) -> list[str]:
+        if n < 1:
+            raise InvalidRequestError(f"n must be >= 1 (got {n})", param="n")
+        rids = []
+        for i in range(n):
+            p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            rids.append(self.engine.add_request(ids, p, stream=stream))
+        return rids
+
+    # ---------------------------------------------------------------------------------------------- TP ranks
+    def follow(self) -> None:
+        """On a non-first TP rank: run the first rank's steps until it calls :meth:`shutdown`."""
+        self.runner.follow()
+
+    def shutdown(self) -> None:
+        """On the first TP rank: release the other ranks from :meth:`follow`."""
+        self.runner.stop_followers()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+    return list(params)

@@ -1,0 +1,112 @@
+"""The inference context handed to ``GPTModel.forward``: KV-cache writes and attention over paged KV.
+
+A step's tokens (decode tokens and prefill chunks of many requests) are one flat sequence. For each token the
+context knows its request's row in ``block_tables``, its cache slot and how many keys it attends to (its position
+plus one). ``attention`` first stores the step's keys/values at their slots, then attends:
+
+- ``triton``: the paged kernel in :mod:`mcore_infer._triton_attention` reads blocks in place (GPU);
+- ``plain``: per request, the blocks are gathered into a contiguous tensor and ``scaled_dot_product_attention``
+  runs with a causal mask offset by the cached length (CPU, and the reference the kernel is tested against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mcore_infer._triton_attention import paged_attention_triton
+from mcore_infer.kv_cache import KVCache
+
+__all__ = ["PagedAttentionContext", "Segment"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, end)`` of the flat step belong to block-table row ``row`` and end at context ``ctx``."""
+
+    start: int
+    end: int
+    row: int
+    ctx: int
+
+
+class PagedAttentionContext:
+    """Implements ``mcore_models``' ``InferenceContext`` protocol over a :class:`KVCache`."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        first_layer: int,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        token_seq: torch.Tensor,
+        token_ctx: torch.Tensor,
+        logits_index: torch.Tensor | None,
+        backend: str = "plain",
+        segments: list[Segment] | None = None,
+        block_tables_host: list[list[int]] | None = None,
+    ) -> None:
+        if backend not in ("plain", "triton"):
+            raise ValueError(f"attention backend {backend!r}: use 'plain' or 'triton'")
+        if backend == "plain" and (segments is None or block_tables_host is None):
+            raise ValueError("the plain backend needs segments and host block tables")
+        self.cache, self.first_layer = cache, first_layer
+        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+        self.token_seq, self.token_ctx = token_seq, token_ctx
+        self.logits_index = logits_index
+        self.backend = backend
+        self.segments = segments or []
+        self.block_tables_host = block_tables_host or []
+
+    def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[T, 1, heads, d]``, ``k``/``v`` ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``."""
+        i = layer_number - self.first_layer
+        k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
+        t, _, heads, d = q.shape
+        groups = k.shape[2]
+        flat_k = k_cache.view(-1, groups, d)
+        flat_v = v_cache.view(-1, groups, d)
+        flat_k.index_copy_(0, self.slot_mapping, k[:, 0].to(k_cache.dtype))
+        flat_v.index_copy_(0, self.slot_mapping, v[:, 0].to(v_cache.dtype))
+        scale = 1.0 / (d**0.5)
+        if self.backend == "triton":
+            out = paged_attention_triton(
+                q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq, self.token_ctx, scale
+            )
+            return out.view(t, 1, heads * d)
+        return plain_paged_attention(q[:, 0], k_cache, v_cache, self.segments, self.block_tables_host).view(
+            t, 1, heads * d
+        )
+
+
+def plain_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segments: list[Segment],
+    block_tables: list[list[int]],
+) -> torch.Tensor:
+    """Reference path: gather each request's blocks, then masked SDPA. ``q`` ``[T, heads, d]`` → same shape."""
+    heads, d = q.shape[1], q.shape[2]
+    bs, groups = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for seg in segments:
+        n = seg.end - seg.start
+        nblk = (seg.ctx + bs - 1) // bs
+        idx = torch.tensor(block_tables[seg.row][:nblk], dtype=torch.long, device=k_cache.device)
+        keys = k_cache.index_select(0, idx).reshape(-1, groups, d)[: seg.ctx]
+        vals = v_cache.index_select(0, idx).reshape(-1, groups, d)[: seg.ctx]
+        # query i sits at position ctx - n + i and sees keys 0..that position
+        qpos = torch.arange(seg.ctx - n, seg.ctx, device=q.device)[:, None]
+        mask = torch.arange(seg.ctx, device=q.device)[None, :] <= qpos
+        qs = q[seg.start : seg.end].transpose(0, 1)[None]  # [1, heads, n, d]
+        ks = keys.transpose(0, 1)[None].to(q.dtype)
+        vs = vals.transpose(0, 1)[None].to(q.dtype)
+        if groups != heads:
+            ks = ks.repeat_interleave(heads // groups, dim=1)
+            vs = vs.repeat_interleave(heads // groups, dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+        out[seg.start : seg.end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,62 @@
+"""``EngineConfig``: sizes and switches of the engine, scheduler, KV cache and model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass
+class EngineConfig:
+    """Every field has a default; ``None`` means "derive from the model or the device"."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (a power of two >= 16 for the GPU kernel)."""
+    num_blocks: int | None = None
+    """KV-cache blocks (one is reserved as scratch); None: from ``memory_fraction`` on GPU, else enough for
+    ``max_num_seqs`` full-length requests."""
+    memory_fraction: float = 0.85
+    """On GPU, the share of device memory that weights, activations and the KV cache may use together."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; None: the model's ``max_position_embeddings``."""
+    max_num_seqs: int = 256
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens plus prefill chunks): the prefill chunk size."""
+    max_queue: int = 4096
+    """Most requests waiting for admission; more are refused as overloaded (HTTP 503)."""
+    attention_backend: str = "auto"
+    """``plain`` (gather + SDPA), ``triton`` (paged kernel) or ``auto`` (triton on CUDA when installed)."""
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs (GPU only)."""
+    graph_batch_sizes: tuple[int, ...] | None = None
+    """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
+    seed: int = 0
+    """Seed of the generator used by requests without their own seed."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            problems.append(f"block_size={self.block_size} must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            problems.append(f"num_blocks={self.num_blocks} must be at least 2")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            problems.append(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.max_num_seqs < 1:
+            problems.append("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            problems.append("max_num_batched_tokens must be positive")
+        if self.attention_backend not in ("auto", "plain", "triton"):
+            problems.append(f"attention_backend={self.attention_backend!r}: use auto, plain or triton")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def graph_sizes(self) -> list[int]:
+        if self.graph_batch_sizes is not None:
+            return sorted({b for b in self.graph_batch_sizes if 0 < b <= self.max_num_seqs})
+        sizes = [b for b in (1, 2, 4, 8) if b <= self.max_num_seqs]
+        sizes += list(range(16, self.max_num_seqs + 1, 16))
+        if sizes[-1] != self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        return sizes

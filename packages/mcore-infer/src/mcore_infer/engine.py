@@ -1,0 +1,315 @@
+"""The dynamic engine: requests in, one scheduled model step at a time, sampled tokens and finished requests out.
+
+:class:`LLMEngine` is single-threaded: :meth:`LLMEngine.step` schedules (continuous batching with chunked
+prefill), runs the model runner, samples, detokenizes incrementally, applies stop conditions and frees the KV
+blocks of finished requests. :meth:`~LLMEngine.add_request` and :meth:`~LLMEngine.abort` may be called from any
+thread: they validate at once (raising on bad requests) and leave a command that the next step picks up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_infer.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from mcore_infer.kv_cache import blocks_for
+from mcore_infer.runner import ModelRunner
+from mcore_infer.sampling import Sampler, SampleRow, SamplingParams, merge_banned
+from mcore_infer.scheduler import Scheduled, Scheduler, Sequence
+
+__all__ = ["LLMEngine", "RequestOutput"]
+
+log = logging.getLogger(__name__)
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress: what is new since the last output (streaming) and, once finished, everything."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float] | None
+    new_top_logprobs: list[TopLogprobs] | None
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # set when finished
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a :class:`ModelRunner`; ``tokenizer`` needs ``encode``/``decode``/``eod``."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any, *, max_queue: int = 4096, seed: int = 0) -> None:
+        self.runner, self.tokenizer = runner, tokenizer
+        cfg = runner.config
+        self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(runner.device, seed)
+        self.max_model_len = runner.max_model_len
+        self.max_queue = max_queue
+        self.eod: int | None = getattr(tokenizer, "eod", None)
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._pending = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------------------------------------- requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> int:
+        """Validate; return the resolved ``max_tokens``. Raises InvalidRequestError / ContextLengthError."""
+        params.validate(self.runner.vocab_size)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param=param)
+        if any(not 0 <= t < self.runner.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.runner.vocab_size})", param=param)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
+                param=param,
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
+                f"and max_tokens is {max_tokens} ({n + max_tokens} in all). Shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+        need = blocks_for(n + max_tokens, self.runner.block_size)
+        if need > self.runner.blocks.capacity:
+            raise ContextLengthError(
+                f"the request needs {need} KV-cache blocks but the cache has {self.runner.blocks.capacity}",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+    ) -> str:
+        """Queue a request (thread-safe). Raises on bad requests and when the queue is full."""
+        max_tokens = self.check_request(prompt_ids, params)
+        if self._pending + len(self.scheduler.waiting) >= self.max_queue:
+            raise OverloadedError(f"{self.max_queue} requests are already waiting; try again later")
+        rid = request_id or self.new_request_id()
+        gen = self.sampler.request_generator(params.seed) if params.seed is not None else None
+        seq = Sequence(rid, list(prompt_ids), params, max_tokens, stream=stream, generator=gen)
+        if seq.wants_prompt_logprobs:
+            seq.prompt_logprobs = [None] * len(prompt_ids)
+            seq.prompt_top_logprobs = [None] * len(prompt_ids)
+        self._pending += 1
+        self._commands.put(("add", seq))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); its blocks are freed at the next step."""
+        self._commands.put(("abort", request_id))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self._commands.empty()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._pending
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._pending -= 1
+                self._seqs[arg.request_id] = arg
+                self.scheduler.add(arg)
+            elif kind == "abort" and arg in self._seqs:
+                seq = self._seqs.pop(arg)
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+                outputs.append(self._output(seq))
+
+    # ------------------------------------------------------------------------------------------------- steps
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._drain(outputs)
+        plan, batch = self.scheduler.schedule()
+        if not plan:
+            return outputs
+        self.num_steps += 1
+        logits = self.runner.execute(batch)
+        row = 0
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for item in plan:
+            seq = item.seq
+            if item.logits == "all":
+                self._prompt_logprobs(item, logits[row : row + item.num_tokens])
+                row += item.num_tokens
+                last = row - 1
+            elif item.logits == "last":
+                last = row
+                row += 1
+            seq.num_computed += item.num_tokens
+            if seq.num_computed == seq.length:
+                sample_rows.append(last)
+                sample_seqs.append(seq)
+        if sample_seqs:
+            sel = (
+                logits
+                if len(sample_rows) == logits.shape[0]
+                else logits[torch.tensor(sample_rows, device=logits.device)]
+            )
+            rows = [
+                SampleRow(
+                    s.params,
+                    s.prompt_ids,
+                    s.output_ids,
+                    s.generator,
+                    merge_banned(s.params, len(s.output_ids), self.eod),
+                )
+                for s in sample_seqs
+            ]
+            result = self.sampler(sel, rows)
+            now = time.perf_counter()
+            for i, seq in enumerate(sample_seqs):
+                self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], now)
+                if seq.finished:
+                    seq.finish_time = now
+                    self.scheduler.remove(seq)
+                    self._seqs.pop(seq.request_id, None)
+                    outputs.append(self._output(seq))
+                elif seq.stream:
+                    out = self._output(seq)
+                    if out.new_token_ids or out.new_text:
+                        outputs.append(out)
+        return outputs
+
+    def _prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
+        seq = item.seq
+        assert seq.prompt_logprobs is not None and seq.prompt_top_logprobs is not None
+        start, p = seq.num_computed, len(seq.prompt_ids)
+        # row j predicts the prompt token at position start + j + 1
+        n = min(item.num_tokens, p - 1 - start)
+        if n <= 0:
+            return
+        lp = torch.log_softmax(logits[:n].float(), dim=-1)
+        targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + n], device=lp.device)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = seq.params.logprobs or 0
+        tv, ti = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        tv_l, ti_l = tv.tolist(), ti.tolist()
+        for j in range(n):
+            seq.prompt_logprobs[start + 1 + j] = chosen[j]
+            seq.prompt_top_logprobs[start + 1 + j] = list(zip(ti_l[j], tv_l[j]))
+
+    def _append(self, seq: Sequence, tok: int, lp: float | None, top: TopLogprobs | None, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.top_logprobs.append(top or [])
+        p = seq.params
+        n = len(seq.output_ids)
+        text_tokens = n
+        if tok == self.eod and not p.ignore_eos and n >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason, text_tokens = "stop", None, n - 1
+        elif tok in p.stop_token_ids and n >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason, text_tokens = "stop", tok, n - 1
+        elif n >= seq.max_tokens:
+            seq.finish_reason = "length"
+        if seq.stream or p.stop:
+            self._detokenize(seq, text_tokens)
+            if p.stop:
+                self._check_stop_strings(seq)
+
+    def _detokenize(self, seq: Sequence, upto: int) -> None:
+        ids = seq.output_ids[:upto] if upto < len(seq.output_ids) else seq.output_ids
+        if seq.read_offset >= len(ids):
+            return
+        dec = self.tokenizer.decode
+        before = dec(ids[seq.prefix_offset : seq.read_offset])
+        after = dec(ids[seq.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.text += after[len(before) :]
+            seq.prefix_offset, seq.read_offset = max(seq.read_offset - 4, 0), len(ids)
+        elif seq.finished:
+            seq.text += after[len(before) :]
+            seq.read_offset = len(ids)
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, len(seq.text) - longest - 16)
+        hit: tuple[int, str] | None = None
+        for s in seq.params.stop:
+            i = seq.text.find(s, window_start)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is not None:
+            seq.text = seq.text[: hit[0]]
+            seq.finish_reason, seq.stop_reason = "stop", hit[1]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        want_lp = seq.params.logprobs is not None
+        new_ids = seq.output_ids[seq.emitted_tokens :]
+        visible = len(seq.text)
+        if not seq.finished and seq.params.stop:
+            visible = max(seq.emitted_chars, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+        new_text = seq.text[seq.emitted_chars : visible]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=seq.logprobs[seq.emitted_tokens :] if want_lp else None,
+            new_top_logprobs=seq.top_logprobs[seq.emitted_tokens :] if want_lp else None,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+        )
+        seq.emitted_tokens, seq.emitted_chars = len(seq.output_ids), visible
+        if seq.finished:
+            if not (seq.stream or seq.params.stop):
+                n = len(seq.output_ids) - (1 if seq.finish_reason == "stop" and seq.stop_reason is None else 0)
+                if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+                    n = len(seq.output_ids) - 1
+                seq.text = self.tokenizer.decode(seq.output_ids[:n]) if seq.finish_reason != "abort" else ""
+            out.prompt_token_ids = seq.prompt_ids
+            out.token_ids = list(seq.output_ids)
+            out.text = seq.text
+            out.logprobs = list(seq.logprobs) if want_lp else None
+            out.top_logprobs = list(seq.top_logprobs) if want_lp else None
+            out.prompt_logprobs = seq.prompt_logprobs
+            out.prompt_top_logprobs = seq.prompt_top_logprobs
+            out.metrics = {
+                "arrival": seq.arrival,
+                "first_token": seq.first_token_time or 0.0,
+                "finished": seq.finish_time or time.perf_counter(),
+                "preemptions": float(seq.preemptions),
+            }
+        return out

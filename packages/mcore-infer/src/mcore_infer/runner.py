@@ -1,0 +1,247 @@
+"""The model runner: one forward step of ``GPTModel`` over a flat batch of decode tokens and prefill chunks.
+
+It owns the KV cache and the device-side inputs. A step arrives as a :class:`StepBatch` (host lists made by the
+scheduler); the runner packs them into one int64 array, copies it to the device once, and calls the model with a
+:class:`~mcore_infer.attention.PagedAttentionContext`. Steps made only of decode tokens replay a CUDA graph captured
+for the next larger batch size (GPU, triton backend); padded rows write to the scratch block and attend to nothing.
+
+Tensor parallelism: the first rank of the TP group runs the scheduler and broadcasts each :class:`StepBatch` to the
+other ranks (``torch.distributed.broadcast_object_list`` over the TP group); they run :meth:`ModelRunner.follow`,
+which executes the same steps until told to stop. Logits are gathered over the TP group, so every rank could
+sample; only the first rank does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mcore_infer._triton_attention import triton_available
+from mcore_infer.attention import PagedAttentionContext, Segment
+from mcore_infer.config import EngineConfig
+from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
+from mcore_models import GPTModel
+from mcore_parallel import Group
+
+__all__ = ["ModelRunner", "StepBatch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBatch:
+    """One step: flat tokens with positions and cache slots; per request a segment and a block table."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_index: list[int] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.tokens) == len(self.segments)
+
+    def add(self, tokens: list[int], start_pos: int, table: list[int], block_size: int, logits: str) -> None:
+        """Append ``tokens`` at positions ``start_pos..``; ``logits``: ``none``, ``last`` or ``all`` rows."""
+        n = len(tokens)
+        t0 = len(self.tokens)
+        self.tokens.extend(tokens)
+        pos = range(start_pos, start_pos + n)
+        self.positions.extend(pos)
+        self.slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        self.segments.append(Segment(t0, t0 + n, len(self.block_tables), start_pos + n))
+        self.block_tables.append(table)
+        if logits == "last":
+            self.logits_index.append(t0 + n - 1)
+        elif logits == "all":
+            self.logits_index.extend(range(t0, t0 + n))
+
+
+class ModelRunner:
+    """Runs steps of one ``GPTModel`` (this rank's TP shard) over a paged KV cache."""
+
+    def __init__(self, model: GPTModel, config: EngineConfig, tp: Group | None = None) -> None:
+        if not (model.pre_process and model.post_process):
+            raise ValueError("serving needs the whole model on each TP rank (pipeline stages are not supported)")
+        self.model = model.eval()
+        self.config = config
+        self.tp = tp or Group.single("tp")
+        mc = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.block_size = config.block_size
+        self.groups = mc.query_groups // self.tp.size
+        self.max_blocks_per_seq = blocks_for(self.max_model_len, self.block_size)
+        nlayers = len(model.layer_numbers)
+        num_blocks = config.num_blocks or self._blocks_from_memory(nlayers, mc.head_dim)
+        self.cache = KVCache.allocate(
+            nlayers, num_blocks, self.block_size, self.groups, mc.head_dim, self.dtype, self.device
+        )
+        self.blocks = BlockManager(num_blocks, self.block_size)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and triton_available() else "plain"
+        self.backend = backend
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
+        self._static: dict[str, torch.Tensor] = {}
+        log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
+
+    # ------------------------------------------------------------------------------------------------- sizing
+    def _blocks_from_memory(self, nlayers: int, head_dim: int) -> int:
+        per_block = KVCache.bytes_per_block(nlayers, self.block_size, self.groups, head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = 2 << 30  # activations of a prefill step and CUDA graphs
+            budget = int(self.config.memory_fraction * total) - (total - free) - reserve
+            if budget < 2 * per_block:
+                raise RuntimeError(f"no room for a KV cache: {budget / 2**30:.1f} GiB left under memory_fraction")
+            # never more than every running request at full length needs
+            cap = self.config.max_num_seqs * self.max_blocks_per_seq + 1
+            return max(2, min(budget // per_block, cap))
+        return self.config.max_num_seqs * self.max_blocks_per_seq + 1
+
+    # ------------------------------------------------------------------------------------------------ running
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; returns logits ``[len(batch.logits_index), vocab]`` (model dtype, full vocab)."""
+        if self.tp.size > 1:
+            self._broadcast(batch)
+        return self._run(batch)
+
+    def follow(self) -> None:
+        """On a non-first TP rank: execute the first rank's steps until it calls :meth:`stop_followers`."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=self.tp.ranks[0], group=self.tp.pg)
+            if box[0] is None:
+                return
+            self._run(box[0])
+
+    def stop_followers(self) -> None:
+        if self.tp.size > 1 and self.tp.rank == 0:
+            dist.broadcast_object_list([None], src=self.tp.ranks[0], group=self.tp.pg)
+
+    def _broadcast(self, batch: StepBatch) -> None:
+        dist.broadcast_object_list([batch], src=self.tp.ranks[0], group=self.tp.pg)
+
+    @torch.inference_mode()
+    def _run(self, batch: StepBatch) -> torch.Tensor:
+        n = len(batch.tokens)
+        if batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
+            return self._replay(batch)
+        s = len(batch.segments)
+        width = max((len(t) for t in batch.block_tables), default=1) or 1
+        r = len(batch.logits_index)
+        bt = np.zeros((s, width), dtype=np.int64)
+        for i, t in enumerate(batch.block_tables):
+            bt[i, : len(t)] = t
+        rows = np.repeat(np.arange(s), [g.end - g.start for g in batch.segments])
+        pos = np.asarray(batch.positions, dtype=np.int64)
+        packed = np.concatenate(
+            [np.asarray(batch.tokens, np.int64), pos, np.asarray(batch.slots, np.int64), rows, pos + 1]
+            + [np.asarray(batch.logits_index, np.int64), bt.reshape(-1)]
+        )
+        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        ids, positions, slots, tseq, tctx = (dev[i * n : (i + 1) * n] for i in range(5))
+        logits_index = dev[5 * n : 5 * n + r]
+        block_tables = dev[5 * n + r :].view(s, width)
+        ctx = PagedAttentionContext(
+            self.cache,
+            self.model.layer_numbers.start,
+            slots,
+            block_tables,
+            tseq,
+            tctx,
+            logits_index,
+            backend=self.backend,
+            segments=batch.segments,
+            block_tables_host=batch.block_tables,
+        )
+        out = self.model(ids[None], positions[None], gather_logits=True, inference_context=ctx)
+        return out[0]
+
+    # ------------------------------------------------------------------------------------------- CUDA graphs
+    def capture_graphs(self) -> None:
+        """Capture decode steps for the configured batch sizes (CUDA + triton backend only; else a no-op)."""
+        if self.device.type != "cuda" or self.backend != "triton" or not self.config.cuda_graphs:
+            return
+        sizes = self.config.graph_sizes()
+        mx, w = sizes[-1], self.max_blocks_per_seq
+        buf = torch.zeros(5 * mx + mx * w, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros_like(buf, device="cpu").pin_memory()
+        self._static = {
+            "buf": buf,
+            "ids": buf[:mx],
+            "pos": buf[mx : 2 * mx],
+            "slots": buf[2 * mx : 3 * mx],
+            "tseq": buf[3 * mx : 4 * mx],
+            "tctx": buf[4 * mx : 5 * mx],
+            "bt": buf[5 * mx :].view(mx, w),
+        }
+        st = self._static
+        st["tseq"].copy_(torch.arange(mx, device=self.device))
+        self._host[3 * mx : 4 * mx] = torch.arange(mx)
+        pool = None
+        with torch.inference_mode():
+            for b in sorted(sizes, reverse=True):
+                ctx = PagedAttentionContext(
+                    self.cache,
+                    self.model.layer_numbers.start,
+                    st["slots"][:b],
+                    st["bt"][:b],
+                    st["tseq"][:b],
+                    st["tctx"][:b],
+                    None,
+                    backend="triton",
+                )
+                args = (st["ids"][:b][None], st["pos"][:b][None])
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.model(*args, gather_logits=True, inference_context=ctx)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(*args, gather_logits=True, inference_context=ctx)
+                pool = graph.pool()
+                self.graphs[b] = (graph, out[0])
+        torch.cuda.synchronize(self.device)
+        self._graph_sizes = sorted(self.graphs)
+        log.info("captured decode CUDA graphs for batch sizes %s", self._graph_sizes)
+
+    def _replay(self, batch: StepBatch) -> torch.Tensor:
+        n = len(batch.tokens)
+        b = next(s for s in self._graph_sizes if s >= n)
+        mx = self._graph_sizes[-1]
+        w = self.max_blocks_per_seq
+        h = self._host.numpy()
+        h[: 3 * mx] = 0
+        h[4 * mx : 5 * mx] = 0
+        h[:n] = batch.tokens
+        h[mx : mx + n] = batch.positions
+        h[2 * mx : 2 * mx + n] = batch.slots
+        h[4 * mx : 4 * mx + n] = np.asarray(batch.positions) + 1
+        bt = h[5 * mx :].reshape(mx, w)
+        bt[:b] = 0
+        for i, t in enumerate(batch.block_tables):
+            bt[i, : len(t)] = t
+        used = 5 * mx + b * w
+        self._static["buf"][:used].copy_(self._host[:used], non_blocking=True)
+        graph, out = self.graphs[b]
+        graph.replay()
+        if len(batch.logits_index) == n:
+            return out[:n]
+        return out[torch.tensor(batch.logits_index, device=out.device)]
+
+    def free_blocks(self, table: list[int]) -> None:
+        self.blocks.free(table)

@@ -1,0 +1,228 @@
+"""Sampling: the per-request :class:`SamplingParams` and the one batched controller that turns logits into tokens.
+
+Order of operations on one row of logits (float32):
+
+1. penalties: repetition (CTRL-style, on prompt and output tokens: positive logits divided by the penalty, negative
+   ones multiplied), then presence and frequency (OpenAI-style, on output tokens: ``logit -= presence * seen +
+   frequency * count``);
+2. log-probabilities reported to the user are ``log_softmax`` of these penalised logits (before temperature and
+   truncation, i.e. the model's distribution);
+3. ``temperature == 0`` is greedy (argmax); otherwise logits are divided by the temperature, then top-k, top-p
+   (nucleus, on the distribution left by top-k) and min-p (tokens below ``min_p`` times the top probability) are
+   masked, and a token is drawn. A request with a ``seed`` draws from its own generator, so its output does not
+   depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore_infer.errors import InvalidRequestError
+
+__all__ = ["SamplingParams", "Sampler", "SampleResult"]
+
+
+@dataclass
+class SamplingParams:
+    """How to generate one completion."""
+
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    temperature: float = 1.0
+    """0 is greedy; higher flattens the distribution."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 or -1: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1: off)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (0: off)."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or output (1: off)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    seed: int | None = None
+    """Same seed, same prompt, same parameters: same output."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the completion ends before the first one (it is not included)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the completion (included in token ids, not in text)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-document token."""
+    logprobs: int | None = None
+    """Return the chosen token's log-probability and the top-n alternatives (None: no logprobs)."""
+    echo: bool = False
+    """Prefix the prompt to the returned text (with prompt logprobs when logprobs is set)."""
+    min_tokens: int = 0
+    """Do not stop (on EOD or stop tokens) before this many tokens."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidRequestError` naming the first bad field."""
+
+        def bad(name: str, why: str) -> None:
+            raise InvalidRequestError(f"{name} {why} (got {getattr(self, name)!r})", param=name)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be a positive integer")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            bad("temperature", "must be in [0, 100]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1]")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            bad("repetition_penalty", "must be positive")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                bad(name, "must be in [-2, 2]")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            bad("logprobs", "must be between 0 and 20")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if len(self.stop) > 16:
+            bad("stop", "may hold at most 16 strings")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids below the vocabulary size {vocab_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SampleResult:
+    """Per row: the chosen token, its logprob and the top-n ``(token, logprob)`` pairs (when asked for)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row: parameters, history and the request's generator."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None = None
+    banned: list[int] | None = None  # tokens masked out for this step (EOD and stop ids before min_tokens)
+
+
+class Sampler:
+    """Batched sampling over rows with different :class:`SamplingParams`."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def request_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """``logits``: ``[len(rows), vocab]`` (any float dtype, any device)."""
+        n = len(rows)
+        assert logits.shape[0] == n
+        fast = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in rows)
+        if fast and not any(r.banned for r in rows):
+            return SampleResult(logits.argmax(-1).tolist(), [None] * n, [None] * n)
+        x = logits.float().clone()
+        self._penalise(x, rows)
+        for i, r in enumerate(rows):
+            if r.banned:
+                x[i, r.banned] = float("-inf")
+        want_lp = [r.params.logprobs is not None for r in rows]
+        logp = torch.log_softmax(x, dim=-1) if any(want_lp) else None
+        tokens = torch.empty(n, dtype=torch.long, device=x.device)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=x.device)
+        if bool(greedy.any()):
+            tokens[greedy] = x[greedy].argmax(-1)
+        if not bool(greedy.all()):
+            idx = (~greedy).nonzero().flatten()
+            tokens[idx] = self._draw(x[idx], [rows[i] for i in idx.tolist()])
+        token_list = tokens.tolist()
+        lps: list[float | None] = [None] * n
+        tops: list[list[tuple[int, float]] | None] = [None] * n
+        if logp is not None:
+            chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+            k = max(r.params.logprobs or 0 for r in rows)
+            top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+            for i, r in enumerate(rows):
+                if want_lp[i]:
+                    lps[i] = chosen[i]
+                    m = r.params.logprobs or 0
+                    tops[i] = list(zip(top_i_l[i][:m], top_v_l[i][:m]))
+        return SampleResult(token_list, lps, tops)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _penalise(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
+        vocab = x.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if not p.needs_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
+                seen = seen[seen < vocab]
+                vals = x[i, seen]
+                x[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+                out = torch.tensor(r.output_ids, dtype=torch.long, device=x.device)
+                counts = torch.zeros(vocab, device=x.device).scatter_add_(0, out, torch.ones_like(out, dtype=x.dtype))
+                x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        dev = x.device
+        temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+        x = x / temp
+        vocab = x.shape[1]
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
+        probs = sorted_x.softmax(-1)
+        # nucleus: keep a token while the mass of the tokens before it is below top_p (the first always stays)
+        before = probs.cumsum(-1) - probs
+        sorted_x = sorted_x.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+        probs = sorted_x.softmax(-1)
+        sorted_x = sorted_x.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+        probs = sorted_x.softmax(-1)
+        picked = torch.empty(len(rows), dtype=torch.long, device=dev)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            picked[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                picked[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+        return order.gather(1, picked[:, None])[:, 0]
+
+
+def merge_banned(params: SamplingParams, n_out: int, eod: int | None) -> list[int] | None:
+    """Tokens that may not be chosen yet: EOD and stop token ids while fewer than ``min_tokens`` were made."""
+    if n_out >= params.min_tokens:
+        return None
+    banned = list(params.stop_token_ids)
+    if eod is not None and not params.ignore_eos:
+        banned.append(eod)
+    return banned or None

@@ -1,0 +1,171 @@
+"""Requests in flight and the scheduler: continuous batching, chunked prefill, admission by free KV blocks.
+
+Each step the scheduler fills a token budget (``max_num_batched_tokens``):
+
+1. running requests first, oldest first: one token for those decoding, the next prefill chunk for those still
+   reading their prompt. When a request needs a block and none is free, the newest running request is preempted:
+   its blocks are freed and it goes back to the head of the queue, to be recomputed (prompt plus the tokens it has
+   made so far) when blocks free up. Its output so far is kept.
+2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and free blocks allow (a small
+   reserve of blocks is kept for the running requests' next tokens).
+
+Requests that could never fit (prompt plus ``max_tokens`` over the context length or over the whole cache) are
+rejected when they are added, never queued.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore_infer.kv_cache import BlockManager, blocks_for
+from mcore_infer.runner import StepBatch
+from mcore_infer.sampling import SamplingParams
+
+__all__ = ["Sequence", "Scheduler"]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state (one completion; ``n > 1`` is several sequences)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stream: bool = False
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    # incremental detokenization
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.echo and self.params.logprobs is not None
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int
+    logits: str  # "none", "last" or "all"
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, reserve_fraction: float = 0.01
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs, self.budget = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
+        self.reserve = max(1, int(reserve_fraction * blocks.capacity)) if blocks.capacity > 8 else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> tuple[list[Scheduled], StepBatch]:
+        budget = self.budget
+        plan: list[Scheduled] = []
+        bs = self.blocks.block_size
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted below by an older request
+                continue
+            n = min(seq.length - seq.num_computed, budget)
+            while not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            plan.append(self._plan(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.length - seq.num_computed, budget)
+            need = blocks_for(seq.num_computed + n, bs) - len(seq.block_table)
+            reserve = self.reserve if self.running else 0
+            if self.blocks.num_free - need < reserve:
+                break
+            grown = self.blocks.grow(seq.block_table, seq.num_computed + n)
+            assert grown
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.append(self._plan(seq, n))
+            budget -= n
+        batch = StepBatch()
+        for item in plan:
+            s = item.seq
+            batch.add(
+                s.tokens(s.num_computed, s.num_computed + item.num_tokens),
+                s.num_computed,
+                s.block_table,
+                bs,
+                item.logits,
+            )
+        return plan, batch
+
+    @staticmethod
+    def _plan(seq: Sequence, n: int) -> Scheduled:
+        reaches_end = seq.num_computed + n == seq.length
+        if seq.wants_prompt_logprobs and seq.num_computed < len(seq.prompt_ids) and not seq.output_ids:
+            return Scheduled(seq, n, "all")
+        return Scheduled(seq, n, "last" if reaches_end else "none")
