@@ -75,4 +75,5 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     fields = dict(PRESETS[name], **overrides)
     if isinstance(fields.get("rope_scaling"), dict):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    return TransformerConfig(**fields, extra={"preset": name, **fields.pop("extra", {})})
+    extra = {"preset": name, **(fields.pop("extra", None) or {})}
+    return TransformerConfig(**fields, extra=extra)

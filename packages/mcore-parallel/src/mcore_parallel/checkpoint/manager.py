@@ -112,8 +112,12 @@ class CheckpointManager:
         optimizer: Any = None,
         metadata: dict[str, Any] | None = None,
         rank_state: dict[str, Any] | None = None,
+        extra_files: Mapping[str, str | Path] | None = None,
     ) -> None:
-        """Save (collective: every rank calls it with its own items). Returns once the data is safe to change."""
+        """Save (collective: every rank calls it with its own items). Returns once the data is safe to change.
+
+        ``extra_files`` maps a path inside the checkpoint to a file rank 0 copies there (e.g. the tokenizer).
+        """
         if "/" in name or name.startswith(".") or name == LATEST:
             raise ValueError(f"checkpoint name {name!r} must be a plain directory name (e.g. 'step_000100')")
         self.wait()
@@ -141,6 +145,10 @@ class CheckpointManager:
             write_group_metadata(tmp, attrs)
             write_group_metadata(tmp / "model")
             write_group_metadata(tmp / "optimizer")
+            for inside, source in (extra_files or {}).items():
+                dest = tmp / inside
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, dest)
         _barrier()
         pin = self.async_save and torch.cuda.is_available()
         jobs = plan_model_writes(model_items, self.state, pin)

@@ -1,0 +1,111 @@
+"""Datasets and per-rank micro-batch iterators for a run (built on mcore-data).
+
+Every data-parallel rank reads its own micro-batches of each global batch (Megatron's sampler order, so the union
+over ranks of one step's samples does not depend on dp), starting at ``consumed_samples`` for exact resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_data import GPTDataset, GPTDatasetConfig, MockIndexedDataset, build_gpt_datasets, parse_blend
+from mcore_data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
+from mcore_data.torch import BatchConfig, TorchGPTDataset
+from mcore_train.config import TrainConfig
+from mcore_train.errors import ConfigError
+
+__all__ = ["RunData", "build_run_data", "MicroBatchIterator", "build_tokenizer_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_tokenizer_for(config: TrainConfig) -> Tokenizer:
+    return build_tokenizer(TokenizerSpec(config.data.tokenizer, config.data.tokenizer_model))
+
+
+@dataclass
+class RunData:
+    tokenizer: Tokenizer
+    train: Any
+    valid: Any
+    test: Any
+
+
+def _sizes(config: TrainConfig, train_iters: int) -> list[int]:
+    gb, tr = config.training.global_batch_size, config.training
+    train = train_iters * gb
+    evals = (train_iters // tr.eval_interval + 1) if tr.eval_interval else 1
+    valid = evals * tr.eval_iters * gb if tr.eval_iters else 0
+    test = tr.eval_iters * gb
+    return [train, valid, test]
+
+
+def build_run_data(config: TrainConfig, train_iters: int) -> RunData:
+    """Tokenizer and train/valid/test datasets sized for ``train_iters`` steps (built once, cached on disk)."""
+    d = config.data
+    tokenizer = build_tokenizer_for(config)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            [f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+             f"({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}"]
+        )  # fmt: skip
+    ds_config = GPTDatasetConfig(
+        sequence_length=d.seq_length, random_seed=d.seed, ordering=d.ordering, split=d.split, cache_dir=d.cache_dir
+    )
+    sizes = _sizes(config, train_iters)
+    if d.mock:
+        low = MockIndexedDataset(num_documents=2000, max_length=4 * d.seq_length, vocab_size=tokenizer.vocab_size,
+                                 seed=d.seed, eod=tokenizer.eod)  # fmt: skip
+        splits = [
+            GPTDataset(
+                low,
+                GPTDatasetConfig(d.seq_length, d.seed + k, d.ordering, d.split, None),
+                split=name,
+                num_samples=size or 1,
+            )
+            for k, (name, size) in enumerate(zip(("train", "valid", "test"), sizes))
+        ]
+        return RunData(tokenizer, *splits)
+    if d.path:
+        train, valid, test = build_gpt_datasets(ds_config, sizes, blend=parse_blend(d.path))
+    else:
+        per_split = [parse_blend(p) if p else None for p in (d.train_path, d.valid_path, d.test_path)]
+        train, valid, test = build_gpt_datasets(ds_config, sizes, blend_per_split=per_split)
+    if train is None:
+        raise ConfigError([f"data: the train split is empty (split={d.split!r}, path={d.path})"])
+    return RunData(tokenizer, train, valid, test)
+
+
+class MicroBatchIterator:
+    """Yields this rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_config: BatchConfig,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int,
+        device: torch.device,
+    ) -> None:
+        self.ds = TorchGPTDataset(dataset, batch_config)
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.next_sample = consumed_samples  # global index of the first sample of the next micro-batch round
+        self.device = device
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        lo = self.next_sample + self.dp_rank * self.mbs
+        if self.next_sample + self.mbs * self.dp_size > len(self.ds):
+            raise StopIteration
+        items = [self.ds[(lo + i)] for i in range(self.mbs)]
+        self.next_sample += self.mbs * self.dp_size
+        return {k: torch.stack([it[k] for it in items]).to(self.device, non_blocking=True) for k in items[0]}

@@ -1,0 +1,307 @@
+"""The training loop: steps, LR schedule, logging, evaluation, checkpoints and every exit condition.
+
+Exit conditions: ``train_iters`` (or ``train_tokens``) reached, the wall-clock limit, SIGTERM/SIGINT (the step in
+progress finishes, a checkpoint is saved, and the run returns normally so the process exits 0), and a nan/inf loss
+(stop with a message naming the step, or skip that step's update when ``training.on_nan=skip``). Ranks agree on
+stopping through one small all-reduce per step that also carries the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_models import training_flops_per_token
+from mcore_parallel.ddp import DistributedDataParallel
+from mcore_parallel.pipeline import forward_backward
+from mcore_train.metrics import MetricsWriter, memory_stats, peak_tflops_for
+from mcore_train.trainer import Run, rank_state
+
+__all__ = ["train", "TrainResult", "evaluate", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    exit_reason: str
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    generated: str | None = None
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the handler only records the request (the step in progress finishes)."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: cannot install handlers
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
+        logger.warning("received %s: finishing this step, saving and exiting", self.requested)
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    model = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+    tokens = batch["tokens"] if model.pre_process else None
+    labels = batch["labels"] if model.post_process else None
+    output = chunk(tokens, None, labels=labels)
+
+    def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch["loss_mask"]
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _global_batch_size(run: Run) -> int:
+    tr = run.config.training
+    if not tr.rampup_batch_size:
+        return tr.global_batch_size
+    start, increment, ramp_samples = tr.rampup_batch_size
+    steps = max(1, (tr.global_batch_size - start) // increment)
+    per_increment = ramp_samples / steps
+    return min(tr.global_batch_size, start + int(run.consumed_samples // per_increment) * increment)
+
+
+def _agree(run: Run, loss: float, stop: bool) -> tuple[float, bool]:
+    """(mean loss over data-parallel ranks, whether any rank wants to stop), identical on every rank."""
+    st = run.state
+    contributes = st.is_last_stage and st.tp.rank == 0
+    t = torch.tensor([loss if contributes else 0.0, 1.0 if stop else 0.0], dtype=torch.float64, device=st.device)
+    if dist.is_available() and dist.is_initialized():
+        flag = t[1:].clone()
+        dist.all_reduce(t[:1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        t[1:] = flag
+    return t[0].item() / st.dp_size / st.cp.size, bool(t[1].item())
+
+
+def _run_schedule(run: Run, iterators: list[Any], num_micro: int, forward_only: bool) -> float:
+    cfg = run.config
+    reported = forward_backward(
+        _forward_step, iterators, list[Any](run.ddp), num_micro, cfg.data.seq_length, cfg.training.micro_batch_size,
+        run.model_config.hidden_size, run.state, run.model_config.dtype, forward_only,
+        grad_scale_func=None if forward_only else run.optimizer.scale_loss,
+    )  # fmt: skip
+    if not reported:
+        return 0.0
+    return float(torch.stack([r["loss"].float() for r in reported]).mean().item())
+
+
+def evaluate(run: Run, evaluation_index: int) -> float | None:
+    """Mean validation loss over ``training.eval_iters`` global batches (forward only)."""
+    tr = run.config.training
+    iterators = run.eval_iterators(evaluation_index)
+    if iterators is None or tr.eval_iters == 0:
+        return None
+    num_micro = tr.global_batch_size // (tr.micro_batch_size * run.state.dp_size)
+    for chunk in run.ddp:
+        chunk.eval()
+    total = 0.0
+    try:
+        for _ in range(tr.eval_iters):
+            loss, _ = _agree(run, _run_schedule(run, iterators, num_micro, True), False)
+            total += loss
+    except StopIteration:
+        logger.warning("the validation split ran out of samples; evaluated fewer batches")
+    finally:
+        for chunk in run.ddp:
+            chunk.train()
+    return total / tr.eval_iters
+
+
+def save_checkpoint(run: Run, reason: str) -> None:
+    if run.checkpoints is None:
+        return
+    cfg = run.config
+    extra_files = {}
+    tokenizer: dict[str, Any] = {"kind": cfg.data.tokenizer, "path": None}
+    if cfg.data.tokenizer_model:
+        inside = f"tokenizer/{Path(cfg.data.tokenizer_model).name}"
+        extra_files[inside] = cfg.data.tokenizer_model
+        tokenizer["path"] = inside
+    meta = {
+        "step": run.step,
+        "consumed_samples": run.consumed_samples,
+        "consumed_tokens": run.consumed_tokens,
+        "skipped_steps": run.skipped_steps,
+        "model": run.model_config.to_dict(),
+        "tokenizer": tokenizer,
+        "config": cfg.to_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "loss_scaler": None if run.optimizer.scaler is None else run.optimizer.scaler.state_dict(),
+        "data": {"consumed_samples": run.consumed_samples},
+        "reason": reason,
+    }
+    run.checkpoints.save(f"step_{run.step:07d}", run.items, run.optimizer, meta, rank_state(run), extra_files)
+
+
+def train(run: Run) -> TrainResult:
+    """Train until an exit condition; returns the losses and why it stopped."""
+    cfg, st = run.config, run.state
+    tr, lg = cfg.training, cfg.logging
+    is_logger = st.rank == 0
+    log_dir = lg.dir or cfg.checkpoint.dir
+    writer = MetricsWriter(log_dir if is_logger else None, jsonl=lg.jsonl, tensorboard=lg.tensorboard,
+                           wandb_project=lg.wandb_project if is_logger else None, config=cfg.to_dict())  # fmt: skip
+    flops_per_token = training_flops_per_token(run.model_config, cfg.data.seq_length, tp_size=st.tp.size)
+    peak = peak_tflops_for(st.device, lg.peak_tflops)
+    stop = _StopFlag()
+    stop.install()
+    bar = _progress(run) if is_logger and lg.progress_bar else None
+    result = TrainResult(run.step, None, "train_iters")
+    iterators = run.train_iterators()
+    start_time = time.monotonic()
+    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+    evaluation_index = 0
+    try:
+        while run.step < run.train_iters:
+            gb = _global_batch_size(run)
+            num_micro = gb // (tr.micro_batch_size * st.dp_size)
+            lr = run.scheduler.apply(run.optimizer, run.step)
+            run.optimizer.zero_grad()
+            local_loss = _run_schedule(run, iterators, num_micro, False)
+            over_time = (
+                tr.exit_duration_minutes is not None and time.monotonic() - start_time > 60 * tr.exit_duration_minutes
+            )
+            loss, want_stop = _agree(run, local_loss, stop.requested is not None or over_time)
+            finite = math.isfinite(loss)
+            if not finite and tr.on_nan == "stop":
+                result.exit_reason = "nan"
+                raise_step = run.step + 1
+                from mcore_train.errors import TrainingDiverged
+
+                raise TrainingDiverged(
+                    f"the loss is {loss} at step {raise_step} (consumed samples {run.consumed_samples}); lower "
+                    "optimizer.lr, check the data, or set training.on_nan=skip to drop such steps"
+                )
+            step_result = run.optimizer.step() if finite else None
+            if not finite or (step_result is not None and not step_result.success):
+                run.skipped_steps += 1
+                if not finite:
+                    logger.warning("step %d: loss is %s, update skipped", run.step + 1, loss)
+            run.step += 1
+            run.consumed_samples += gb
+            run.consumed_tokens += gb * cfg.data.seq_length
+            if finite:
+                result.losses.append(loss)
+                window["loss"] += loss
+                window["n"] += 1
+            window["tokens"] += gb * cfg.data.seq_length
+            window["samples"] += gb
+            if run.checkpoints is not None:
+                run.checkpoints.poll()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+            if run.step % lg.log_interval == 0 or run.step == run.train_iters:
+                elapsed = time.perf_counter() - window["t0"]
+                tok_s = window["tokens"] / elapsed
+                tflops = tok_s * flops_per_token / st.world_size / 1e12
+                record: dict[str, Any] = {
+                    "loss": window["loss"] / max(window["n"], 1),
+                    "lr": lr,
+                    "grad_norm": None if step_result is None else step_result.grad_norm,
+                    "num_zeros": None if step_result is None else step_result.num_zeros,
+                    "loss_scale": None if step_result is None else step_result.loss_scale,
+                    "tokens_per_s": tok_s,
+                    "samples_per_s": window["samples"] / elapsed,
+                    "tflops_per_gpu": tflops,
+                    "global_batch_size": gb,
+                    "consumed_tokens": run.consumed_tokens,
+                    "skipped_steps": run.skipped_steps,
+                    **memory_stats(st.device),
+                }
+                if peak:
+                    record["mfu"] = tflops / peak
+                if is_logger:
+                    writer.write(run.step, record)
+                    _log_line(run, record)
+                window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+            if tr.eval_interval and run.step % tr.eval_interval == 0 and run.step < run.train_iters:
+                ev = evaluate(run, evaluation_index)
+                evaluation_index += 1
+                if ev is not None:
+                    result.eval_losses.append((run.step, ev))
+                    if is_logger:
+                        writer.write(run.step, {"valid_loss": ev})
+                        logger.info("step %d: validation loss %.4f (ppl %.2f)", run.step, ev, math.exp(min(ev, 50)))
+            if want_stop:
+                result.exit_reason = stop.requested or "time_limit"
+                break
+            if tr.exit_interval and run.step % tr.exit_interval == 0 and run.step < run.train_iters:
+                result.exit_reason = "exit_interval"
+                break
+            if cfg.checkpoint.save_interval and run.step % cfg.checkpoint.save_interval == 0:
+                save_checkpoint(run, "interval")
+        if result.exit_reason == "train_iters":
+            ev = evaluate(run, evaluation_index)
+            if ev is not None:
+                result.eval_losses.append((run.step, ev))
+                if is_logger:
+                    writer.write(run.step, {"valid_loss": ev})
+                    logger.info("final validation loss %.4f (ppl %.2f)", ev, math.exp(min(ev, 50)))
+        if cfg.checkpoint.dir is not None and (cfg.checkpoint.save_at_end or result.exit_reason != "train_iters"):
+            saved_name = f"step_{run.step:07d}"
+            if not (Path(cfg.checkpoint.dir) / saved_name).exists():
+                save_checkpoint(run, result.exit_reason)
+    finally:
+        if run.checkpoints is not None:
+            run.checkpoints.wait()  # never exit with a save in flight
+        stop.restore()
+        if bar is not None:
+            bar.close()
+        writer.close()
+    result.steps = run.step
+    result.final_loss = result.losses[-1] if result.losses else None
+    return result
+
+
+def _progress(run: Run) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=run.train_iters, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
+                leave=True, mininterval=1.0)  # fmt: skip
+
+
+def _log_line(run: Run, r: dict[str, Any]) -> None:
+    parts = [f"step {run.step}/{run.train_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"grad norm {r['grad_norm']:.3f}")
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss scale {r['loss_scale']:g}")
+    parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    parts.append(f"{r['samples_per_s']:.1f} samples/s")
+    parts.append(f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU")
+    if "mfu" in r:
+        parts.append(f"MFU {r['mfu']:.1%}")
+    mem = r.get("mem_peak_gib", r.get("mem_rss_peak_gib"))
+    if mem is not None:
+        parts.append(f"mem {mem:.2f} GiB")
+    logger.info(" | ".join(parts))

@@ -1,0 +1,215 @@
+"""Building a run: parallel state, model chunks, DDP, optimizer, scheduler, data, checkpoint resume.
+
+:func:`setup` turns a validated :class:`~mcore_train.config.TrainConfig` into a :class:`Run`; the loop lives in
+:mod:`mcore_train.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_data.torch import BatchConfig
+from mcore_models import GPTModel, TransformerConfig
+from mcore_parallel import ParallelState, ShardedTensor
+from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
+from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
+from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
+from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
+from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed
+from mcore_train.config import TrainConfig
+from mcore_train.data import MicroBatchIterator, RunData, build_run_data
+from mcore_train.scheduler import LRScheduler
+
+__all__ = ["Run", "setup", "build_model_chunks", "rank_state", "restore_rank_state"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    config: TrainConfig
+    state: ParallelState
+    model_config: TransformerConfig
+    chunks: list[GPTModel]
+    ddp: list[DistributedDataParallel]
+    optimizer: MixedPrecisionOptimizer
+    scheduler: LRScheduler
+    tracker: RNGStatesTracker
+    data: RunData
+    batch_config: BatchConfig
+    checkpoints: CheckpointManager | None
+    train_iters: int
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0
+    loaded_from: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def items(self) -> dict[str, ShardedTensor]:
+        out: dict[str, ShardedTensor] = {}
+        for chunk in self.chunks:
+            out.update(chunk.sharded_state_dict())
+        return out
+
+    def train_iterators(self) -> list[MicroBatchIterator]:
+        """One iterator per model chunk (each chunk consumes every micro-batch once)."""
+        return [self._iterator(self.data.train, self.consumed_samples) for _ in self.ddp]
+
+    def eval_iterators(self, evaluation_index: int) -> list[MicroBatchIterator] | None:
+        if self.data.valid is None:
+            return None
+        start = evaluation_index * self.config.training.eval_iters * self.config.training.global_batch_size
+        return [self._iterator(self.data.valid, start) for _ in self.ddp]
+
+    def _iterator(self, dataset: Any, start: int) -> MicroBatchIterator:
+        mbs = self.config.training.micro_batch_size
+        return MicroBatchIterator(dataset, self.batch_config, mbs, self.state.dp.rank, self.state.dp_size, start,
+                                  self.state.device)  # fmt: skip
+
+
+def build_model_chunks(
+    config: TrainConfig, model_config: TransformerConfig, state: ParallelState, tracker: RNGStatesTracker | None
+) -> list[GPTModel]:
+    par = config.parallel
+    vpp = par.vpp or 1
+    chunks = []
+    for v in range(vpp):
+        layers = stage_layer_range(model_config.num_layers, par.pp, state.pp.rank, vpp, v,
+                                   par.first_stage_layers, par.last_stage_layers)  # fmt: skip
+        chunks.append(
+            GPTModel(
+                model_config,
+                tp=state.tp,
+                sequence_parallel=state.sequence_parallel,
+                pre_process=state.is_first_stage and v == 0,
+                post_process=state.is_last_stage and v == vpp - 1,
+                layers=layers,
+                rng_tracker=tracker,
+                device=state.device,
+            )
+        )
+    return chunks
+
+
+def rank_state(run: Run) -> dict[str, Any]:
+    """RNG streams of this rank (saved with every checkpoint for exact resume)."""
+    out: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "tracker": run.tracker.state_dict()}
+    if run.state.device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(run.state.device)
+    return out
+
+
+def restore_rank_state(run: Run, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        logger.warning("no RNG state saved for rank %d: dropout masks after resume will differ", run.state.rank)
+        return
+    torch.set_rng_state(saved["torch_cpu"])
+    if "cuda" in saved and run.state.device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], run.state.device)
+    run.tracker.load_state_dict(saved["tracker"])
+
+
+def _train_iters(config: TrainConfig) -> int:
+    tr = config.training
+    if tr.train_iters is not None:
+        return tr.train_iters
+    assert tr.train_tokens is not None
+    return math.ceil(tr.train_tokens / (tr.global_batch_size * config.data.seq_length))
+
+
+def _load_path(config: TrainConfig) -> Path | None:
+    ck = config.checkpoint
+    if ck.load is not None:
+        p = Path(ck.load)
+        return p if (p / "zarr.json").exists() else latest_checkpoint(p)
+    if ck.dir is not None and ck.auto_resume:
+        return latest_checkpoint(ck.dir)
+    return None
+
+
+def setup(config: TrainConfig) -> Run:
+    """Everything a run needs, resumed from a checkpoint when one is configured or found."""
+    state = ParallelState.initialize(
+        config.parallel.parallel_config(),
+        backend=config.parallel.backend,
+        device=config.training.device,
+    )
+    config.check_layout(state.world_size)
+    model_config = config.model
+    tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
+                                  device=state.device)  # fmt: skip
+    chunks = build_model_chunks(config, model_config, state, tracker)
+    ddp_config = DDPConfig(
+        bucket_size=config.parallel.bucket_size,
+        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
+    )
+    ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]
+    sync_shared_embedding_weights(ddp, state)
+    optimizer = get_optimizer(config.optimizer, ddp, state)
+    train_iters = _train_iters(config)
+    scheduler = LRScheduler(config.scheduler, config.optimizer.lr, train_iters)
+    data = build_run_data(config, train_iters)
+    batch_config = BatchConfig(eod_id=data.tokenizer.eod, eod_mask_loss=config.data.eod_mask_loss)
+    manager = None
+    if config.checkpoint.dir is not None:
+        manager = CheckpointManager(config.checkpoint.dir, state, keep_last=config.checkpoint.keep_last,
+                                    async_save=config.checkpoint.async_save)  # fmt: skip
+    run = Run(config, state, model_config, chunks, ddp, optimizer, scheduler, tracker, data, batch_config, manager,
+              train_iters)  # fmt: skip
+    path = _load_path(config)
+    if path is not None:
+        _resume(run, path)
+    return run
+
+
+def _resume(run: Run, path: Path) -> None:
+    meta = read_metadata(path)
+    saved_model = meta.get("model")
+    if saved_model is not None:
+        saved = TransformerConfig.from_dict(saved_model)
+        diffs = [f.name for f in dataclasses.fields(saved) if f.name not in ("recompute", "recompute_num_layers",
+                 "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
+                 and getattr(saved, f.name) != getattr(run.model_config, f.name)]  # fmt: skip
+        if diffs:
+            from mcore_train.errors import ConfigError
+
+            raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "
+                               f"{getattr(run.model_config, d)!r}" for d in diffs],
+                              header=f"the model in {path} differs from the configured one")  # fmt: skip
+    if run.config.checkpoint.finetune:
+        for chunk in run.chunks:
+            load_model(path, chunk.sharded_state_dict())
+        # the optimizer's fp32 master weights must start from the loaded weights too
+        _reseed_master(run)
+        run.loaded_from = path
+        logger.info("fine-tuning from the weights of %s", path)
+        return
+    manager = run.checkpoints or CheckpointManager(path.parent, run.state)
+    _, meta, saved_rank_state = manager.load(run.items, run.optimizer, path)
+    run.step = int(meta.get("step", 0))
+    run.consumed_samples = int(meta.get("consumed_samples", 0))
+    run.consumed_tokens = int(meta.get("consumed_tokens", 0))
+    run.skipped_steps = int(meta.get("skipped_steps", 0))
+    if meta.get("loss_scaler") is not None and run.optimizer.scaler is not None:
+        run.optimizer.scaler.load_state_dict(meta["loss_scaler"])
+    restore_rank_state(run, saved_rank_state)
+    run.loaded_from = path
+    logger.info("resumed from %s at step %d (%d samples consumed)", path, run.step, run.consumed_samples)
+
+
+def _reseed_master(run: Run) -> None:
+    """Copy the (just loaded) model weights into the optimizer's fp32 master copies."""
+    with torch.no_grad():
+        for slot in run.optimizer.slots:
+            src = slot.param.detach().reshape(-1)[slot.lo : slot.hi]
+            slot.master.view(-1).copy_(src.float())
