@@ -1,0 +1,101 @@
+"""``mcore-infer``: ``serve`` (OpenAI-compatible HTTP server) and ``generate`` (one-off completions).
+
+Tensor parallel serving: ``torchrun --nproc-per-node N -m mcore_infer.cli serve --tp N ...``; rank 0 serves HTTP
+and runs the scheduler, the other ranks follow its steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mcore_infer.config import EngineConfig
+from mcore_infer.sampling import SamplingParams
+
+__all__ = ["main"]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="mcore checkpoint (or run directory with a 'latest')")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--memory-fraction", type=float, default=0.85)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
+
+
+def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
+    from mcore_infer.api import LLM
+    from mcore_parallel import ParallelConfig, ParallelState
+
+    state = ParallelState.initialize(ParallelConfig(tp=args.tp))
+    device = args.device
+    if device is None:
+        import torch
+
+        device = f"cuda:{state.local_rank}" if torch.cuda.is_available() else "cpu"
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        memory_fraction=args.memory_fraction,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graphs=not args.no_cuda_graphs,
+        attention_backend=args.attention,
+    )
+    return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mcore-infer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get at exit")
+    g = sub.add_parser("generate", help="complete prompts and print the results")
+    _engine_args(g)
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from mcore_infer.api import LLM
+
+    llm = _build_llm(args, getattr(args, "model_name", None))
+    assert isinstance(llm, LLM)
+    if not llm.is_driver:
+        llm.follow()
+        return 0
+    if args.command == "generate":
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
+        for gen in llm.generate(args.prompts, params):
+            sys.stdout.write(f"{gen.outputs[0].text!r}\n")
+        llm.shutdown()
+        return 0
+    from mcore_infer.async_engine import AsyncEngine
+    from mcore_infer.server import build_app, serve
+
+    app = build_app(AsyncEngine(llm.engine), llm.tokenizer, llm.name, args.shutdown_timeout)
+    serve(app, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

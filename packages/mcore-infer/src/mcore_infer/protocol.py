@@ -1,0 +1,115 @@
+"""OpenAI request parsing and response shapes (plain dicts), and the simple chat template.
+
+Parsing is by hand so that every bad field gives a 400 naming it (``param``), as OpenAI's API does.
+
+Chat template (used because mcore tokenizers carry none): each message becomes ``<|{role}|>\\n{content}\\n``, and
+the prompt ends with ``<|assistant|>\\n``. Generation stops at the end-of-document token or at ``<|user|>`` /
+``<|system|>`` (added to the request's stop strings).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore_infer.errors import InvalidRequestError
+from mcore_infer.sampling import SamplingParams
+
+__all__ = ["CHAT_STOP", "apply_chat_template", "sampling_from_request"]
+
+CHAT_STOP = ["<|user|>", "<|system|>"]
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def apply_chat_template(messages: Any) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise InvalidRequestError(f"messages[{i}] needs a role in {_ROLES}", param=f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise InvalidRequestError("only text content parts are supported", param=f"messages[{i}].content")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise InvalidRequestError("content must be a string or a list of text parts", param=f"messages[{i}]")
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if isinstance(v, bool) and kind is not bool:
+        raise InvalidRequestError(f"{name} must be of type {getattr(kind, '__name__', kind)}", param=name)
+    if not isinstance(v, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise InvalidRequestError(f"{name} must be of type {names} (got {type(v).__name__})", param=name)
+    return v
+
+
+def sampling_from_request(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, int, bool]:
+    """``(params, n, stream)`` from an OpenAI completions / chat-completions body."""
+    for unsupported in ("logit_bias", "suffix", "tools", "functions", "response_format"):
+        if body.get(unsupported):
+            raise InvalidRequestError(f"{unsupported} is not supported by this server", param=unsupported)
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= 16:
+        raise InvalidRequestError("n must be between 1 and 16", param="n")
+    best_of = _get(body, "best_of", int, n)
+    if best_of != n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    stream = _get(body, "stream", bool, False)
+    max_tokens = _get(body, "max_tokens", int, 16 if not chat else None)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _get(body, "max_completion_tokens", int, None)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+    if chat:
+        stop = list(stop) + CHAT_STOP
+        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool, False) else None
+        if body.get("top_logprobs") is not None and logprobs is None:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        echo = False
+    else:
+        logprobs = _get(body, "logprobs", int, None)
+        echo = _get(body, "echo", bool, False)
+    stop_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_get(body, "temperature", float, 1.0),
+        top_p=_get(body, "top_p", float, 1.0),
+        top_k=_get(body, "top_k", int, 0),
+        min_p=_get(body, "min_p", float, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
+        presence_penalty=_get(body, "presence_penalty", float, 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
+        seed=_get(body, "seed", int, None),
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        logprobs=logprobs,
+        echo=echo,
+        min_tokens=_get(body, "min_tokens", int, 0),
+    )
+    return params, n, stream
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

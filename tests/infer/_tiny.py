@@ -1,0 +1,53 @@
+"""A tiny Llama-style model (byte vocabulary) and the plain full-recompute greedy loop the engine must match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcore_models import GPTModel, TransformerConfig
+from mcore_parallel import Group
+
+
+def tiny_config(**kw: Any) -> TransformerConfig:
+    base: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        activation="swiglu",
+        normalization="rmsnorm",
+        add_bias_linear=False,
+        position_embedding="rope",
+        vocab_size=259,
+        max_position_embeddings=256,
+        share_embeddings_and_output_weights=False,
+        init_method_std=0.2,
+        seed=1234,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def tiny_model(tp: Group | None = None, **kw: Any) -> GPTModel:
+    return GPTModel(tiny_config(**kw), tp=tp).eval()
+
+
+@torch.no_grad()
+def reference_greedy(model: GPTModel, prompt: list[int], n: int) -> list[int]:
+    """Recompute the whole sequence for every new token (no cache), argmax of the last position."""
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        logits = model(torch.tensor([ids]), gather_logits=True)[0, -1]
+        t = int(logits.argmax())
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+def prompts_of_lengths(*lengths: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,149 @@
+"""The engine's greedy output equals a plain full-recompute loop, whatever the batching, chunking and cache do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_infer import LLM, ContextLengthError, EngineConfig, InvalidRequestError, SamplingParams
+from mcore_infer.attention import Segment, plain_paged_attention
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _llm(model, **kw) -> LLM:
+    cfg = dict(block_size=16, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
+    cfg.update(kw)
+    return LLM(model=model, config=EngineConfig(**cfg))
+
+
+def test_batched_greedy_matches_full_recompute(model) -> None:
+    # 6 prompts, max 4 running, 32-token budget: long prompts are prefilled in chunks next to running decodes,
+    # and queued requests join the batch as others finish
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    llm = _llm(model)
+    res = llm.generate(prompts, GREEDY)
+    for p, r in zip(prompts, res):
+        assert r.outputs[0].token_ids == reference_greedy(model, p, 10)
+        assert r.outputs[0].finish_reason == "length"
+    assert llm.runner.blocks.num_free == llm.runner.blocks.capacity  # every block came back
+
+
+def test_requests_joining_mid_run(model) -> None:
+    prompts = prompts_of_lengths(9, 30, 4, 21, seed=1)
+    llm = _llm(model, max_num_batched_tokens=16)
+    eng = llm.engine
+    done = {}
+    rids = [eng.add_request(prompts[0], GREEDY), eng.add_request(prompts[1], GREEDY)]
+    for step in range(200):
+        if step == 3:
+            rids.append(eng.add_request(prompts[2], GREEDY))
+        if step == 6:
+            assert eng.num_running >= 1  # still decoding the first ones
+            rids.append(eng.add_request(prompts[3], GREEDY))
+        for out in eng.step():
+            done[out.request_id] = out.token_ids
+        if len(done) == 4:
+            break
+    for rid, p in zip(rids, prompts):
+        assert done[rid] == reference_greedy(model, p, 10)
+
+
+def test_preemption_under_a_small_cache_keeps_outputs(model) -> None:
+    # 9 blocks of 8 tokens (8 usable): four requests of ~40 tokens cannot all fit; some are preempted and redone
+    prompts = prompts_of_lengths(20, 22, 18, 25, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    llm = _llm(model, block_size=8, num_blocks=11, max_num_batched_tokens=64)
+    res = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, r in zip(prompts, res):
+        assert r.outputs[0].token_ids == reference_greedy(model, p, 14)
+    assert llm.runner.blocks.num_free == llm.runner.blocks.capacity
+
+
+def test_requests_that_can_never_fit_are_rejected(model) -> None:
+    llm = _llm(model, block_size=8, num_blocks=5)  # 4 usable blocks: 32 tokens
+    with pytest.raises(ContextLengthError) as e:
+        llm.generate([[1] * 30], SamplingParams(max_tokens=10))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ContextLengthError):
+        llm.generate([[1] * 300], SamplingParams(max_tokens=1))  # over max_position_embeddings=256
+    with pytest.raises(InvalidRequestError) as e2:
+        llm.generate(["hi"], SamplingParams(top_p=0.0))
+    assert e2.value.param == "top_p"
+
+
+def test_abort_frees_blocks(model) -> None:
+    llm = _llm(model)
+    eng = llm.engine
+    rid = eng.add_request(prompts_of_lengths(50)[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert llm.runner.blocks.num_free < llm.runner.blocks.capacity
+    eng.abort(rid)
+    outs = eng.step()
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert llm.runner.blocks.num_free == llm.runner.blocks.capacity and not eng.has_work()
+
+
+def test_streaming_deltas_add_up_and_stop_strings(model) -> None:
+    llm = _llm(model)
+    prompt = "hello there"
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    pieces, ids = [], []
+    for out in llm.generate_stream(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)):
+        pieces.append(out.new_text)
+        ids += out.new_token_ids
+    assert ids == full.token_ids and "".join(pieces) == full.text == out.text
+    # a stop string taken from the middle of the greedy text: output ends right before it
+    text = full.text
+    stop = text[4:6]
+    cut = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    o = cut[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop and o.text == text[: text.index(stop)]
+    # stop token ids and eos
+    tok = full.token_ids[3]
+    o2 = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tok]))[0].outputs[0]
+    assert o2.token_ids == full.token_ids[: full.token_ids.index(tok) + 1] and o2.stop_reason == tok
+
+
+def test_echo_prompt_logprobs_match_the_model(model) -> None:
+    llm = _llm(model)
+    prompt = prompts_of_lengths(40, seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=3, echo=True))[0].outputs[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]), gather_logits=True)[0].float(), -1)
+    want = [None] + [float(logp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert out.prompt_logprobs[0] is None
+    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(want[1:]), atol=1e-4)
+    assert out.logprobs[0] == pytest.approx(float(logp[-1].max()), abs=1e-4)
+    assert len(out.top_logprobs[0]) == 3 and out.top_logprobs[0][0][0] == out.token_ids[0]
+
+
+def test_plain_paged_attention_matches_causal_sdpa() -> None:
+    torch.manual_seed(0)
+    bs, groups, heads, d, n = 4, 2, 4, 8, 11
+    k = torch.randn(n, groups, d)
+    v = torch.randn(n, groups, d)
+    q = torch.randn(n, heads, d)
+    table = [5, 2, 7]
+    kc = torch.zeros(9, bs, groups, d)
+    vc = torch.zeros(9, bs, groups, d)
+    for p in range(n):
+        kc[table[p // bs], p % bs] = k[p]
+        vc[table[p // bs], p % bs] = v[p]
+    # the last 3 tokens as a chunk over 8 cached ones
+    out = plain_paged_attention(q[8:], kc, vc, [Segment(0, 3, 0, 11)], [table])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    assert torch.allclose(out, ref[8:], atol=1e-5)
