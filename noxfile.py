@@ -111,14 +111,19 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: see README.md."""
-    _install(session, _local_closure("mcore-parallel"))
-    nproc = os.environ.get("MCORE_DEMO_NPROC", "2")
+    """The main job (README quick start): prepare the demo corpus, pretrain the tiny recipe on CPU, sample text."""
+    _install(session, _local_closure("mcore-train"))
+    run_dir = os.environ.get("MCORE_DEMO_DIR", "runs/demo")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    session.run("mcore-train", "prepare-demo", "--out", "data/demo", env=env)
     session.run(
-        "torchrun",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "examples/tp_demo.py",
+        "mcore-train",
+        "pretrain",
+        "--recipe",
+        "tiny",
+        "data.path=data/demo/stdlib_text",
+        f"checkpoint.dir={run_dir}",
+        "checkpoint.auto_resume=false",
         *session.posargs,
-        env={"OMP_NUM_THREADS": "1"},
+        env=env,
     )
