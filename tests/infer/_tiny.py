@@ -41,7 +41,7 @@ def reference_greedy(model: GPTModel, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     out = []
     for _ in range(n):
-        logits = model(torch.tensor([ids]), gather_logits=True)[0, -1]
+        logits = model(torch.tensor([ids], device=next(model.parameters()).device), gather_logits=True)[0, -1]
         t = int(logits.argmax())
         out.append(t)
         ids.append(t)

@@ -59,6 +59,7 @@ def _kernel() -> Any:
         HPG_PAD: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -80,13 +81,19 @@ def _kernel() -> Any:
             base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
             k = tl.load(K + base)
             v = tl.load(V + base)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if IEEE:  # float32 caches: exact products (no TF32), as the plain path computes
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where((start + offs)[None, :] < ctx, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
@@ -139,5 +146,6 @@ def paged_attention_triton(
         HPG_PAD=max(16, 1 << (hpg - 1).bit_length()),
         D=d,
         BLOCK=block_size,
+        IEEE=k_cache.dtype == torch.float32,
     )
     return out

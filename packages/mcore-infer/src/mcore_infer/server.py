@@ -8,7 +8,7 @@ context length, 404 for an unknown model, 413 for an oversized body, 503 when ov
 fastapi and uvicorn are imported only when the app is built (``pip install mcore-infer[server]``).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime
 
 import asyncio
 import contextlib

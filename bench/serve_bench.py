@@ -1,0 +1,269 @@
+"""Serving benchmark: llama-1b (random weights, bf16), prompt 128, 128 output tokens, greedy.
+
+Through the engine at each concurrency (all requests submitted at once, continuous batching): output tokens/s,
+time to first token (TTFT) and per-token latency (TPOT: (finish - first token) / (tokens - 1)), p50/p99 over
+requests. Once through the HTTP server (uvicorn in this process, streaming completions over httpx) at concurrency
+64. Optionally the Hugging Face ``generate`` baseline with a static cache + ``torch.compile`` (CUDA graphs) on the
+same model shape, in a subprocess (``--hf``).
+
+    PYTHONPATH=packages/mcore-parallel/src:packages/mcore-models/src:packages/mcore-data/src:packages/mcore-infer/src \\
+        python bench/serve_bench.py --out results.json [--hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+PROMPT, GEN = 128, 128
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    from mcore_infer import LLM, EngineConfig
+    from mcore_models import GPTModel, preset
+
+    torch.manual_seed(0)
+    small = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
+    over: dict[str, Any] = small if args.smoke else {}
+    model = GPTModel(preset("llama-1b", params_dtype=args.dtype, **over), device=args.device)
+    cfg = EngineConfig(
+        block_size=args.block_size,
+        max_model_len=1024,
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=args.batched_tokens,
+        memory_fraction=0.6,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(model=model, config=cfg, name="llama-1b")
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s: graphs {sorted(llm.runner.graphs)}", flush=True)
+    return llm
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, PROMPT), generator=g).tolist()
+
+
+def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
+    from mcore_infer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    ps = prompts(conc, 32768, seed)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = llm.generate(ps, params)
+    wall = time.perf_counter() - t0
+    outs = [g.outputs[0] for g in res]
+    assert all(len(o.token_ids) == GEN for o in outs)
+    ttft = [(o.metrics["first_token"] - o.metrics["arrival"]) * 1e3 for o in outs]
+    tpot = [(o.metrics["finished"] - o.metrics["first_token"]) * 1e3 / (GEN - 1) for o in outs]
+    return {
+        "concurrency": conc,
+        "output_tok_s": conc * GEN / wall,
+        "wall_s": wall,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "tpot_ms_p50": pct(tpot, 50),
+        "tpot_ms_p99": pct(tpot, 99),
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
+
+
+def http_run(llm: Any, conc: int) -> dict[str, Any]:
+    import httpx
+    import uvicorn
+
+    from mcore_infer.async_engine import AsyncEngine
+    from mcore_infer.server import build_app
+
+    app = build_app(AsyncEngine(llm.engine), llm.tokenizer, "llama-1b")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    ps = prompts(conc, 32768, 99)
+
+    async def one(client: httpx.AsyncClient, p: list[int]) -> tuple[float, float, float, int]:
+        body = {
+            "model": "llama-1b",
+            "prompt": p,
+            "max_tokens": GEN,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        first, n = None, 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    if first is None:
+                        first = time.perf_counter()
+                    n += 1
+        end = time.perf_counter()
+        assert first is not None
+        return t0, first, end, n
+
+    async def main() -> tuple[float, list[tuple[float, float, float, int]]]:
+        limits = httpx.Limits(max_connections=conc + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            await one(client, ps[0])  # warm-up
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one(client, p) for p in ps))
+            return time.perf_counter() - t0, res
+
+    wall, res = asyncio.run(main())
+    server.should_exit = True
+    th.join(timeout=30)
+    ttft = [(f - s) * 1e3 for s, f, _, _ in res]
+    tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
+    return {
+        "concurrency": conc,
+        "via": "http (streaming /v1/completions)",
+        "output_tok_s": conc * GEN / wall,
+        "wall_s": wall,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "tpot_ms_p50": pct(tpot, 50),
+        "tpot_ms_p99": pct(tpot, 99),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ HF baseline
+def hf_baseline(batch_sizes: list[int], deadline_s: float) -> list[dict[str, Any]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32768,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    start = time.perf_counter()
+    out = []
+    for bs in batch_sizes:
+        if time.perf_counter() - start > deadline_s:
+            out.append({"batch": bs, "skipped": "time budget"})
+            continue
+        ids = torch.randint(0, 32768, (bs, PROMPT), device="cuda")
+        kw = dict(max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False, pad_token_id=0)
+        t_c = time.perf_counter()
+        for _ in range(2):  # compile + capture, then a warm run
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        compile_s = time.perf_counter() - t_c
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        n = (g.shape[1] - PROMPT) * bs
+        out.append(
+            {
+                "batch": bs,
+                "output_tok_s": n / wall,
+                "ms_per_token": wall * 1e3 / (g.shape[1] - PROMPT),
+                "warmup_s": compile_s,
+            }
+        )
+        print("hf", out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,8,32,64,256")
+    ap.add_argument("--http-concurrency", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", default="serve_bench.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
+    ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
+    ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hf-batches", default="1,8,32,64")
+    ap.add_argument("--hf-deadline", type=float, default=150.0)
+    args = ap.parse_args()
+    if args.hf_only:
+        res = hf_baseline([int(b) for b in args.hf_batches.split(",")], args.hf_deadline)
+        with open(args.hf_only, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    results: dict[str, Any] = {"device": dev, "torch": torch.__version__, "engine": []}
+    llm = build_llm(args)
+    engine_run(llm, 8, 1)  # warm-up (first prefill shapes, allocator)
+    for c in args.concurrency:
+        r = engine_run(llm, c, 2 + c)
+        print(json.dumps(r), flush=True)
+        results["engine"].append(r)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.http_concurrency:
+        try:
+            r = http_run(llm, args.http_concurrency)
+            print(json.dumps(r), flush=True)
+            results["http"] = r
+        except Exception as e:  # keep the engine numbers if the HTTP stack is missing
+            results["http"] = {"error": repr(e)}
+            print("http failed:", repr(e), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.hf:
+        del llm
+        torch.cuda.empty_cache()
+        hf_out = args.out + ".hf.json"
+        cmd = [
+            sys.executable,
+            __file__,
+            "--hf-only",
+            hf_out,
+            "--hf-batches",
+            args.hf_batches,
+            "--hf-deadline",
+            str(args.hf_deadline),
+        ]
+        try:
+            subprocess.run(cmd, check=False, timeout=args.hf_deadline + 120, env=os.environ.copy())
+            with open(hf_out) as f:
+                results["hf_static_compile"] = json.load(f)
+        except Exception as e:
+            results["hf_static_compile"] = {"error": repr(e)}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps({k: v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
