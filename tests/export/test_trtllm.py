@@ -63,7 +63,8 @@ def _expected_names(cfg: dict[str, Any], first: bool, last: bool, n_layers: int)
     for j in range(n_layers):
         p = f"transformer.layers.{j}"
         names |= {f"{p}.input_layernorm.{n}" for n in norm} | {f"{p}.post_layernorm.{n}" for n in norm}
-        for lin in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj") + (() if gpt else ("mlp.gate",)):
+        gated = cfg["hidden_act"] in ("silu", "swiglu")
+        for lin in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj") + (("mlp.gate",) if gated else ()):
             names.add(f"{p}.{lin}.weight")
             if gpt and cfg["bias"]:
                 names.add(f"{p}.{lin}.bias")
@@ -231,10 +232,14 @@ def _trt_forward(cfg: dict[str, Any], ranks: list[dict[str, torch.Tensor]], ids:
             mlp_out = bias(files[0], f"{p}.mlp.proj.bias")
             for f in files:
                 fc = hidden @ f[f"{p}.mlp.fc.weight"].double().t() + bias(f, f"{p}.mlp.fc.bias")
-                if gpt:
+                act = cfg["hidden_act"]
+                if act == "gelu":  # TensorRT-LLM's gelu is the tanh approximation
                     inter = F.gelu(fc, approximate="tanh")
-                else:  # the activated branch is mlp.fc, multiplied by mlp.gate
-                    inter = F.silu(fc) * (hidden @ f[f"{p}.mlp.gate.weight"].double().t())
+                elif act == "squared-relu":
+                    inter = F.relu(fc).square()
+                else:  # silu (Llama) / swiglu (GPT): the activated branch is mlp.fc, multiplied by mlp.gate
+                    gate = hidden @ f[f"{p}.mlp.gate.weight"].double().t() + bias(f, f"{p}.mlp.gate.bias")
+                    inter = F.silu(fc) * gate
                 mlp_out = mlp_out + inter @ f[f"{p}.mlp.proj.weight"].double().t()
             x = x + mlp_out
     last = [ranks[(pp - 1) * tp + t] for t in range(tp)]
@@ -321,3 +326,34 @@ def test_engine_build_needs_tensorrt_llm(tmp_path: Path) -> None:
         pytest.skip("tensorrt_llm is installed")
     with pytest.raises(ExportError, match="tensorrt-llm"):
         build_engine(tmp_path / "trt", tmp_path / "engine")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        gpt2(
+            activation="swiglu",
+            position_embedding="rope",
+            add_bias_linear=False,
+            ffn_hidden_size=48,
+            num_query_groups=2,
+            share_embeddings_and_output_weights=False,
+        ),
+        gpt2(activation="squared_relu", num_layers=3),
+    ],
+    ids=["gpt-rope-swiglu-gqa-nobias", "gpt-squared-relu"],
+)
+def test_gpt_variants_forward(config: TransformerConfig, tmp_path: Path) -> None:
+    """GPTForCausalLM beyond GPT-2: rotary positions, gated MLP (fc activated, gate multiplied), GQA, no biases."""
+    ckpt = save(config, tmp_path / "ckpt")
+    for tp, pp in ((1, 1), (2, 2)):
+        cfg, ranks = _load_ranks(export_trtllm(ckpt, tmp_path / f"trt{tp}{pp}", tp=tp, pp=pp))
+        assert cfg["architecture"] == "GPTForCausalLM" and "gpt_variant" not in cfg
+        assert cfg["hidden_act"] == {"swiglu": "swiglu", "squared_relu": "squared-relu"}[config.activation]
+        for r in range(tp * pp):
+            stage = r // tp
+            n = len(_stage_layers(config.num_layers, pp)[stage])
+            assert set(ranks[r]) == _expected_names(cfg, stage == 0, stage == pp - 1, n)
+        ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(_trt_forward(cfg, ranks, ids), logits(reference_model(config), ids).double(),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
