@@ -202,3 +202,20 @@ def test_non_empty_output_refused_unless_overwrite(ckpt_cache: dict, ckpt_root: 
     empty.mkdir()
     export_hf(ckpt, empty)  # an existing empty directory is fine
     assert (empty / "config.json").exists()
+
+
+def test_sentencepiece_tokenizer_becomes_llama_tokenizer(tmp_path: Path) -> None:
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")  # transformers needs it to read tokenizer.model
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["hello world, a sentencepiece export test"] * 40 + ["more words here"] * 40))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                   model_type="bpe", minloglevel=2)  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    spec = {"kind": "sentencepiece", "path": str(tmp_path / "sp.model")}
+    ckpt = save(llama(vocab_size=sp.get_piece_size()), tmp_path / "ckpt", tokenizer=spec)
+    out = export_hf(ckpt, tmp_path / "hf")
+    assert (out / "tokenizer.model").read_bytes() == (tmp_path / "sp.model").read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hello world", add_special_tokens=False)["input_ids"] == sp.encode("hello world")
+    assert tok.eos_token_id == sp.eos_id()
