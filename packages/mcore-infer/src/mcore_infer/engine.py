@@ -71,6 +71,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_aborted = 0
 
     # ---------------------------------------------------------------------------------------------- requests
     def new_request_id(self) -> str:
@@ -150,6 +151,7 @@ class LLMEngine:
                 seq = self._seqs.pop(arg)
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
+                self.num_aborted += 1
                 outputs.append(self._output(seq))
 
     # ------------------------------------------------------------------------------------------------- steps
