@@ -147,3 +147,16 @@ def test_plain_paged_attention_matches_causal_sdpa() -> None:
         is_causal=True,
     ).transpose(0, 1)
     assert torch.allclose(out, ref[8:], atol=1e-5)
+
+
+def test_full_queue_is_refused_as_overloaded(model) -> None:
+    from mcore_infer import OverloadedError
+
+    llm = _llm(model)
+    llm.engine.max_queue = 2
+    llm.engine.add_request([1, 2, 3], GREEDY)
+    llm.engine.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(OverloadedError):
+        llm.engine.add_request([1, 2, 3], GREEDY)
+    while llm.engine.has_work():
+        llm.engine.step()
