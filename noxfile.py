@@ -64,15 +64,20 @@ def _local_closure(name: str) -> list[str]:
 
 
 def _install(session: nox.Session, names: list[str], extras: dict[str, list[str]] | None = None) -> None:
+    """Install local packages (siblings resolved from this checkout) and the requirements of chosen extras.
+
+    Extras are installed as plain requirement strings in a second step: pip does not match a sibling's exact pin
+    (``mcore-models==0.1.0``) to a local directory given with extras (``packages/mcore-models[test]``).
+    """
     session.install("-c", str(CONSTRAINTS), "hatchling>=1.18", *TEST_DEPS)
-    targets = []
+    session.install("-c", str(CONSTRAINTS), "--no-build-isolation", *[str(PACKAGES[n]["dir"]) for n in names])
+    wanted: list[str] = []
     for n in names:
-        spec = str(PACKAGES[n]["dir"])
-        wanted = [e for e in (extras or {}).get(n, []) if e in PACKAGES[n]["project"].get("optional-dependencies", {})]
-        if wanted:
-            spec += "[" + ",".join(wanted) + "]"
-        targets.append(spec)
-    session.install("-c", str(CONSTRAINTS), "--no-build-isolation", *targets)
+        optional = PACKAGES[n]["project"].get("optional-dependencies", {})
+        for extra in (extras or {}).get(n, []):
+            wanted += [r for r in optional.get(extra, []) if _requirement_name(r) not in PACKAGES]
+    if wanted:
+        session.install("-c", str(CONSTRAINTS), *sorted(set(wanted)))
 
 
 def _short(name: str) -> str:

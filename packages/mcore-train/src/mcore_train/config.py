@@ -341,6 +341,13 @@ class TrainConfig:
                 f"data.seq_length={self.data.seq_length} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings} (learned positions)"
             )
+        sc = self.scheduler
+        decay = sc.decay_iters if sc.decay_iters is not None else tr.train_iters
+        if decay is not None and sc.decay_style != "constant" and sc.warmup_iters > decay:
+            problems.append(
+                f"scheduler.warmup_iters={sc.warmup_iters} exceeds the decay length {decay} "
+                "(scheduler.decay_iters, default training.train_iters)"
+            )
         if self.data.tokenizer != "byte" and not self.data.tokenizer_model:
             problems.append(f"data.tokenizer={self.data.tokenizer!r} needs data.tokenizer_model (the model file)")
         if not (self.data.mock or self.data.path or self.data.train_path):

@@ -151,9 +151,10 @@ class CheckpointManager:
                 shutil.copyfile(source, dest)
         _barrier()
         pin = self.async_save and torch.cuda.is_available()
-        jobs = plan_model_writes(model_items, self.state, pin)
+        snapshot = self.async_save  # a background writer needs its own copy of CPU tensors
+        jobs = plan_model_writes(model_items, self.state, pin, snapshot)
         if optimizer is not None:
-            jobs += plan_optimizer_writes(optimizer, model_items, self.state, pin)
+            jobs += plan_optimizer_writes(optimizer, model_items, self.state, pin, snapshot)
         if rank_state is not None:
             (tmp / "rank_state").mkdir(exist_ok=True)
             torch.save(rank_state, tmp / "rank_state" / f"rank_{self.state.rank:05d}.pt")

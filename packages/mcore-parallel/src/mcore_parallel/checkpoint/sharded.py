@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = ["WriteJob", "plan_model_writes", "plan_optimizer_writes", "write_jobs
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+WRITE_THREADS = 4
 
 
 @dataclass
@@ -72,9 +74,10 @@ def _chunk_index(global_idx: tuple[slice, ...], chunk_shape: tuple[int, ...]) ->
     return tuple((s.start or 0) // c for s, c in zip(global_idx, chunk_shape))
 
 
-def _to_cpu(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def _to_cpu(t: torch.Tensor, pin: bool, snapshot: bool) -> torch.Tensor:
+    """A CPU copy of ``t`` (or ``t`` itself when it is on the CPU and no snapshot is needed: synchronous saves)."""
     if t.device.type == "cpu":
-        return t.detach().clone()
+        return t.detach().clone() if snapshot else t.detach()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t.detach(), non_blocking=pin)
     return out
@@ -87,6 +90,7 @@ def _jobs_for(
     write: bool,
     pin: bool,
     attributes: dict[str, Any] | None = None,
+    snapshot: bool = True,
 ) -> WriteJob | None:
     """The chunks of ``local`` (laid out like ``info.local``) that this rank writes into array ``path``."""
     if not write or info.replica:
@@ -96,17 +100,22 @@ def _jobs_for(
     job = WriteJob(path, spec, write_metadata=False, attributes=attributes or {})
     for local_idx, global_idx in info.pieces:
         index = _chunk_index(global_idx, spec.chunk_shape)
-        job.chunks.append((index, _to_cpu(local[local_idx], pin)))
+        job.chunks.append((index, _to_cpu(local[local_idx], pin, snapshot)))
         job.write_metadata |= all(i == 0 for i in index)
     return job if job.chunks else None
 
 
-def plan_model_writes(items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True) -> list[WriteJob]:
-    """This rank's share of writing the model parameters ``items`` (from ``model.sharded_state_dict()``)."""
+def plan_model_writes(
+    items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True, snapshot: bool = True
+) -> list[WriteJob]:
+    """This rank's share of writing the model parameters ``items`` (from ``model.sharded_state_dict()``).
+
+    ``snapshot`` copies CPU tensors so they may change while a background writer runs (async saves).
+    """
     jobs = []
     for info in items.values():
         write = state.dp_cp.rank == writer_index(info.key, state.dp_cp)
-        job = _jobs_for(f"model/{info.key}", info, info.local, write, pin, {"kind": "parameter"})
+        job = _jobs_for(f"model/{info.key}", info, info.local, write, pin, {"kind": "parameter"}, snapshot)
         if job is not None:
             jobs.append(job)
     return jobs
@@ -122,7 +131,7 @@ def _params_by_identity(items: Mapping[str, ShardedTensor]) -> dict[int, Sharded
 
 
 def plan_optimizer_writes(
-    optimizer: Any, items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True
+    optimizer: Any, items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True, snapshot: bool = True
 ) -> list[WriteJob]:
     """This rank's share of writing master weights and moments of ``optimizer`` (a mcore_parallel optimizer).
 
@@ -157,7 +166,7 @@ def plan_optimizer_writes(
                 continue
             full = {k: entry.tensors[k].view(param.shape) for k in keys if k in entry.tensors}
         for k, tensor in full.items():
-            job = _jobs_for(f"optimizer/{info.key}/{k}", info, tensor, True, pin, {"kind": k})
+            job = _jobs_for(f"optimizer/{info.key}/{k}", info, tensor, True, pin, {"kind": k}, snapshot)
             if job is not None:
                 jobs.append(job)
     return jobs
@@ -169,18 +178,27 @@ def _optimizer_params(optimizer: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return named_trainable_params(optimizer.chunks)
 
 
-def write_jobs(root: Path, jobs: list[WriteJob]) -> int:
-    """Write the chunks (and, where this rank owns chunk 0, the array metadata). Returns bytes written."""
-    total = 0
+def write_jobs(root: Path, jobs: list[WriteJob], threads: int = WRITE_THREADS) -> int:
+    """Write the chunks (and, where this rank owns chunk 0, the array metadata). Returns bytes written.
+
+    Chunks are written by a small thread pool (file writes release the GIL), which keeps several writes in flight.
+    """
     groups: set[Path] = set()
+    work: list[tuple[Path, ArraySpec, tuple[int, ...], torch.Tensor]] = []
     for job in jobs:
         array_dir = root / job.path
         if job.write_metadata:
             write_array_metadata(array_dir, job.spec, job.attributes)
             if job.path.startswith("optimizer/"):
                 groups.add(array_dir.parent)
-        for index, tensor in job.chunks:
-            total += write_chunk(array_dir, job.spec, index, tensor)
+        work.extend((array_dir, job.spec, index, tensor) for index, tensor in job.chunks)
+    work.sort(key=lambda w: -w[3].numel())  # big chunks first: better balance across threads
+
+    def write_one(w: tuple[Path, ArraySpec, tuple[int, ...], torch.Tensor]) -> int:
+        return write_chunk(*w)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        total = sum(list(pool.map(write_one, work)))
     for g in groups:
         if not (g / "zarr.json").exists():
             write_group_metadata(g)
@@ -240,38 +258,43 @@ def load_model(root: Path, items: Mapping[str, ShardedTensor], strict: bool = Tr
     return missing
 
 
-class _LazyGlobal(Mapping[str, Mapping[str, torch.Tensor]]):
-    """``optimizer_param_name -> {state: global tensor}``, read from disk on access (one parameter at a time)."""
-
-    def __init__(self, root: Path, names_to_info: dict[str, ShardedTensor]) -> None:
-        self.root, self.names = root, names_to_info
-
-    def __getitem__(self, name: str) -> Mapping[str, torch.Tensor]:
-        info = self.names[name]
-        group = self.root / "optimizer" / info.key
-        if not group.is_dir():
-            raise KeyError(name)
-        out = {}
-        for state_dir in sorted(p for p in group.iterdir() if (p / "zarr.json").exists()):
-            out[state_dir.name] = read_region(state_dir)
-        return out
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
+def _read_local(root: Path, array: str, info: ShardedTensor, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's TP piece (shaped like the local parameter) of a saved global array; only its chunks are read."""
+    array_dir = root / array
+    spec = read_array_spec(array_dir)
+    if len(info.pieces) == 1 and all(s.stop - s.start == n for s, n in zip(info.pieces[0][0], local_shape)):
+        if spec.shape != info.global_shape:
+            raise CheckpointFormatError(f"{array_dir}: saved shape {spec.shape} does not match {info.global_shape}")
+        return read_region(array_dir, info.pieces[0][1], spec)  # the piece is the whole local tensor
+    local = torch.zeros(local_shape, dtype=spec.dtype)
+    view = ShardedTensor(info.key, local, info.global_shape, info.pieces)
+    _read_piece(array_dir, view, local, spec)
+    return local
 
 
 def load_optimizer(root: Path, optimizer: Any, items: Mapping[str, ShardedTensor], step: int) -> None:
-    """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model)."""
+    """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
+
+    Each rank reads only the chunks overlapping its tensor-parallel piece of each parameter and keeps its flat range.
+    """
     by_id = _params_by_identity(items)
-    names = {}
-    for name, param in _optimizer_params(optimizer):
-        info = by_id.get(id(param))
+
+    def pieces(entry: Any) -> dict[str, torch.Tensor]:
+        info = by_id.get(id(entry.param))
         if info is None:
             raise CheckpointFormatError(
-                f"optimizer parameter {name!r} is missing from the model's sharded_state_dict()"
+                f"optimizer parameter {entry.name!r} is missing from the model's sharded_state_dict()"
             )
-        names[name] = info
-    optimizer.load_sharded_state(_LazyGlobal(root, names), step)
+        group = root / "optimizer" / info.key
+        if not group.is_dir():
+            raise CheckpointFormatError(
+                f"{group}: no saved optimizer state for {info.key!r} (saved without optimizer?)"
+            )
+        lo, hi = entry.flat_range
+        out = {}
+        for state_dir in sorted(p for p in group.iterdir() if (p / "zarr.json").exists()):
+            local = _read_local(root, f"optimizer/{info.key}/{state_dir.name}", info, entry.local_shape)
+            out[state_dir.name] = local.reshape(-1)[lo:hi]
+        return out
+
+    optimizer.load_flat_state(pieces, step)

@@ -122,8 +122,9 @@ def write_chunk(array_dir: Path, spec: ArraySpec, index: tuple[int, ...], data: 
         arr = full
     path = _chunk_path(array_dir, index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        np.ascontiguousarray(arr, dtype=spec.np_dtype).tofile(f)
+    data_bytes = np.ascontiguousarray(arr, dtype=spec.np_dtype)
+    with open(path, "wb", buffering=0) as f:
+        f.write(data_bytes.data)
     return arr.nbytes
 
 
@@ -168,6 +169,16 @@ def read_region(
     region = region or tuple(slice(0, n) for n in spec.shape)
     starts = [r.start or 0 for r in region]
     stops = [spec.shape[d] if r.stop is None else r.stop for d, r in enumerate(region)]
+    whole_chunk = all(a % c == 0 and (b - a == c) for a, b, c in zip(starts, stops, spec.chunk_shape))
+    if whole_chunk and spec.shape:  # the common case (same layout as the saver): one file, no extra copy
+        index = tuple(a // c for a, c in zip(starts, spec.chunk_shape))
+        path = _chunk_path(array_dir, index)
+        count = math.prod(spec.chunk_shape)
+        if path.exists():
+            chunk = np.fromfile(path, dtype=spec.np_dtype, count=count)
+            if chunk.size != count:
+                raise CheckpointFormatError(f"{path}: truncated chunk ({chunk.size} of {count} elements)")
+            return _to_torch(chunk.reshape(spec.chunk_shape), spec.dtype)
     out = np.empty([b - a for a, b in zip(starts, stops)], dtype=spec.np_dtype)
     ranges = [
         range(a // c, math.ceil(b / c)) if b > a else range(0) for a, b, c in zip(starts, stops, spec.chunk_shape)

@@ -266,18 +266,32 @@ class MixedPrecisionOptimizer:
         Any tp/pp/dp layout can load what any other saved: each rank selects its own piece. The model parameters
         are updated from the loaded master weights.
         """
-        if self.optimizer is None:
-            return
-        for entry in self.sharded_state():
+
+        def pieces(entry: ParamShardState) -> Mapping[str, torch.Tensor]:
             if entry.name not in global_tensors:
                 raise KeyError(f"no saved optimizer state for parameter {entry.name!r}")
-            saved = global_tensors[entry.name]
-            slot = next(s for s in self.slots if s.name == entry.name)
-            slot.master.view(-1).copy_(entry.select(saved["master"]).to(slot.master.device))
+            return {k: entry.select(v) for k, v in global_tensors[entry.name].items()}
+
+        self.load_flat_state(pieces, step)
+
+    @torch.no_grad()
+    def load_flat_state(self, pieces: Callable[[ParamShardState], Mapping[str, torch.Tensor]], step: int) -> None:
+        """Load state given, per entry of :meth:`sharded_state`, this rank's 1-D pieces (``flat_range``) directly.
+
+        ``pieces(entry)`` returns ``{"master": ..., "exp_avg": ..., ...}``; a checkpoint reader uses this to read
+        only the slices this rank holds instead of whole global tensors.
+        """
+        if self.optimizer is None:
+            return
+        slots = {s.name: s for s in self.slots}
+        for entry in self.sharded_state():
+            saved = pieces(entry)
+            slot = slots[entry.name]
+            slot.master.view(-1).copy_(saved["master"].to(slot.master.device))
             st = self.optimizer.state[slot.master]
             for key, value in saved.items():
                 if key != "master":
-                    st[key] = entry.select(value).to(slot.master).reshape(slot.master.shape).clone()
+                    st[key] = value.to(slot.master).reshape(slot.master.shape).clone()
             if len(saved) > 1:
                 fused = slot.master.is_cuda
                 st["step"] = torch.tensor(

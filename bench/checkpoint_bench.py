@@ -1,0 +1,155 @@
+"""Checkpoint save/load benchmark of a training state (not a test).
+
+Builds a ``GPTModel`` preset (bf16 weights) with mcore's mixed-precision optimizer (fp32 master weights and Adam
+moments, after one real step) on one GPU, then measures on the same machine and the same tensors:
+
+- mcore sharded zarr checkpoint: synchronous save, async save (time the caller is blocked, and until published), load;
+- ``torch.save`` / ``torch.load`` of the same tensors (moved to CPU);
+- ``torch.distributed.checkpoint`` (DCP) save / load, and ``async_save`` blocking time.
+
+    python bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckpt_bench --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_models import GPTModel, preset
+from mcore_parallel import ParallelState
+from mcore_parallel.checkpoint import CheckpointManager
+from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
+from mcore_parallel.optim import OptimizerConfig, get_optimizer
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _drop_caches(path: Path) -> None:
+    os.sync()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tensor_state(model: GPTModel, opt: Any) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.local.detach() for k, v in model.sharded_state_dict().items()}
+    for entry in opt.sharded_state():
+        for key, t in entry.tensors.items():
+            out[f"optimizer/{entry.name}/{key}"] = t
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
+    root.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(root / "store"), 1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    state = ParallelState.initialize()
+    device = state.device
+    config = preset(args.preset, params_dtype="bfloat16")
+    model = GPTModel(config, device=device)
+    ddp = DistributedDataParallel(model, state, DDPConfig())
+    opt = get_optimizer(OptimizerConfig(lr=1e-4), [ddp], state)
+    ids = torch.randint(0, config.vocab_size, (1, 512), device=device)
+    opt.zero_grad()
+    ddp(ids, labels=ids).mean().backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    tensors = _tensor_state(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    gb = nbytes / 1e9
+    results: dict[str, Any] = {"preset": args.preset, "state_gb": gb, "tensors": len(tensors),
+                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    items = model.sharded_state_dict()
+
+    # mcore: synchronous save, load
+    mgr = CheckpointManager(root / "mcore", state)
+    _sync()
+    t = time.perf_counter()
+    mgr.save("step_1", items, opt, metadata={"step": 1, "model": config.to_dict()})
+    results["mcore_save_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    mgr.load(items, opt)
+    _sync()
+    results["mcore_load_s"] = time.perf_counter() - t
+    _drop_caches(root / "mcore")
+    # mcore: async save (blocking part, then until published)
+    mgr = CheckpointManager(root / "mcore_async", state, async_save=True)
+    t = time.perf_counter()
+    mgr.save("step_1", items, opt, metadata={"step": 1})
+    results["mcore_async_blocking_s"] = time.perf_counter() - t
+    mgr.wait()
+    results["mcore_async_total_s"] = time.perf_counter() - t
+    _drop_caches(root / "mcore_async")
+
+    # torch.save / torch.load of the same tensors
+    gc.collect()
+    t = time.perf_counter()
+    cpu = {k: v.detach().cpu() for k, v in tensors.items()}
+    torch.save(cpu, root / "torch_save.pt")
+    results["torch_save_s"] = time.perf_counter() - t
+    del cpu
+    t = time.perf_counter()
+    loaded = torch.load(root / "torch_save.pt", map_location="cpu", weights_only=True)
+    for k, v in loaded.items():
+        tensors[k].copy_(v)
+    _sync()
+    results["torch_load_s"] = time.perf_counter() - t
+    del loaded
+    (root / "torch_save.pt").unlink()
+
+    # torch.distributed.checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    t = time.perf_counter()
+    dcp.save(tensors, checkpoint_id=str(root / "dcp"))
+    results["dcp_save_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    dcp.load(tensors, checkpoint_id=str(root / "dcp"))
+    _sync()
+    results["dcp_load_s"] = time.perf_counter() - t
+    _drop_caches(root / "dcp")
+    if hasattr(dcp, "async_save"):
+        t = time.perf_counter()
+        fut = dcp.async_save(tensors, checkpoint_id=str(root / "dcp_async"))
+        results["dcp_async_blocking_s"] = time.perf_counter() - t
+        fut.result()
+        results["dcp_async_total_s"] = time.perf_counter() - t
+        _drop_caches(root / "dcp_async")
+    for key in [k for k in results if k.endswith("_s")]:
+        results[key.replace("_s", "_gb_per_s")] = gb / results[key] if "blocking" not in key else None
+    results = {k: v for k, v in results.items() if v is not None}
+    print(f"{args.preset} training state: {gb:.2f} GB in {len(tensors)} tensors on {results['gpu']}")
+    print("| method | save s (GB/s) | load s (GB/s) | async: blocked s / total s |")
+    print("|---|---|---|---|")
+    for name, label in (("mcore", "mcore zarr"), ("torch", "torch.save/load"), ("dcp", "torch.distributed.checkpoint")):
+        save, load = results.get(f"{name}_save_s"), results.get(f"{name}_load_s")
+        blocked, total = results.get(f"{name}_async_blocking_s"), results.get(f"{name}_async_total_s")
+        async_col = f"{blocked:.2f} / {total:.2f}" if blocked is not None and total is not None else "-"
+        print(f"| {label} | {save:.2f} ({gb / save:.2f}) | {load:.2f} ({gb / load:.2f}) | {async_col} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
