@@ -92,7 +92,9 @@ def test_lr_schedules(style: str) -> None:
         assert lrs[60] == pytest.approx(0.55)
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml")), ids=lambda p: p.name
+)
 def test_example_yaml_files_load(path: Path) -> None:
     cfg = load_config(path=path)
     assert cfg.recipe is not None and cfg.model.num_layers > 0
