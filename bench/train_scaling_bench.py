@@ -1,0 +1,102 @@
+"""Throughput of the real training loop (``mcore-train pretrain``) under several layouts (not a test).
+
+Each case is a separate ``torchrun`` of ``mcore_train.cli pretrain`` on mock data; tokens/s come from the run's own
+``metrics.jsonl`` (the last logging window, after warm-up). Reports tokens/s per GPU, model TFLOP/s per GPU and the
+scaling efficiency against the one-GPU case of the same call.
+
+    python bench/train_scaling_bench.py --preset llama-1b --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CASES: dict[str, tuple[int, list[str]]] = {
+    "1gpu": (1, ["training.micro_batch_size=4", "training.global_batch_size=16"]),
+    "dp2": (2, ["training.micro_batch_size=4", "training.global_batch_size=32"]),
+    "dp2-no-overlap": (
+        2,
+        ["training.micro_batch_size=4", "training.global_batch_size=32", "parallel.overlap_grad_reduce=false"],
+    ),
+    "tp2-sp": (
+        2,
+        [
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "training.micro_batch_size=8",
+            "training.global_batch_size=32",
+        ],
+    ),
+}
+
+
+def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    run_dir = workdir / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "mcore_train.cli", "pretrain", "--recipe", args.recipe, f"model.preset={args.preset}",
+           "data.mock=true", f"data.seq_length={args.seq}", f"training.train_iters={args.steps}",
+           f"logging.log_interval={args.steps // 2}", "logging.progress_bar=false", "training.eval_iters=0",
+           "training.generate_at_end=0", f"logging.dir={run_dir}", "scheduler.warmup_iters=1",
+           *overrides, *args.extra]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        return {"case": name, "world": world, "error": (proc.stdout + proc.stderr)[-3000:]}
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "tokens_per_s" in r][-1]
+    return {
+        "case": name,
+        "world": world,
+        "overrides": overrides,
+        "tokens_per_s": last["tokens_per_s"],
+        "tokens_per_s_per_gpu": last["tokens_per_s"] / world,
+        "tflops_per_gpu": last["tflops_per_gpu"],
+        "mfu": last.get("mfu"),
+        "step_s": last["global_batch_size"] * args.seq / last["tokens_per_s"],
+        "mem_peak_gib": last.get("mem_peak_gib"),
+        "loss": last["loss"],
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--recipe", default="llama-1b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="scaling_"))
+    results = [run_case(c, *CASES[c], args, workdir) for c in args.cases]
+    base = next((r for r in results if r["case"] == "1gpu" and "error" not in r), None)
+    print("| case | GPUs | tokens/s per GPU | step s | model TFLOP/s per GPU | MFU | peak GiB | vs 1 GPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['case']} | {r['world']} | failed | | | | | |")
+            print(r["error"], file=sys.stderr)
+            continue
+        eff = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
+        r["scaling_vs_1gpu"] = eff
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        print(f"| {r['case']} | {r['world']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['step_s']:.3f} | "
+              f"{r['tflops_per_gpu']:.0f} | {mfu} | {r['mem_peak_gib'] or 0:.1f} | "
+              f"{'-' if eff is None else f'{eff:.1%}'} |")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
