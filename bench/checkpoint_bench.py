@@ -60,7 +60,7 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
     root.mkdir(parents=True, exist_ok=True)
     store = dist.FileStore(str(root / "store"), 1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # DCP's async save needs a CPU backend
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
     state = ParallelState.initialize()
     device = state.device

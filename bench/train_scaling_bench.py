@@ -42,7 +42,7 @@ def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespa
     run_dir = workdir / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "mcore_train.cli", "pretrain", "--recipe", args.recipe, f"model.preset={args.preset}",
-           "data.mock=true", f"data.seq_length={args.seq}", f"training.train_iters={args.steps}",
+           "data.mock=true", "data.tokenizer=byte", f"data.seq_length={args.seq}", f"training.train_iters={args.steps}",
            f"logging.log_interval={args.steps // 2}", "logging.progress_bar=false", "training.eval_iters=0",
            "training.generate_at_end=0", f"logging.dir={run_dir}", "scheduler.warmup_iters=1",
            *overrides, *args.extra]  # fmt: skip

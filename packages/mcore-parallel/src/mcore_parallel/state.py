@@ -112,7 +112,7 @@ class ParallelState:
         if use_dist and not dist.is_initialized():
             assert env is not None
             backend = backend or default_backend()
-            if backend == "nccl":
+            if "nccl" in backend:
                 torch.cuda.set_device(local_rank)
             init_method = None
             if env.source == "slurm":
@@ -126,7 +126,7 @@ class ParallelState:
             )
             logger.info("initialised torch.distributed: backend=%s world_size=%d", backend, world)
         if device is None:
-            device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+            device = torch.device("cuda", local_rank) if backend and "nccl" in backend else torch.device("cpu")
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
         def make(kind: str) -> Group:
