@@ -47,7 +47,12 @@ def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespa
            "training.generate_at_end=0", f"logging.dir={run_dir}", "scheduler.warmup_iters=1",
            *overrides, *args.extra]  # fmt: skip
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"},
+                              timeout=args.case_timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"case": name, "world": world, "error": f"timed out after {args.case_timeout} s\n{out[-3000:]}"}
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         return {"case": name, "world": world, "error": (proc.stdout + proc.stderr)[-3000:]}
@@ -77,9 +82,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES))
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--case-timeout", type=float, default=300)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="scaling_"))
-    results = [run_case(c, *CASES[c], args, workdir) for c in args.cases]
+    results = []
+    for c in args.cases:
+        results.append(run_case(c, *CASES[c], args, workdir))
+        print(json.dumps(results[-1])[:2000], flush=True)
     base = next((r for r in results if r["case"] == "1gpu" and "error" not in r), None)
     print("| case | GPUs | tokens/s per GPU | step s | model TFLOP/s per GPU | MFU | peak GiB | vs 1 GPU |")
     print("|---|---|---|---|---|---|---|---|")
