@@ -75,3 +75,14 @@ def test_bad_layout_fails_before_any_group(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ParallelConfigError, match="world size 1 is not divisible by tp"):
         ParallelState.initialize(ParallelConfig(tp=2))
     assert not dist.is_initialized()
+
+
+def test_single_process_uses_the_gpu_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_parallel.state import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device(None, 0) == torch.device("cuda", 0)  # one process, no launcher: still on the GPU
+    assert default_device("cpu:gloo,cuda:nccl", 3) == torch.device("cuda", 3)
+    assert default_device("gloo", 0) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device(None, 0) == torch.device("cpu")

@@ -18,7 +18,7 @@ from mcore_parallel._launch import LaunchEnv, read_launch_env
 from mcore_parallel.config import ParallelConfig
 from mcore_parallel.layout import RankLayout
 
-__all__ = ["Group", "ParallelState", "default_backend"]
+__all__ = ["Group", "ParallelState", "default_backend", "default_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ class Group:
 def default_backend() -> str:
     """``nccl`` when CUDA is available, otherwise ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device(backend: str | None, local_rank: int) -> torch.device:
+    """``cuda:local_rank`` with an NCCL backend, or for a single process (no backend) when CUDA is available."""
+    if backend is not None:
+        return torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +133,7 @@ class ParallelState:
             )
             logger.info("initialised torch.distributed: backend=%s world_size=%d", backend, world)
         if device is None:
-            device = torch.device("cuda", local_rank) if backend and "nccl" in backend else torch.device("cpu")
+            device = default_device(backend if use_dist else None, local_rank)
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
         def make(kind: str) -> Group:
