@@ -16,44 +16,17 @@ import torch
 from mcore_models import GPTModel, TransformerConfig
 from mcore_models.checkpoint import save_weights
 from mcore_parallel import ParallelConfig, ParallelState
+from tests._model_configs import gpt2 as base_gpt2
+from tests._model_configs import llama as base_llama
 
 
 def llama(**kw: Any) -> TransformerConfig:
-    base: dict[str, Any] = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        activation="swiglu",
-        normalization="rmsnorm",
-        add_bias_linear=False,
-        position_embedding="rope",
-        rotary_base=10000.0,
-        vocab_size=101,
-        max_position_embeddings=64,
-        share_embeddings_and_output_weights=False,
-        norm_eps=1e-6,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+    """The shared tiny Llama with a vocabulary of 101 (never a multiple of tp: exercises vocabulary padding)."""
+    return base_llama(**{"vocab_size": 101, **kw})
 
 
 def gpt2(**kw: Any) -> TransformerConfig:
-    base: dict[str, Any] = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        activation="gelu_tanh",
-        normalization="layernorm",
-        add_bias_linear=True,
-        position_embedding="learned_absolute",
-        vocab_size=101,
-        max_position_embeddings=64,
-        share_embeddings_and_output_weights=True,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+    return base_gpt2(**{"vocab_size": 101, **kw})
 
 
 def global_value(key: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,27 +8,14 @@ import torch
 
 from mcore_models import GPTModel, TransformerConfig
 from mcore_parallel import Group
+from tests._model_configs import llama
 
 
 def tiny_config(**kw: Any) -> TransformerConfig:
-    base: dict[str, Any] = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        activation="swiglu",
-        normalization="rmsnorm",
-        add_bias_linear=False,
-        position_embedding="rope",
-        vocab_size=259,
-        max_position_embeddings=256,
-        share_embeddings_and_output_weights=False,
-        init_method_std=0.2,
-        seed=1234,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+    """The shared tiny Llama, wider, on the byte vocabulary, with a larger init so greedy outputs vary."""
+    base: dict[str, Any] = dict(hidden_size=64, ffn_hidden_size=96, vocab_size=259, max_position_embeddings=256,
+                                init_method_std=0.2, norm_eps=1e-5, rotary_base=10000.0, seed=1234)  # fmt: skip
+    return llama(**{**base, **kw})
 
 
 def tiny_model(tp: Group | None = None, **kw: Any) -> GPTModel:

@@ -16,7 +16,7 @@ from mcore_models.checkpoint import (
 )
 from mcore_parallel import Group, ParallelConfig, ParallelState
 from mcore_parallel.testing import run_distributed
-from tests.models._configs import llama
+from tests._model_configs import llama
 
 CONFIG = llama(num_query_groups=4, share_embeddings_and_output_weights=True, num_layers=4)
 

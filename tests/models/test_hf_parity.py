@@ -21,7 +21,7 @@ from mcore_models.hf import (
     llama_config_to_hf,
     mcore_to_hf,
 )
-from tests.models._configs import gpt2, llama
+from tests._model_configs import gpt2, llama
 
 transformers = pytest.importorskip("transformers")
 

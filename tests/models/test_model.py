@@ -8,7 +8,7 @@ import torch
 from mcore_models import ConfigError, GPTModel, TransformerConfig, num_parameters, preset, training_flops_per_token
 from mcore_parallel import Group
 from mcore_parallel.tensor import model_parallel_seed
-from tests.models._configs import gpt2, llama
+from tests._model_configs import gpt2, llama
 
 
 def test_invalid_config_lists_every_problem() -> None:

@@ -13,7 +13,7 @@ from mcore_models import GPTModel, TransformerConfig
 from mcore_parallel import Group, ParallelConfig, ParallelState, shard_info
 from mcore_parallel.tensor import allreduce_sequence_parallel_grads
 from mcore_parallel.testing import run_distributed
-from tests.models._configs import gpt2, llama
+from tests._model_configs import gpt2, llama
 
 CONFIGS = {
     "llama-gqa": llama(num_attention_heads=8, num_query_groups=4, hidden_size=32),

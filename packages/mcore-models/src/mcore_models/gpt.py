@@ -200,7 +200,7 @@ class GPTModel(nn.Module):
                 continue
             full = torch.zeros(info.global_shape, dtype=info.local.dtype, device=info.local.device)
             info.scatter_into(full)
-            if self.ctx.tp.size > 1 and not info.replica and _is_split(info):
+            if self.ctx.tp.size > 1 and getattr(info.local, "tensor_model_parallel", False):
                 torch.distributed.all_reduce(full, group=self.ctx.tp.pg)
             out[info.key] = full
         return out
@@ -223,7 +223,3 @@ class _LayerCall:
 
     def __call__(self, hidden: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
         return self.layer(hidden, (rotary[0], rotary[1]) if rotary else None)
-
-
-def _is_split(info: ShardedTensor) -> bool:
-    return any(g != tuple(slice(0, n) for n in info.global_shape) for _, g in info.pieces) or not info.pieces

@@ -1,4 +1,4 @@
-"""Tiny configs shared by the model tests."""
+"""Tiny Llama-style and GPT-2-style configs shared by the model, export and inference tests."""
 
 from __future__ import annotations
 
