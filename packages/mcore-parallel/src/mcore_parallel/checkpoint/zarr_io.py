@@ -175,10 +175,11 @@ def read_region(
         path = _chunk_path(array_dir, index)
         count = math.prod(spec.chunk_shape)
         if path.exists():
-            chunk = np.fromfile(path, dtype=spec.np_dtype, count=count)
-            if chunk.size != count:
-                raise CheckpointFormatError(f"{path}: truncated chunk ({chunk.size} of {count} elements)")
-            return _to_torch(chunk.reshape(spec.chunk_shape), spec.dtype)
+            if path.stat().st_size < count * spec.np_dtype.itemsize:
+                raise CheckpointFormatError(f"{path}: truncated chunk ({path.stat().st_size} bytes)")
+            # copy-on-write mapping: the caller's single copy (into its parameter or state) is the only one
+            chunk = np.memmap(path, dtype=spec.np_dtype, mode="c", shape=spec.chunk_shape)
+            return _to_torch(chunk, spec.dtype)
     out = np.empty([b - a for a, b in zip(starts, stops)], dtype=spec.np_dtype)
     ranges = [
         range(a // c, math.ceil(b / c)) if b > a else range(0) for a, b, c in zip(starts, stops, spec.chunk_shape)
