@@ -178,8 +178,8 @@ def read_region(
             if path.stat().st_size < count * spec.np_dtype.itemsize:
                 raise CheckpointFormatError(f"{path}: truncated chunk ({path.stat().st_size} bytes)")
             # copy-on-write mapping: the caller's single copy (into its parameter or state) is the only one
-            chunk = np.memmap(path, dtype=spec.np_dtype, mode="c", shape=spec.chunk_shape)
-            return _to_torch(chunk, spec.dtype)
+            mapped = np.memmap(path, dtype=spec.np_dtype, mode="c", shape=spec.chunk_shape)
+            return _to_torch(mapped, spec.dtype)
     out = np.empty([b - a for a, b in zip(starts, stops)], dtype=spec.np_dtype)
     ranges = [
         range(a // c, math.ceil(b / c)) if b > a else range(0) for a, b, c in zip(starts, stops, spec.chunk_shape)
