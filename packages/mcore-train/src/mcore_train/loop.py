@@ -286,8 +286,9 @@ def _progress(run: Run) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=run.train_iters, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
-                leave=True, mininterval=1.0)  # fmt: skip
+    # disable=None: no bar when the output is not a terminal (logs and CI get the periodic log lines instead)
+    return tqdm(total=run.train_iters, initial=run.step, desc="train", unit="step", dynamic_ncols=True, leave=True,
+                mininterval=1.0, disable=None)  # fmt: skip
 
 
 def _log_line(run: Run, r: dict[str, Any]) -> None:
