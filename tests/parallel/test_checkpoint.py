@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_parallel import Group, ParallelConfig, ParallelState, shard_info
-from mcore_parallel.checkpoint import CheckpointFormatError, CheckpointManager, latest_checkpoint, read_region, zarr_io
+from mcore_parallel.checkpoint import (
+    CheckpointFormatError,
+    CheckpointManager,
+    latest_checkpoint,
+    read_region,
+    sharded,
+    zarr_io,
+)
 from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
 from mcore_parallel.optim import OptimizerConfig, get_optimizer
 from mcore_parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -73,11 +81,23 @@ def _save(root: str, tp: int, dist_opt: bool, async_save: bool, dtype: torch.dty
     state, net, ddp, opt = _setup(tp, dist_opt, dtype)
     _train(state, ddp, opt, 2)
     mgr = CheckpointManager(root, state, async_save=async_save)
+    if async_save:  # hold the background writer until training has moved on, so a missing snapshot would show
+        started = threading.Event()
+        real_write = sharded.write_chunk
+
+        def held_write(*args: object, **kwargs: object) -> int:
+            started.wait(timeout=30)
+            return real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+        sharded.write_chunk = held_write  # type: ignore[assignment]
     mgr.save("step_2", net.sharded_state_dict(), opt, metadata={"step": 2}, rank_state={"rank": state.rank})
     if async_save:  # the saved values are the ones at save(), even if training moves on meanwhile
         before = {n: p.detach().clone() for n, p in net.named_parameters()}
         _train(state, ddp, opt, 1)
+        assert not all(torch.equal(before[n], p) for n, p in net.named_parameters())
+        started.set()
         mgr.wait()
+        sharded.write_chunk = real_write
         with torch.no_grad():
             after = {n: p.detach().clone() for n, p in net.named_parameters()}
             for n, p in net.named_parameters():
