@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mcore_models import training_flops_per_token
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.pipeline import forward_backward
+from mcore_train.errors import TrainingDiverged
 from mcore_train.metrics import MetricsWriter, memory_stats, peak_tflops_for
 from mcore_train.trainer import Run, rank_state
 
@@ -192,11 +193,8 @@ def train(run: Run) -> TrainResult:
             finite = math.isfinite(loss)
             if not finite and tr.on_nan == "stop":
                 result.exit_reason = "nan"
-                raise_step = run.step + 1
-                from mcore_train.errors import TrainingDiverged
-
                 raise TrainingDiverged(
-                    f"the loss is {loss} at step {raise_step} (consumed samples {run.consumed_samples}); lower "
+                    f"the loss is {loss} at step {run.step + 1} (consumed samples {run.consumed_samples}); lower "
                     "optimizer.lr, check the data, or set training.on_nan=skip to drop such steps"
                 )
             step_result = run.optimizer.step() if finite else None
