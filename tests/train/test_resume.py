@@ -136,3 +136,14 @@ def test_nan_loss_skipped_when_configured(monkeypatch: pytest.MonkeyPatch, tmp_p
     result = pretrain(config("training.train_iters=6", "training.on_nan=skip", f"checkpoint.dir={tmp_path}"))
     assert result.steps == 6 and len(result.losses) == 5
     assert read_metadata(latest_checkpoint(tmp_path))["skipped_steps"] == 1
+
+
+def test_batch_size_rampup_and_time_limit(tmp_path: Path) -> None:
+    ramp = pretrain(config("training.global_batch_size=12", "training.rampup_batch_size=[4,4,16]",
+                           "training.train_iters=5", f"checkpoint.dir={tmp_path / 'ramp'}"))  # fmt: skip
+    sizes = [json.loads(x)["global_batch_size"] for x in (tmp_path / "ramp" / "metrics.jsonl").read_text().splitlines()]
+    assert ramp.steps == 5 and sizes == [4, 4, 8, 12, 12]
+    timed = pretrain(config("training.train_iters=1000", "training.exit_duration_minutes=0.00001",
+                            f"checkpoint.dir={tmp_path / 'timed'}"))  # fmt: skip
+    assert timed.exit_reason == "time_limit" and timed.steps == 1
+    assert read_metadata(latest_checkpoint(tmp_path / "timed"))["reason"] == "time_limit"
