@@ -45,56 +45,58 @@ def tiny() -> Tree:
     }
 
 
-def gpt2_124m() -> Tree:
-    return {
-        "model": {"preset": "gpt2-124m", "params_dtype": "bfloat16"},
-        "data": {"seq_length": 1024, "tokenizer": "hf"},
+def _pretraining(
+    preset: str,
+    *,
+    seq: int,
+    lr: float,
+    warmup: int,
+    micro_batch: int,
+    global_batch: int,
+    iters: int,
+    eval_interval: int,
+    save_interval: int,
+    parallel: Tree | None = None,
+) -> Tree:
+    """A bf16 pretraining run of a model preset: AdamW (beta2 0.95, wd 0.1, clip 1), cosine to lr/10, ZeRO-1."""
+    tree: Tree = {
+        "model": {"preset": preset, "params_dtype": "bfloat16"},
+        "data": {"seq_length": seq, "tokenizer": "hf"},
         "optimizer": {
-            "lr": 6e-4,
+            "lr": lr,
             "weight_decay": 0.1,
             "adam_beta2": 0.95,
             "clip_grad": 1.0,
             "use_distributed_optimizer": True,
         },
-        "scheduler": {"decay_style": "cosine", "warmup_iters": 700, "min_lr": 6e-5},
-        "training": {"micro_batch_size": 16, "global_batch_size": 512, "train_iters": 20000, "eval_interval": 1000},
-        "checkpoint": {"save_interval": 1000, "async_save": True},
+        "scheduler": {"decay_style": "cosine", "warmup_iters": warmup, "min_lr": lr / 10},
+        "training": {
+            "micro_batch_size": micro_batch,
+            "global_batch_size": global_batch,
+            "train_iters": iters,
+            "eval_interval": eval_interval,
+        },
+        "checkpoint": {"save_interval": save_interval, "async_save": True},
     }
+    if parallel:
+        tree["parallel"] = parallel
+    return tree
+
+
+def gpt2_124m() -> Tree:
+    return _pretraining("gpt2-124m", seq=1024, lr=6e-4, warmup=700, micro_batch=16, global_batch=512, iters=20000,
+                        eval_interval=1000, save_interval=1000)  # fmt: skip
 
 
 def llama_1b() -> Tree:
-    return {
-        "model": {"preset": "llama-1b", "params_dtype": "bfloat16"},
-        "data": {"seq_length": 4096, "tokenizer": "hf"},
-        "optimizer": {
-            "lr": 3e-4,
-            "weight_decay": 0.1,
-            "adam_beta2": 0.95,
-            "clip_grad": 1.0,
-            "use_distributed_optimizer": True,
-        },
-        "scheduler": {"decay_style": "cosine", "warmup_iters": 2000, "min_lr": 3e-5},
-        "training": {"micro_batch_size": 4, "global_batch_size": 256, "train_iters": 100000, "eval_interval": 2000},
-        "checkpoint": {"save_interval": 1000, "async_save": True},
-    }
+    return _pretraining("llama-1b", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
+                        eval_interval=2000, save_interval=1000)  # fmt: skip
 
 
 def llama3_8b() -> Tree:
-    return {
-        "model": {"preset": "llama3-8b", "params_dtype": "bfloat16"},
-        "data": {"seq_length": 8192, "tokenizer": "hf"},
-        "optimizer": {
-            "lr": 3e-4,
-            "weight_decay": 0.1,
-            "adam_beta2": 0.95,
-            "clip_grad": 1.0,
-            "use_distributed_optimizer": True,
-        },
-        "scheduler": {"decay_style": "cosine", "warmup_iters": 2000, "min_lr": 3e-5},
-        "training": {"micro_batch_size": 1, "global_batch_size": 128, "train_iters": 100000, "eval_interval": 2000},
-        "checkpoint": {"save_interval": 500, "async_save": True},
-        "parallel": {"tp": 2, "pp": 1, "sequence_parallel": True},
-    }
+    return _pretraining("llama3-8b", seq=8192, lr=3e-4, warmup=2000, micro_batch=1, global_batch=128, iters=100000,
+                        eval_interval=2000, save_interval=500,
+                        parallel={"tp": 2, "pp": 1, "sequence_parallel": True})  # fmt: skip
 
 
 RECIPES: dict[str, Callable[[], Tree]] = {
