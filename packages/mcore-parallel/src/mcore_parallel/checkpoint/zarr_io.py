@@ -177,9 +177,22 @@ def read_region(
         if path.exists():
             if path.stat().st_size < count * spec.np_dtype.itemsize:
                 raise CheckpointFormatError(f"{path}: truncated chunk ({path.stat().st_size} bytes)")
-            # copy-on-write mapping: the caller's single copy (into its parameter or state) is the only one
-            mapped = np.memmap(path, dtype=spec.np_dtype, mode="c", shape=spec.chunk_shape)
-            return _to_torch(mapped, spec.dtype)
+            data = np.fromfile(path, dtype=spec.np_dtype, count=count).reshape(spec.chunk_shape)
+            return _to_torch(data, spec.dtype)
+    rows_only = spec.shape and all(
+        a == 0 and b == n and c == n for a, b, c, n in zip(starts[1:], stops[1:], spec.chunk_shape[1:], spec.shape[1:])
+    )
+    c0 = spec.chunk_shape[0] if spec.shape else 1
+    if rows_only and stops[0] > starts[0] and starts[0] // c0 == (stops[0] - 1) // c0:
+        # rows of one chunk (e.g. the real rows of a vocabulary-padded piece): one contiguous read, no extra copy
+        path = _chunk_path(array_dir, (starts[0] // c0,) + (0,) * (len(spec.shape) - 1))
+        row = math.prod(spec.shape[1:])
+        if path.exists():
+            n = (stops[0] - starts[0]) * row
+            data = np.fromfile(path, dtype=spec.np_dtype, count=n, offset=(starts[0] % c0) * row * spec.np_dtype.itemsize)
+            if data.size != n:
+                raise CheckpointFormatError(f"{path}: truncated chunk ({data.size} of {n} elements read)")
+            return _to_torch(data.reshape([stops[0] - starts[0], *spec.shape[1:]]), spec.dtype)
     out = np.empty([b - a for a, b in zip(starts, stops)], dtype=spec.np_dtype)
     ranges = [
         range(a // c, math.ceil(b / c)) if b > a else range(0) for a, b, c in zip(starts, stops, spec.chunk_shape)
