@@ -189,7 +189,9 @@ def read_region(
         row = math.prod(spec.shape[1:])
         if path.exists():
             n = (stops[0] - starts[0]) * row
-            data = np.fromfile(path, dtype=spec.np_dtype, count=n, offset=(starts[0] % c0) * row * spec.np_dtype.itemsize)
+            data = np.fromfile(
+                path, dtype=spec.np_dtype, count=n, offset=(starts[0] % c0) * row * spec.np_dtype.itemsize
+            )
             if data.size != n:
                 raise CheckpointFormatError(f"{path}: truncated chunk ({data.size} of {n} elements read)")
             return _to_torch(data.reshape([stops[0] - starts[0], *spec.shape[1:]]), spec.dtype)
