@@ -115,8 +115,6 @@ class DataSection:
     """Seed of the data shuffles."""
     eod_mask_loss: bool = False
     """No loss on end-of-document tokens."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -159,6 +159,7 @@ def save_checkpoint(run: Run, reason: str) -> None:
         "reason": reason,
     }
     run.checkpoints.save(f"step_{run.step:07d}", run.items, run.optimizer, meta, rank_state(run), extra_files)
+    run.last_saved_step = run.step
 
 
 def train(run: Run) -> TrainResult:
@@ -263,10 +264,10 @@ def train(run: Run) -> TrainResult:
                 if is_logger:
                     writer.write(run.step, {"valid_loss": ev})
                     logger.info("final validation loss %.4f (ppl %.2f)", ev, math.exp(min(ev, 50)))
-        if cfg.checkpoint.dir is not None and (cfg.checkpoint.save_at_end or result.exit_reason != "train_iters"):
-            saved_name = f"step_{run.step:07d}"
-            if not (Path(cfg.checkpoint.dir) / saved_name).exists():
-                save_checkpoint(run, result.exit_reason)
+        wants_save = cfg.checkpoint.save_at_end or result.exit_reason != "train_iters"
+        # skip when a checkpoint of this very step is already in the checkpoint directory (interval save, resume)
+        if cfg.checkpoint.dir is not None and wants_save and run.last_saved_step != run.step:
+            save_checkpoint(run, result.exit_reason)
     finally:
         if run.checkpoints is not None:
             run.checkpoints.wait()  # never exit with a save in flight

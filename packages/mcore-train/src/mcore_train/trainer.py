@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class Run:
     consumed_tokens: int = 0
     skipped_steps: int = 0
     loaded_from: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    last_saved_step: int | None = None
 
     @property
     def items(self) -> dict[str, ShardedTensor]:
@@ -204,6 +204,8 @@ def _resume(run: Run, path: Path) -> None:
         run.optimizer.scaler.load_state_dict(meta["loss_scaler"])
     restore_rank_state(run, saved_rank_state)
     run.loaded_from = path
+    if run.config.checkpoint.dir is not None and path.parent.resolve() == Path(run.config.checkpoint.dir).resolve():
+        run.last_saved_step = run.step  # resuming in place: this step's checkpoint exists already
     logger.info("resumed from %s at step %d (%d samples consumed)", path, run.step, run.consumed_samples)
 
 
