@@ -11,12 +11,18 @@ Sessions:
 - ``demo``: the main job (see README).
 
 torch is pinned to the CPU build through ``.ci/constraints.txt`` (used only here and in CI).
+
+Every session's venv holds its own torch (about 1 GB). With ``MCORE_NOX_DISCARD_VENVS=1`` (set by ``.ci/run``) each
+session deletes its venv when it ends, so the whole run needs the disk of one venv, not of nine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -80,55 +86,72 @@ def _install(session: nox.Session, names: list[str], extras: dict[str, list[str]
         session.install("-c", str(CONSTRAINTS), *sorted(set(wanted)))
 
 
+@contextlib.contextmanager
+def _venv_scope(session: nox.Session) -> Iterator[None]:
+    """Run a session body; afterwards, pass or fail, delete its venv when MCORE_NOX_DISCARD_VENVS=1."""
+    try:
+        yield
+    finally:
+        location = getattr(session.virtualenv, "location", None)
+        if os.environ.get("MCORE_NOX_DISCARD_VENVS") == "1" and location and Path(location).is_dir():
+            session.log(f"discarding venv {location} (MCORE_NOX_DISCARD_VENVS=1)")
+            shutil.rmtree(location, ignore_errors=True)
+
+
 def _short(name: str) -> str:
     return name.removeprefix("mcore-")
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    with _venv_scope(session):
+        session.install("ruff>=0.6")
+        session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    names = list(PACKAGES)
-    _install(session, names, {n: ["test"] for n in names})
-    session.install("mypy>=1.10", "types-PyYAML")
-    session.run("mypy", *[str(p["dir"] / "src") for p in PACKAGES.values()])
+    with _venv_scope(session):
+        names = list(PACKAGES)
+        _install(session, names, {n: ["test"] for n in names})
+        session.install("mypy>=1.10", "types-PyYAML")
+        session.run("mypy", *[str(p["dir"] / "src") for p in PACKAGES.values()])
 
 
 @nox.session(name="tests")
 @nox.parametrize("package", [_short(n) for n in PACKAGES], ids=[_short(n) for n in PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
-    name = f"mcore-{package}"
-    _install(session, _local_closure(name), {name: ["test"]})
-    session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    with _venv_scope(session):
+        name = f"mcore-{package}"
+        _install(session, _local_closure(name), {name: ["test"]})
+        session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    names = list(PACKAGES)
-    _install(session, names, {n: ["test"] for n in names})
-    session.run("pytest", "tests/integration", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    with _venv_scope(session):
+        names = list(PACKAGES)
+        _install(session, names, {n: ["test"] for n in names})
+        session.run("pytest", "tests/integration", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job (README quick start): prepare the demo corpus, pretrain the tiny recipe on CPU, sample text."""
-    _install(session, _local_closure("mcore-train"))
-    run_dir = os.environ.get("MCORE_DEMO_DIR", "runs/demo")
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    session.run("mcore-train", "prepare-demo", "--out", "data/demo", env=env)
-    session.run(
-        "mcore-train",
-        "pretrain",
-        "--recipe",
-        "tiny",
-        "data.path=data/demo/stdlib_text",
-        f"checkpoint.dir={run_dir}",
-        "checkpoint.auto_resume=false",
-        *session.posargs,
-        env=env,
-    )
+    with _venv_scope(session):
+        _install(session, _local_closure("mcore-train"))
+        run_dir = os.environ.get("MCORE_DEMO_DIR", "runs/demo")
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        session.run("mcore-train", "prepare-demo", "--out", "data/demo", env=env)
+        session.run(
+            "mcore-train",
+            "pretrain",
+            "--recipe",
+            "tiny",
+            "data.path=data/demo/stdlib_text",
+            f"checkpoint.dir={run_dir}",
+            "checkpoint.auto_resume=false",
+            *session.posargs,
+            env=env,
+        )
