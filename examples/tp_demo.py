@@ -122,6 +122,9 @@ def main() -> None:
             raise SystemExit(f"FAILED: the loss did not fall ({first:.3f} -> {last:.3f})")
         print("OK: tensor-parallel training matches the single-process run")
     if torch.distributed.is_initialized():
+        # every rank waits for rank 0's check before tearing gloo down: a rank that destroys its group while
+        # another still holds connections to it can abort (seen once in CI at tp4)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -83,9 +83,9 @@ def test_preprocess_each_tokenizer_1_vs_2_workers(
     corpus: Path, models: dict[str, str], tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = models[kind]
-    assert _preprocess(corpus, tmp_path / "w1", kind, model, "--workers", "1") == 0
-    assert _preprocess(corpus, tmp_path / "w2", kind, model, "--workers", "2") == 0
-    for suffix in (".bin", ".idx"):
+    assert _preprocess(corpus, tmp_path / "w1", kind, model, "--workers", "1", "--parse-in", "main") == 0
+    assert _preprocess(corpus, tmp_path / "w2", kind, model, "--workers", "2", "--parse-in", "workers") == 0
+    for suffix in (".bin", ".idx"):  # the output depends neither on the worker count nor on where parsing ran
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
     out = capsys.readouterr().out
     assert "documents 60" in out and "MB/s" in out
@@ -116,14 +116,16 @@ def test_preprocess_each_tokenizer_1_vs_2_workers(
     assert capsys.readouterr().out.strip()[:20] == tok.decode(doc[:-1]).strip()[:20]
 
 
-def test_malformed_lines_stop_or_are_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("parse_in", ["main", "workers"])
+def test_malformed_lines_stop_or_are_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str], parse_in: str) -> None:
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"\n\n{"body": "c"}\n{"text": 3}\n{"text": "d"}\n')
-    assert _preprocess(src, tmp_path / "o", "byte", "") == 2
+    opts = ("--parse-in", parse_in)
+    assert _preprocess(src, tmp_path / "o", "byte", "", *opts) == 2
     err = capsys.readouterr().err
     assert f"{src}:2:" in err and "--skip-malformed" in err
     assert not (tmp_path / "o.idx").exists() and not (tmp_path / "o.bin").exists()
-    assert _preprocess(src, tmp_path / "o", "byte", "", "--skip-malformed") == 0
+    assert _preprocess(src, tmp_path / "o", "byte", "", "--skip-malformed", *opts) == 0
     out = capsys.readouterr().out
     assert "skipped (malformed) 3" in out and "documents 2" in out and "blank 1" in out
     ds = IndexedDataset(tmp_path / "o")

@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_tokenizer_args(p)
     p.add_argument("--json-key", default="text")
     p.add_argument("--text-unit", choices=["file", "line"], default="file", help="plain text: document per ...")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
+    p.add_argument("--parse-in", choices=["auto", "main", "workers"], default="auto",
+                   help="where JSON is parsed (auto: in the workers once they take every core)")  # fmt: skip
     p.add_argument("--no-append-eod", action="store_true", help="do not append the EOD token to documents")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines instead of stopping")
     p.add_argument("--overwrite", action="store_true")
@@ -116,6 +118,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         append_eod=not args.no_append_eod,
         skip_malformed=args.skip_malformed,
         overwrite=args.overwrite,
+        parse_in=args.parse_in,
     )
     bar: Any = None
     if not args.no_progress:

@@ -28,6 +28,9 @@ class IndexFormatError(MCoreDataError, ValueError):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.path, self.problem))
+
 
 class InputFormatError(MCoreDataError, ValueError):
     """A raw input line (JSONL, text) could not be read; names the file and line."""
@@ -35,7 +38,11 @@ class InputFormatError(MCoreDataError, ValueError):
     def __init__(self, path: object, line: int, problem: str) -> None:
         self.path = str(path)
         self.line = line
+        self.problem = problem
         super().__init__(f"{self.path}:{line}: {problem}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, str]]:  # raised in worker processes, re-raised in the main one
+        return (type(self), (self.path, self.line, self.problem))
 
 
 class OutputExistsError(MCoreDataError, FileExistsError):

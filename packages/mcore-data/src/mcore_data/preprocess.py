@@ -1,8 +1,9 @@
 """Tokenizing raw text into a Megatron ``.bin``/``.idx`` pair, in parallel worker processes, order preserved.
 
-The main process reads raw units in ~1 MB chunks and writes results; workers parse JSON and tokenize. At most a
-few chunks are in flight, so memory stays bounded; results are written in input order, so the output does not depend
-on the number of workers.
+The main process reads raw units in ~1 MB chunks and writes results; workers tokenize. JSON is parsed by the main
+process while a core is free for it (fewer workers than cores) and by the workers once they take every core, so the
+reader never competes with the tokenizers for a core. At most a few chunks are in flight, so memory stays bounded;
+results are written in input order, so the output does not depend on the number of workers or where parsing ran.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class PreprocessConfig:
     """Raw bytes per unit of work sent to a worker."""
     overwrite: bool = False
     """Replace existing outputs."""
+    parse_in: str = "auto"
+    """Where JSON/text units are parsed: ``main``, ``workers``, or ``auto`` (the workers once they take every core)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -63,6 +66,20 @@ class PreprocessConfig:
             raise ConfigError("preprocess needs an output prefix (--output-prefix)")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.parse_in not in ("auto", "main", "workers"):
+            raise ConfigError(f"parse_in must be 'auto', 'main' or 'workers', not {self.parse_in!r}")
+
+    def parse_in_workers(self) -> bool:
+        if self.parse_in != "auto":
+            return self.parse_in == "workers"
+        return self.workers >= _usable_cores()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -80,15 +97,15 @@ class PreprocessSummary:
 
 
 _TOKENIZER: Tokenizer | None = None
-_OPTS: tuple[bool, Any] = (True, np.uint16)
+_OPTS: tuple[bool, Any, str, bool] = (True, np.uint16, "text", False)
 
 
-def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any) -> None:
+def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any, json_key: str, skip: bool) -> None:
     global _TOKENIZER, _OPTS
     # one tokenizer thread per process: parallelism comes from worker processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _TOKENIZER = build_tokenizer(spec)
-    _OPTS = (append_eod, dtype)
+    _OPTS = (append_eod, dtype, json_key, skip)
 
 
 def _parse_chunk(chunk: Chunk, json_key: str, skip: bool) -> tuple[list[str], int, int]:
@@ -110,11 +127,18 @@ def _parse_chunk(chunk: Chunk, json_key: str, skip: bool) -> tuple[list[str], in
     return texts, skipped, blank
 
 
+def _parse_and_encode(chunk: Chunk) -> tuple[tuple[int, int, int], tuple[npt.NDArray[Any], npt.NDArray[np.int32]]]:
+    """Worker side when workers parse: ((documents, skipped, blank), encoded) of a raw chunk."""
+    _, _, json_key, skip = _OPTS
+    texts, skipped, blank = _parse_chunk(chunk, json_key, skip)
+    return (len(texts), skipped, blank), _encode(texts)
+
+
 def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
     """(concatenated tokens, per-document lengths) of ``texts`` with the worker's tokenizer."""
     tok = _TOKENIZER
     assert tok is not None, "worker not initialised"
-    append_eod, dtype = _OPTS
+    append_eod, dtype = _OPTS[:2]
     eod = tok.eod
     if isinstance(tok, ByteTokenizer):
         encoded = [t.encode("utf-8") for t in texts]
@@ -145,10 +169,15 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary(files=len(files), dtype=str(dtype))
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes)
-    init_args = (config.tokenizer, config.append_eod, dtype)
+    init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed)
+    parse_in_workers = config.parse_in_workers()
+    logger.info("parsing %s (%d workers)", "in the workers" if parse_in_workers else "in the main process",
+                config.workers)  # fmt: skip
 
-    def consume(head: tuple[int, int, int, int], res: Any, writer: IndexedDatasetWriter) -> None:
-        n_docs_in, skipped, blank, nbytes = head
+    def consume(nbytes: int, head: tuple[int, int, int] | None, res: Any, writer: IndexedDatasetWriter) -> None:
+        if head is None:  # parsed in the worker: the counts come back with the tokens
+            head, res = res
+        n_docs_in, skipped, blank = head
         tokens, lengths = res
         writer.add_documents(tokens, lengths)
         summary.documents += len(lengths)
@@ -159,25 +188,26 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
         if progress is not None:
             progress(len(lengths), nbytes)
 
-    # The main process reads and parses (JSON is fast next to tokenizing), workers only tokenize: with --workers N
-    # there are N tokenizer processes plus this one, as in Megatron's preprocess_data.py.
+    # With --workers N there are N tokenizer processes plus this reader/writer, as in Megatron's preprocess_data.py.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     with (
         IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite) as writer,
         ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool,
     ):
-        pending: deque[tuple[tuple[int, int, int, int], Any]] = deque()
+        pending: deque[tuple[int, tuple[int, int, int] | None, Any]] = deque()
         for chunk in chunks:
-            texts, skipped, blank = _parse_chunk(chunk, config.json_key, config.skip_malformed)
-            head = (len(texts), skipped, blank, chunk.nbytes)
-            pending.append((head, pool.apply_async(_encode, (texts,))))
+            if parse_in_workers:
+                pending.append((chunk.nbytes, None, pool.apply_async(_parse_and_encode, (chunk,))))
+            else:
+                texts, skipped, blank = _parse_chunk(chunk, config.json_key, config.skip_malformed)
+                pending.append((chunk.nbytes, (len(texts), skipped, blank), pool.apply_async(_encode, (texts,))))
             if len(pending) >= 2 * config.workers + 2:
-                h, r = pending.popleft()
-                consume(h, r.get(), writer)
+                n, h, r = pending.popleft()
+                consume(n, h, r.get(), writer)
         while pending:
-            h, r = pending.popleft()
-            consume(h, r.get(), writer)
+            n, h, r = pending.popleft()
+            consume(n, h, r.get(), writer)
     summary.seconds = time.perf_counter() - t0
     logger.info(
         "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
