@@ -83,10 +83,13 @@ def test_preprocess_each_tokenizer_1_vs_2_workers(
     corpus: Path, models: dict[str, str], tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = models[kind]
-    assert _preprocess(corpus, tmp_path / "w1", kind, model, "--workers", "1", "--parse-in", "main") == 0
-    assert _preprocess(corpus, tmp_path / "w2", kind, model, "--workers", "2", "--parse-in", "workers") == 0
-    for suffix in (".bin", ".idx"):  # the output depends neither on the worker count nor on where parsing ran
+    assert _preprocess(corpus, tmp_path / "w1", kind, model, "--workers", "1", "--main-process", "reader") == 0
+    assert _preprocess(corpus, tmp_path / "w2", kind, model, "--workers", "2", "--main-process", "tokenizer") == 0
+    # one process in all: the main process tokenizes everything itself (what auto picks on a one-core machine)
+    assert _preprocess(corpus, tmp_path / "w0", kind, model, "--workers", "1", "--main-process", "tokenizer") == 0
+    for suffix in (".bin", ".idx"):  # the output depends neither on the worker count nor on the main process's role
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
+        assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w0{suffix}").read_bytes()
     out = capsys.readouterr().out
     assert "documents 60" in out and "MB/s" in out
     ds = IndexedDataset(tmp_path / "w1")
@@ -116,11 +119,13 @@ def test_preprocess_each_tokenizer_1_vs_2_workers(
     assert capsys.readouterr().out.strip()[:20] == tok.decode(doc[:-1]).strip()[:20]
 
 
-@pytest.mark.parametrize("parse_in", ["main", "workers"])
-def test_malformed_lines_stop_or_are_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str], parse_in: str) -> None:
+@pytest.mark.parametrize("main_process", ["reader", "tokenizer"])
+def test_malformed_lines_stop_or_are_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], main_process: str
+) -> None:
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"\n\n{"body": "c"}\n{"text": 3}\n{"text": "d"}\n')
-    opts = ("--parse-in", parse_in)
+    opts = ("--main-process", main_process, "--workers", "2")
     assert _preprocess(src, tmp_path / "o", "byte", "", *opts) == 2
     err = capsys.readouterr().err
     assert f"{src}:2:" in err and "--skip-malformed" in err

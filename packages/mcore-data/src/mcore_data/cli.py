@@ -49,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text")
     p.add_argument("--text-unit", choices=["file", "line"], default="file", help="plain text: document per ...")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
-    p.add_argument("--parse-in", choices=["auto", "main", "workers"], default="auto",
-                   help="where JSON is parsed (auto: in the workers once they take every core)")  # fmt: skip
+    p.add_argument("--main-process", choices=["auto", "reader", "tokenizer"], default="auto",
+                   help="role of the main process: reader (reads and parses; a core of its own) or tokenizer (also "
+                   "tokenizes, with workers-1 pool processes); auto: tokenizer once workers >= cores")  # fmt: skip
     p.add_argument("--no-append-eod", action="store_true", help="do not append the EOD token to documents")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines instead of stopping")
     p.add_argument("--overwrite", action="store_true")
@@ -118,7 +119,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         append_eod=not args.no_append_eod,
         skip_malformed=args.skip_malformed,
         overwrite=args.overwrite,
-        parse_in=args.parse_in,
+        main_process=args.main_process,
     )
     bar: Any = None
     if not args.no_progress:

@@ -1,13 +1,21 @@
 """Tokenizing raw text into a Megatron ``.bin``/``.idx`` pair, in parallel worker processes, order preserved.
 
-The main process reads raw units in ~1 MB chunks and writes results; workers tokenize. JSON is parsed by the main
-process while a core is free for it (fewer workers than cores) and by the workers once they take every core, so the
-reader never competes with the tokenizers for a core. At most a few chunks are in flight, so memory stays bounded;
-results are written in input order, so the output does not depend on the number of workers or where parsing ran.
+The main process reads raw units in ~1 MB chunks and writes results; ``workers`` processes tokenize. The main
+process plays one of two roles:
+
+- ``reader`` (fewer workers than cores): it also parses JSON, and ``workers`` pool processes tokenize, as in
+  Megatron's ``preprocess_data.py``; the main process has a core of its own.
+- ``tokenizer`` (as many workers as cores, or more): ``workers - 1`` pool processes parse and tokenize, and the main
+  process tokenizes a chunk itself whenever the pool already has enough queued work, so no core is shared between a
+  busy tokenizer and a mostly idle reader.
+
+At most a few chunks are in flight, so memory stays bounded; results are written in input order, so the output does
+not depend on the number of workers or on the role of the main process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -56,8 +64,8 @@ class PreprocessConfig:
     """Raw bytes per unit of work sent to a worker."""
     overwrite: bool = False
     """Replace existing outputs."""
-    parse_in: str = "auto"
-    """Where JSON/text units are parsed: ``main``, ``workers``, or ``auto`` (the workers once they take every core)."""
+    main_process: str = "auto"
+    """Role of the main process: ``reader``, ``tokenizer``, or ``auto`` (``tokenizer`` once workers >= cores)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -66,12 +74,12 @@ class PreprocessConfig:
             raise ConfigError("preprocess needs an output prefix (--output-prefix)")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.parse_in not in ("auto", "main", "workers"):
-            raise ConfigError(f"parse_in must be 'auto', 'main' or 'workers', not {self.parse_in!r}")
+        if self.main_process not in ("auto", "reader", "tokenizer"):
+            raise ConfigError(f"main_process must be 'auto', 'reader' or 'tokenizer', not {self.main_process!r}")
 
-    def parse_in_workers(self) -> bool:
-        if self.parse_in != "auto":
-            return self.parse_in == "workers"
+    def main_tokenizes(self) -> bool:
+        if self.main_process != "auto":
+            return self.main_process == "tokenizer"
         return self.workers >= _usable_cores()
 
 
@@ -160,6 +168,32 @@ def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
     return tokens, lengths
 
 
+class _Done:
+    """A result computed in this process, with the ``AsyncResult`` methods the main loop uses."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def ready(self) -> bool:
+        return True
+
+    def get(self) -> Any:
+        return self.value
+
+
+@dataclass
+class _Pending:
+    nbytes: int
+    counts: tuple[int, int, int] | None
+    """(documents, skipped, blank) when the main process parsed the chunk; None when they come with the result."""
+    result: Any
+
+
+def _restore_worker_state(tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool]) -> None:
+    global _TOKENIZER, _OPTS
+    _TOKENIZER, _OPTS = tokenizer, opts
+
+
 def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | None = None) -> PreprocessSummary:
     """Tokenize ``config.inputs`` into ``config.output_prefix``; ``progress(documents, bytes)`` after every chunk."""
     t0 = time.perf_counter()
@@ -170,44 +204,54 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     summary = PreprocessSummary(files=len(files), dtype=str(dtype))
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes)
     init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed)
-    parse_in_workers = config.parse_in_workers()
-    logger.info("parsing %s (%d workers)", "in the workers" if parse_in_workers else "in the main process",
-                config.workers)  # fmt: skip
+    main_tokenizes = config.main_tokenizes()
+    pool_size = config.workers - 1 if main_tokenizes else config.workers
+    logger.info("%d tokenizer processes: %d pool workers%s", config.workers, pool_size,
+                " and the main process" if main_tokenizes else "; the main process reads and parses")  # fmt: skip
 
-    def consume(nbytes: int, head: tuple[int, int, int] | None, res: Any, writer: IndexedDatasetWriter) -> None:
-        if head is None:  # parsed in the worker: the counts come back with the tokens
-            head, res = res
-        n_docs_in, skipped, blank = head
-        tokens, lengths = res
+    def consume(item: _Pending, writer: IndexedDatasetWriter) -> None:
+        if item.counts is None:  # parsed where it was tokenized: the counts come back with the tokens
+            (n_docs_in, skipped, blank), (tokens, lengths) = item.result.get()
+        else:
+            (n_docs_in, skipped, blank), (tokens, lengths) = item.counts, item.result.get()
         writer.add_documents(tokens, lengths)
         summary.documents += len(lengths)
         summary.tokens += int(tokens.size)
         summary.skipped += skipped
         summary.blank += blank + n_docs_in - len(lengths)
-        summary.input_bytes += nbytes
+        summary.input_bytes += item.nbytes
         if progress is not None:
-            progress(len(lengths), nbytes)
+            progress(len(lengths), item.nbytes)
 
-    # With --workers N there are N tokenizer processes plus this reader/writer, as in Megatron's preprocess_data.py.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
-    with (
-        IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite) as writer,
-        ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool,
-    ):
-        pending: deque[tuple[int, tuple[int, int, int] | None, Any]] = deque()
+    max_in_flight = 2 * config.workers + 2
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite))
+        pool = None
+        if pool_size > 0:
+            pool = stack.enter_context(ctx.Pool(pool_size, initializer=_init_worker, initargs=init_args))
+        if main_tokenizes:  # after the fork: the pool does not inherit this process's tokenizer
+            stack.callback(_restore_worker_state, _TOKENIZER, _OPTS)
+            _init_worker(*init_args)
+        pending: deque[_Pending] = deque()
         for chunk in chunks:
-            if parse_in_workers:
-                pending.append((chunk.nbytes, None, pool.apply_async(_parse_and_encode, (chunk,))))
+            if main_tokenizes:
+                queued = sum(1 for p in pending if not p.result.ready())
+                if pool is None or queued >= 2 * pool_size:  # the pool has enough to do: tokenize this one here
+                    pending.append(_Pending(chunk.nbytes, None, _Done(_parse_and_encode(chunk))))
+                else:
+                    pending.append(_Pending(chunk.nbytes, None, pool.apply_async(_parse_and_encode, (chunk,))))
             else:
+                assert pool is not None
                 texts, skipped, blank = _parse_chunk(chunk, config.json_key, config.skip_malformed)
-                pending.append((chunk.nbytes, (len(texts), skipped, blank), pool.apply_async(_encode, (texts,))))
-            if len(pending) >= 2 * config.workers + 2:
-                n, h, r = pending.popleft()
-                consume(n, h, r.get(), writer)
+                pending.append(
+                    _Pending(chunk.nbytes, (len(texts), skipped, blank), pool.apply_async(_encode, (texts,)))
+                )
+            while pending and (len(pending) >= max_in_flight or pending[0].result.ready()):
+                consume(pending.popleft(), writer)
         while pending:
-            n, h, r = pending.popleft()
-            consume(n, h, r.get(), writer)
+            consume(pending.popleft(), writer)
     summary.seconds = time.perf_counter() - t0
     logger.info(
         "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
