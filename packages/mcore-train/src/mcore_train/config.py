@@ -187,6 +187,9 @@ class TrainingSection:
     """Seed of initialisation and dropout."""
     device: str | None = None
     """Override the device (default: cuda with CUDA, else cpu)."""
+    compile: str = "none"
+    """``torch.compile``: none, or layers (each transformer layer compiled on its own: fuses norms, RoPE, SwiGLU and
+    residual adds; one compilation shared by all layers of the same shape)."""
     generate_at_end: int = 0
     """Greedily generate this many tokens from a prompt at the end and log the text (0: off)."""
     generate_prompt: str = "def "
@@ -200,6 +203,8 @@ class TrainingSection:
             problems.append("set training.train_iters or training.train_tokens")
         if self.on_nan not in ("stop", "skip"):
             problems.append(f"on_nan={self.on_nan!r} must be stop or skip")
+        if self.compile not in ("none", "layers"):
+            problems.append(f"compile={self.compile!r} must be none or layers")
         if self.rampup_batch_size and len(self.rampup_batch_size) != 3:
             problems.append("rampup_batch_size must be [start, increment, ramp samples]")
         if problems:

@@ -27,7 +27,7 @@ from mcore_train.config import TrainConfig
 from mcore_train.data import MicroBatchIterator, RunData, build_run_data
 from mcore_train.scheduler import LRScheduler
 
-__all__ = ["Run", "setup", "build_model_chunks", "rank_state", "restore_rank_state"]
+__all__ = ["Run", "setup", "build_model_chunks", "compile_layers", "rank_state", "restore_rank_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,17 @@ def build_model_chunks(
                 device=state.device,
             )
         )
+    if config.training.compile == "layers":
+        compile_layers(chunks)
     return chunks
+
+
+def compile_layers(chunks: list[GPTModel]) -> None:
+    """Compile every transformer layer in place (parameter names and checkpoints are unchanged)."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers.values():
+            layer.compile(dynamic=False)
+    logger.info("compiled %d transformer layers with torch.compile", sum(len(c.decoder.layers) for c in chunks))
 
 
 def rank_state(run: Run) -> dict[str, Any]:
@@ -178,7 +188,7 @@ def _resume(run: Run, path: Path) -> None:
     if saved_model is not None:
         saved = TransformerConfig.from_dict(saved_model)
         diffs = [f.name for f in dataclasses.fields(saved) if f.name not in ("recompute", "recompute_num_layers",
-                 "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
+                 "cross_entropy_fusion", "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
                  and getattr(saved, f.name) != getattr(run.model_config, f.name)]  # fmt: skip
         if diffs:
             from mcore_train.errors import ConfigError
