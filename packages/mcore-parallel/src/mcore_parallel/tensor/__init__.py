@@ -1,4 +1,8 @@
-"""Tensor and sequence parallelism: communication mappings, parallel layers, vocab-parallel cross-entropy, RNG."""
+"""Tensor and sequence parallelism: communication mappings, parallel layers, vocab-parallel cross-entropy, RNG.
+
+``linear_vocab_parallel_cross_entropy`` fuses the output projection with the vocab-parallel cross-entropy and keeps
+the logits of at most ``chunk_tokens`` tokens alive (recomputed in backward), for large vocabularies.
+"""
 
 from mcore_parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from mcore_parallel.tensor.init import derive_seed, init_sharded_, normal_init, scaled_normal_init
@@ -10,6 +14,7 @@ from mcore_parallel.tensor.layers import (
     padded_vocab_size,
     set_tp_attributes,
 )
+from mcore_parallel.tensor.linear_cross_entropy import linear_vocab_parallel_cross_entropy
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -26,6 +31,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
+    "linear_vocab_parallel_cross_entropy",
     "padded_vocab_size",
     "allreduce_sequence_parallel_grads",
     "set_tp_attributes",
