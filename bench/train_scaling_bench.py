@@ -36,6 +36,31 @@ CASES: dict[str, tuple[int, list[str]]] = {
         ],
     ),
 }
+# One-GPU optimisation ladder (issue 9): each lever on top of the eager baseline, then together, then per micro-batch.
+_MB4 = ["training.micro_batch_size=4", "training.global_batch_size=16"]
+_COMPILE, _FUSED_CE = "training.compile=layers", "model.cross_entropy_fusion=true"
+CASES.update(
+    {
+        "1gpu-compile": (1, [*_MB4, _COMPILE]),
+        "1gpu-fused-ce": (1, [*_MB4, _FUSED_CE]),
+        "1gpu-opt": (1, [*_MB4, _COMPILE, _FUSED_CE]),
+        "1gpu-opt-mb2": (1, ["training.micro_batch_size=2", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
+        "1gpu-opt-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
+        "1gpu-opt-recompute": (1, [*_MB4, _COMPILE, _FUSED_CE, "model.recompute=full"]),
+        "dp2-opt": (2, ["training.micro_batch_size=4", "training.global_batch_size=32", _COMPILE, _FUSED_CE]),
+        "tp2-sp-opt": (
+            2,
+            [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "training.micro_batch_size=8",
+                "training.global_batch_size=32",
+                _COMPILE,
+                _FUSED_CE,
+            ],
+        ),
+    }
+)
 
 
 def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -79,7 +104,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="llama-1b")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=["1gpu", "dp2", "dp2-no-overlap", "tp2-sp"], choices=list(CASES))
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
     parser.add_argument("--out", default=None)
     parser.add_argument("--case-timeout", type=float, default=300)

@@ -6,6 +6,8 @@ unsharded initial weights do not depend on the TP size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,13 +24,14 @@ CONFIGS = {
 }
 
 
-def _run(config: TransformerConfig, tp: int, sp: bool) -> None:
+def _run(config: TransformerConfig, tp: int, sp: bool, fused: bool = False) -> None:
+    """The TP model (with the fused output-layer loss when ``fused``) against the unfused one-process model."""
     state = ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=sp))
     torch.manual_seed(11)
     ids = torch.randint(0, config.vocab_size, (2, 16))
     labels = torch.randint(0, config.vocab_size, (2, 16))
     ref = GPTModel(config, tp=Group.single())
-    model = GPTModel(config, tp=state.tp, sequence_parallel=sp)
+    model = GPTModel(dataclasses.replace(config, cross_entropy_fusion=fused), tp=state.tp, sequence_parallel=sp)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
 
     ref_loss = ref(ids, labels=labels)
@@ -64,3 +67,11 @@ def _run(config: TransformerConfig, tp: int, sp: bool) -> None:
 )
 def test_gpt_tp_matches_tp1(name: str, tp: int, sp: bool) -> None:
     run_distributed(_run, tp, CONFIGS[name], tp, sp)
+
+
+@pytest.mark.parametrize(
+    "name,tp,sp", [("llama-tied-qknorm", 1, False), ("llama-tied-qknorm", 2, True), ("gpt2", 4, False)]
+)
+def test_fused_output_loss_matches_unfused(name: str, tp: int, sp: bool) -> None:
+    """cross_entropy_fusion: same per-token loss and every gradient (tied and untied output weights, TP, SP)."""
+    run_distributed(_run, tp, CONFIGS[name], tp, sp, True)

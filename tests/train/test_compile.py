@@ -28,11 +28,13 @@ def _losses(overrides: list[str]) -> list[float]:
     return pretrain(config(*overrides)).losses
 
 
-def test_compiled_layers_under_tensor_and_sequence_parallelism() -> None:
-    """The TP/SP collectives inside each layer trace through torch.compile (tp=2 on gloo = one process, eager)."""
+def test_compiled_layers_and_fused_loss_under_tensor_and_sequence_parallelism() -> None:
+    """The TP/SP collectives inside each layer trace through torch.compile, and the fused output-layer loss trains
+    the same (tp=2 + SP on gloo, both levers on = one process, eager, unfused)."""
     reference = _losses(["training.train_iters=3"])
     tp2 = run_distributed(_losses, 2, ["training.train_iters=3", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                       "training.compile=layers"], timeout=600)[0]  # fmt: skip
+                                       "training.compile=layers", "model.cross_entropy_fusion=true"],
+                          timeout=600)[0]  # fmt: skip
     assert tp2 == pytest.approx(reference, abs=1e-5)
 
 

@@ -92,6 +92,10 @@ class TransformerConfig:
     """Activation recompute: none, selective (core attention only) or full (whole layers)."""
     recompute_num_layers: int | None = None
     """With full recompute, how many layers of each stage are recomputed (None = all)."""
+    cross_entropy_fusion: bool = False
+    """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
+    logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
+    of activation memory for one extra output-layer matmul). Same loss and gradients up to float rounding."""
     seed: int = 1234
     """Base seed of the initialisation (each parameter draws from a seed derived from it and its name)."""
     extra: dict[str, Any] = field(default_factory=dict)

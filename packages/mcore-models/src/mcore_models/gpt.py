@@ -23,7 +23,10 @@ from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
     ColumnParallelLinear,
     RNGStatesTracker,
+    copy_to_tp_region,
+    gather_from_sp_region,
     gather_from_tp_region,
+    linear_vocab_parallel_cross_entropy,
     normal_init,
     padded_vocab_size,
     vocab_parallel_cross_entropy,
@@ -32,6 +35,8 @@ from mcore_parallel.tensor import (
 __all__ = ["GPTModel"]
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
+_FUSED_LOSS_CHUNK_ELEMENTS = 1 << 27
+"""Logits per chunk of the fused loss (128 M: 512 MB in float32, whatever the vocabulary)."""
 
 
 class GPTModel(nn.Module):
@@ -150,12 +155,28 @@ class GPTModel(nn.Module):
             hidden = hidden.index_select(0, inference_context.logits_index)
         hidden = self.decoder.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if labels is not None and self.config.cross_entropy_fusion and inference_context is None:
+            return self._fused_loss(hidden, weight, labels)
         logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
         if labels is None:
             if gather_logits:
                 logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, vocab_size=self.config.vocab_size)
+        return loss.t()
+
+    def _fused_loss(self, hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` with the output projection and cross-entropy fused chunk by chunk."""
+        tp = self.ctx.tp
+        w = self.output_layer.weight if weight is None else weight
+        assert w is not None
+        if self.ctx.sequence_parallel:
+            hidden = gather_from_sp_region(hidden, tp, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tp_region(hidden, tp)
+        chunk = max(1, _FUSED_LOSS_CHUNK_ELEMENTS // w.shape[0])
+        loss = linear_vocab_parallel_cross_entropy(hidden, w, labels.t(), tp, vocab_size=self.config.vocab_size,
+                                                   chunk_tokens=chunk)  # fmt: skip
         return loss.t()
 
     def _positions(self, position_ids: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor:
