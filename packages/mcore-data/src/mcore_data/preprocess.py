@@ -225,7 +225,10 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
 
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
-    max_in_flight = 2 * config.workers + 2
+    # Results are written in input order, so finished chunks wait behind the oldest unfinished one. In the tokenizer
+    # role the main process must not block on that one while it could tokenize the next chunk itself: allow a deeper
+    # queue there (a chunk in flight holds ~1 MB of text and its tokens, so memory stays bounded either way).
+    max_in_flight = (8 if main_tokenizes else 2) * config.workers + 2
     with contextlib.ExitStack() as stack:
         writer = stack.enter_context(IndexedDatasetWriter(config.output_prefix, dtype, overwrite=config.overwrite))
         pool = None
