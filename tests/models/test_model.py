@@ -14,13 +14,14 @@ from tests._model_configs import gpt2, llama
 def test_invalid_config_lists_every_problem() -> None:
     with pytest.raises(ConfigError) as exc:
         TransformerConfig(hidden_size=30, num_attention_heads=4, num_query_groups=3, activation="relu",
-                          hidden_dropout=1.5, recompute_num_layers=2)  # fmt: skip
+                          hidden_dropout=1.5, recompute_num_layers=2, attention_backend="flash3")  # fmt: skip
     text = str(exc.value)
     for expected in ("hidden_size=30 is not divisible by num_attention_heads=4", "num_attention_heads=4 is not "
                      "divisible by num_query_groups=3", "activation='relu' is not one of", "hidden_dropout=1.5",
-                     "recompute_num_layers=2 needs recompute='full'"):  # fmt: skip
+                     "recompute_num_layers=2 needs recompute='full'",
+                     "attention_backend='flash3' is not one of auto, flash, cudnn, efficient, math"):  # fmt: skip
         assert expected in text
-    assert len(exc.value.problems) == 5 and isinstance(exc.value, ValueError)
+    assert len(exc.value.problems) == 6 and isinstance(exc.value, ValueError)
 
 
 def test_tp_specific_problems() -> None:
@@ -124,3 +125,24 @@ def test_bf16_model_runs_and_stays_bf16() -> None:
     loss = model(torch.randint(0, 100, (2, 8)), labels=torch.randint(0, 100, (2, 8)))
     assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
     loss.mean().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_attention_backends_agree_on_gpu(backend: str) -> None:
+    """Each SDPA kernel, forced by attention_backend, gives the math kernel's loss and gradients (bf16 noise)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = llama(num_attention_heads=4, num_query_groups=2, hidden_size=256, params_dtype="bfloat16")
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), device="cuda")
+    out = {}
+    for name in ("math", backend):
+        model = GPTModel(cfg.replace(attention_backend=name), device="cuda")
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        out[name] = (
+            loss.float(),
+            next(iter(model.decoder.layers.values())).self_attention.linear_qkv.weight.grad.float(),
+        )
+    torch.testing.assert_close(out[backend][0], out["math"][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[backend][1], out["math"][1], rtol=5e-2, atol=5e-3)

@@ -22,6 +22,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned_absolute", "rope", "none")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,9 @@ class TransformerConfig:
     """Activation recompute: none, selective (core attention only) or full (whole layers)."""
     recompute_num_layers: int | None = None
     """With full recompute, how many layers of each stage are recomputed (None = all)."""
+    attention_backend: str = "auto"
+    """Kernel of ``F.scaled_dot_product_attention``: auto (PyTorch's choice), flash, cudnn, efficient or math. The
+    same math; the choice only changes speed (measure it: head dim and GPU decide which kernel is fastest)."""
     cross_entropy_fusion: bool = False
     """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
     logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
@@ -174,6 +178,7 @@ class TransformerConfig:
             ("position_embedding", POSITIONS),
             ("recompute", RECOMPUTE),
             ("params_dtype", tuple(DTYPES)),
+            ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 p.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")

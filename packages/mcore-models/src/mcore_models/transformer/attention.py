@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
@@ -26,6 +27,13 @@ if TYPE_CHECKING:
 __all__ = ["InferenceContext", "SelfAttention", "SDPACoreAttention"]
 
 _TORCH_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+_SDPA_BACKENDS: dict[str, list[SDPBackend] | None] = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
 class InferenceContext(Protocol):
@@ -52,6 +60,7 @@ class SDPACoreAttention(nn.Module):
     def __init__(self, config: TransformerConfig, ctx: ModelContext) -> None:
         super().__init__()
         self.dropout, self.ctx = config.attention_dropout, ctx
+        self.backends = _SDPA_BACKENDS[config.attention_backend]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, heads, d = q.shape
@@ -64,7 +73,8 @@ class SDPACoreAttention(nn.Module):
             else:
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        with self.ctx.model_parallel_rng() if p > 0 else nullcontext():
+        backend = sdpa_kernel(self.backends) if self.backends is not None and q.is_cuda else nullcontext()
+        with self.ctx.model_parallel_rng() if p > 0 else nullcontext(), backend:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
