@@ -60,8 +60,12 @@ class PagedAttentionContext:
         self.segments = segments or []
         self.block_tables_host = block_tables_host or []
 
+    @torch.compiler.disable
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, 1, heads, d]``, ``k``/``v`` ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``."""
+        """``q`` ``[T, 1, heads, d]``, ``k``/``v`` ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``.
+
+        Never traced by ``torch.compile`` (``EngineConfig.compile``): compiled layers run their code before and
+        after this call, which depends on per-step host data (segments, block tables) and writes the cache."""
         i = layer_number - self.first_layer
         k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
         t, _, heads, d = q.shape

@@ -28,6 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer (fused elementwise ops)")
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
 
 
@@ -49,6 +50,7 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
+        compile=args.compile,
         attention_backend=args.attention,
     )
     return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)

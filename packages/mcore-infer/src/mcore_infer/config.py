@@ -30,6 +30,9 @@ class EngineConfig:
     """``plain`` (gather + SDPA), ``triton`` (paged kernel) or ``auto`` (triton on CUDA when installed)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (GPU only)."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
+    SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0

@@ -72,6 +72,8 @@ class ModelRunner:
             raise ValueError("serving needs the whole model on each TP rank (pipeline stages are not supported)")
         self.model = model.eval()
         self.config = config
+        if config.compile:
+            model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")
         mc = model.config
         param = next(model.parameters())

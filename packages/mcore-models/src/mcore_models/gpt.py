@@ -106,6 +106,15 @@ class GPTModel(nn.Module):
         return set(list(self.layer_numbers)[:n])
 
     # ----------------------------------------------------------------------------------------------- forward
+    def compile_layers(self, dynamic: bool = False) -> None:
+        """``torch.compile`` each transformer layer in place (names, checkpoints and the layer objects unchanged).
+
+        Fuses the elementwise work between matmuls (norms, RoPE, SwiGLU, residual adds). Layers of one shape share
+        the compiled code. ``dynamic=True`` keeps the token count symbolic (inference, where every step differs).
+        """
+        for layer in self.decoder.layers.values():
+            layer.compile(dynamic=dynamic)
+
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
         self.input_tensor = tensor

@@ -105,8 +105,7 @@ def build_model_chunks(
 def compile_layers(chunks: list[GPTModel]) -> None:
     """Compile every transformer layer in place (parameter names and checkpoints are unchanged)."""
     for chunk in chunks:
-        for layer in chunk.decoder.layers.values():
-            layer.compile(dynamic=False)
+        chunk.compile_layers(dynamic=False)
     logger.info("compiled %d transformer layers with torch.compile", sum(len(c.decoder.layers) for c in chunks))
 
 
