@@ -206,3 +206,31 @@ def test_load_errors_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "s/model/fc2.weight/c/0/0").write_bytes(b"\x00" * 10)
     with pytest.raises(CheckpointFormatError, match="truncated chunk"):
         CheckpointManager(tmp_path, state).load(Net(state.tp).sharded_state_dict())
+
+
+def test_async_saves_reuse_one_staging_buffer(tmp_path: Path) -> None:
+    """The second async save copies into the first one's host buffer (no new allocation); each checkpoint holds the
+    values of its own save() call; a save that needs more room grows the buffer."""
+    state = ParallelState.initialize(ParallelConfig())
+    net = Net(state.tp)
+    mgr = CheckpointManager(tmp_path, state, async_save=True)
+    items = net.sharded_state_dict()
+    mgr.save("step_1", items, metadata={"step": 1})
+    buffer = mgr._staging._buffer
+    assert buffer is not None and mgr._staging.nbytes >= net.fc1.weight.numel() * 4
+    values_1 = net.fc1.weight.detach().clone()
+    with torch.no_grad():
+        net.fc1.weight.add_(1.0)  # while step_1 may still be written from the buffer
+    mgr.save("step_2", items, metadata={"step": 2})  # waits for step_1, then reuses its buffer
+    assert mgr._staging._buffer is buffer
+    values_2 = net.fc1.weight.detach().clone()
+    with torch.no_grad():
+        net.fc1.weight.add_(1.0)
+    mgr.wait()
+    assert torch.equal(read_region(tmp_path / "step_1/model/fc1.weight"), values_1)
+    assert torch.equal(read_region(tmp_path / "step_2/model/fc1.weight"), values_2)
+    opt = get_optimizer(OptimizerConfig(lr=0.1), [net], state)
+    mgr.save("step_3", items, opt, metadata={"step": 3})  # model + fp32 master + moments: more bytes
+    mgr.wait()
+    assert mgr._staging._buffer is not buffer and mgr._staging.nbytes > buffer.numel()
+    assert torch.equal(read_region(tmp_path / "step_3/optimizer/fc1.weight/master"), net.fc1.weight.detach())

@@ -3,7 +3,8 @@
 A save writes into ``<root>/.tmp.<name>``; once every rank has finished, rank 0 renames it to ``<root>/<name>``
 and only then rewrites ``<root>/latest`` (itself via a temporary file and rename). A crash or ``kill -9`` at any
 moment therefore leaves ``latest`` pointing at the previous complete checkpoint; a stale temporary directory is
-removed by the next save. With ``async_save`` the tensors are copied to (pinned) CPU memory during ``save`` and written
+removed by the next save. With ``async_save`` the tensors are copied during ``save`` into a host staging buffer that is
+kept from save to save (pinned memory for GPU tensors: no allocation and no fresh pages after the first save), and written
 by a background thread while training continues; ``poll()`` (call it every step: one tiny all-reduce) publishes the
 checkpoint once every rank's writer is done, and ``wait()`` blocks until it is published.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from mcore_parallel.checkpoint.sharded import (
     FORMAT_VERSION,
     BackgroundWriter,
+    StagingBuffer,
     load_model,
     load_optimizer,
     plan_model_writes,
@@ -102,6 +104,7 @@ class CheckpointManager:
         self.root, self.state = Path(root), state
         self.keep_last, self.async_save, self.fsync = keep_last, async_save, fsync
         self._pending: tuple[BackgroundWriter, str, SaveStats, float] | None = None
+        self._staging = StagingBuffer()
         self.last_stats: SaveStats | None = None
 
     # ------------------------------------------------------------------------------------------------- save
@@ -150,18 +153,17 @@ class CheckpointManager:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, dest)
         _barrier()
-        pin = self.async_save and torch.cuda.is_available()
-        snapshot = self.async_save  # a background writer needs its own copy of CPU tensors
-        jobs = plan_model_writes(model_items, self.state, pin, snapshot)
+        # async: chunks stay views of the live tensors until staged into the reused host buffer below
+        to_host = not self.async_save
+        jobs = plan_model_writes(model_items, self.state, to_host)
         if optimizer is not None:
-            jobs += plan_optimizer_writes(optimizer, model_items, self.state, pin, snapshot)
+            jobs += plan_optimizer_writes(optimizer, model_items, self.state, to_host)
         if rank_state is not None:
             (tmp / "rank_state").mkdir(exist_ok=True)
             torch.save(rank_state, tmp / "rank_state" / f"rank_{self.state.rank:05d}.pt")
         stats = SaveStats(name)
         if self.async_save:
-            if pin:
-                torch.cuda.synchronize()  # the non-blocking copies to pinned memory have landed
+            self._staging.stage(jobs)  # a snapshot the background writer owns: training may change the tensors
             self._pending = (BackgroundWriter(tmp, jobs), name, stats, start)
             stats.blocking_s = time.perf_counter() - start
         else:

@@ -43,7 +43,15 @@ from mcore_parallel.checkpoint.zarr_io import (
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import Group, ParallelState
 
-__all__ = ["WriteJob", "plan_model_writes", "plan_optimizer_writes", "write_jobs", "load_model", "load_optimizer"]
+__all__ = [
+    "StagingBuffer",
+    "WriteJob",
+    "plan_model_writes",
+    "plan_optimizer_writes",
+    "write_jobs",
+    "load_model",
+    "load_optimizer",
+]
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -74,13 +82,57 @@ def _chunk_index(global_idx: tuple[slice, ...], chunk_shape: tuple[int, ...]) ->
     return tuple((s.start or 0) // c for s, c in zip(global_idx, chunk_shape))
 
 
-def _to_cpu(t: torch.Tensor, pin: bool, snapshot: bool) -> torch.Tensor:
-    """A CPU copy of ``t`` (or ``t`` itself when it is on the CPU and no snapshot is needed: synchronous saves)."""
-    if t.device.type == "cpu":
-        return t.detach().clone() if snapshot else t.detach()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    out.copy_(t.detach(), non_blocking=pin)
-    return out
+def _host(t: torch.Tensor, to_host: bool) -> torch.Tensor:
+    """``t`` on the CPU (a copy of a GPU tensor, CPU tensors as they are), or ``t`` itself wherever it lives when
+    ``to_host`` is False (an async save then copies every chunk into its :class:`StagingBuffer`)."""
+    if not to_host or t.device.type == "cpu":
+        return t.detach()
+    return t.detach().cpu()
+
+
+class StagingBuffer:
+    """Host memory that every async save copies its chunks into, kept from one save to the next.
+
+    One flat buffer of exactly the bytes a save needs (pinned when the tensors are on a GPU, so the copies are
+    asynchronous DMA), allocated on the first save and grown only if a later save needs more: saves after the first
+    neither allocate nor touch fresh pages, which is most of a snapshot's cost. The caller must not stage a new save
+    while a writer still reads the previous one (:class:`CheckpointManager` waits first).
+    """
+
+    ALIGN = 256
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._pinned = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def _aligned(self, n: int) -> int:
+        return (n + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+
+    def stage(self, jobs: list[WriteJob]) -> None:
+        """Replace every chunk of ``jobs`` by its copy in the buffer (returns once the copies have landed)."""
+        tensors = [t for job in jobs for _, t in job.chunks]
+        total = sum(self._aligned(t.numel() * t.element_size()) for t in tensors)
+        pin = any(t.is_cuda for t in tensors)
+        if self._buffer is None or self._buffer.numel() < total or self._pinned != pin:
+            self._buffer = None  # release the old buffer before taking the new one
+            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            self._pinned = pin
+            logger.info("checkpoint staging buffer: %.2f GB of %s host memory", total / 1e9,
+                        "pinned" if pin else "pageable")  # fmt: skip
+        offset = 0
+        for job in jobs:
+            for i, (index, t) in enumerate(job.chunks):
+                n = t.numel() * t.element_size()
+                dst = self._buffer[offset : offset + n].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=pin and t.is_cuda)
+                job.chunks[i] = (index, dst)
+                offset += self._aligned(n)
+        if pin:
+            torch.cuda.synchronize()  # every device-to-host copy has landed
 
 
 def _jobs_for(
@@ -88,9 +140,8 @@ def _jobs_for(
     info: ShardedTensor,
     local: torch.Tensor,
     write: bool,
-    pin: bool,
     attributes: dict[str, Any] | None = None,
-    snapshot: bool = True,
+    to_host: bool = True,
 ) -> WriteJob | None:
     """The chunks of ``local`` (laid out like ``info.local``) that this rank writes into array ``path``."""
     if not write or info.replica:
@@ -100,22 +151,20 @@ def _jobs_for(
     job = WriteJob(path, spec, write_metadata=False, attributes=attributes or {})
     for local_idx, global_idx in info.pieces:
         index = _chunk_index(global_idx, spec.chunk_shape)
-        job.chunks.append((index, _to_cpu(local[local_idx], pin, snapshot)))
+        job.chunks.append((index, _host(local[local_idx], to_host)))
         job.write_metadata |= all(i == 0 for i in index)
     return job if job.chunks else None
 
 
-def plan_model_writes(
-    items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True, snapshot: bool = True
-) -> list[WriteJob]:
+def plan_model_writes(items: Mapping[str, ShardedTensor], state: ParallelState, to_host: bool = True) -> list[WriteJob]:
     """This rank's share of writing the model parameters ``items`` (from ``model.sharded_state_dict()``).
 
-    ``snapshot`` copies CPU tensors so they may change while a background writer runs (async saves).
+    ``to_host=False`` leaves the chunks where they are (views of the live tensors) for a :class:`StagingBuffer`.
     """
     jobs = []
     for info in items.values():
         write = state.dp_cp.rank == writer_index(info.key, state.dp_cp)
-        job = _jobs_for(f"model/{info.key}", info, info.local, write, pin, {"kind": "parameter"}, snapshot)
+        job = _jobs_for(f"model/{info.key}", info, info.local, write, {"kind": "parameter"}, to_host)
         if job is not None:
             jobs.append(job)
     return jobs
@@ -131,7 +180,7 @@ def _params_by_identity(items: Mapping[str, ShardedTensor]) -> dict[int, Sharded
 
 
 def plan_optimizer_writes(
-    optimizer: Any, items: Mapping[str, ShardedTensor], state: ParallelState, pin: bool = True, snapshot: bool = True
+    optimizer: Any, items: Mapping[str, ShardedTensor], state: ParallelState, to_host: bool = True
 ) -> list[WriteJob]:
     """This rank's share of writing master weights and moments of ``optimizer`` (a mcore_parallel optimizer).
 
@@ -166,7 +215,7 @@ def plan_optimizer_writes(
                 continue
             full = {k: entry.tensors[k].view(param.shape) for k in keys if k in entry.tensors}
         for k, tensor in full.items():
-            job = _jobs_for(f"optimizer/{info.key}/{k}", info, tensor, True, pin, {"kind": k}, snapshot)
+            job = _jobs_for(f"optimizer/{info.key}/{k}", info, tensor, True, {"kind": k}, to_host)
             if job is not None:
                 jobs.append(job)
     return jobs

@@ -290,7 +290,12 @@ class MixedPrecisionOptimizer:
             slot.master.view(-1).copy_(saved["master"].to(slot.master.device))
             st = self.optimizer.state[slot.master]
             for key, value in saved.items():
-                if key != "master":
+                if key == "master":
+                    continue
+                current = st.get(key)
+                if isinstance(current, torch.Tensor) and current.shape == slot.master.shape:
+                    current.copy_(value.reshape(slot.master.shape))  # into the existing moment: no new memory
+                else:
                     st[key] = value.to(slot.master).reshape(slot.master.shape).clone()
             if len(saved) > 1:
                 fused = slot.master.is_cuda
