@@ -140,7 +140,7 @@ def main() -> None:
             _drop_caches(root / f"dcp_async{i}")
     for key in [k for k in results if k.endswith("_s")]:
         if "blocking" not in key and "first" not in key:
-            results[key.replace("_s", "_gb_per_s")] = gb / results[key]
+            results[key[:-2] + "_gb_per_s"] = gb / results[key]
     results = {k: v for k, v in results.items() if v is not None}
     print(f"{args.preset} training state: {gb:.2f} GB in {len(tensors)} tensors on {results['gpu']}")
     print("| method | save s (GB/s) | load s (GB/s) | async blocked s: first / later save | async total s |")
