@@ -39,6 +39,19 @@ CASES: dict[str, tuple[int, list[str]]] = {
 # One-GPU optimisation ladder (issue 9): each lever on top of the eager baseline, then together, then per micro-batch.
 _MB4 = ["training.micro_batch_size=4", "training.global_batch_size=16"]
 _COMPILE, _FUSED_CE = "training.compile=layers", "model.cross_entropy_fusion=true"
+# Eight GPUs (issue 10): data-parallel scaling with the distributed optimizer and overlapped gradient reduce, and
+# llama3-8b layouts (run with --preset llama3-8b --recipe llama3-8b).
+_DIST = ["optimizer.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]
+for _dp in (1, 2, 4, 8):
+    CASES[f"dp{_dp}-distopt"] = (_dp, ["training.micro_batch_size=4", f"training.global_batch_size={16 * _dp}", *_DIST])
+for _name, _layout in {
+    "8gpu-tp2-dp4": ["parallel.tp=2"],
+    "8gpu-tp4-dp2": ["parallel.tp=4"],
+    "8gpu-tp2-pp2-dp2": ["parallel.tp=2", "parallel.pp=2"],
+    "8gpu-tp8": ["parallel.tp=8"],
+}.items():
+    CASES[_name] = (8, [*_layout, "parallel.sequence_parallel=true", "training.micro_batch_size=1",
+                        "training.global_batch_size=64", *_DIST])  # fmt: skip
 CASES.update(
     {
         "1gpu-compile": (1, [*_MB4, _COMPILE]),
@@ -114,7 +127,7 @@ def main() -> None:
     for c in args.cases:
         results.append(run_case(c, *CASES[c], args, workdir))
         print(json.dumps(results[-1])[:2000], flush=True)
-    base = next((r for r in results if r["case"] == "1gpu" and "error" not in r), None)
+    base = next((r for r in results if r["world"] == 1 and "error" not in r), None)
     print("| case | GPUs | tokens/s per GPU | step s | model TFLOP/s per GPU | MFU | peak GiB | vs 1 GPU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -41,6 +41,7 @@ CASES = {
     "pp4xvpp2-m8": (Spec(pp=4, vpp=2, layers=8, micro=8, steps=2), 4),
     "tp2-pp2-dp2": (Spec(tp=2, pp=2, micro=3), 8),
     "tp2-pp2-dp2-sp-vpp2": (Spec(tp=2, pp=2, vpp=2, sp=True, micro=2, steps=2), 8),
+    "tp4-dp2-sp": (Spec(tp=4, sp=True, micro=2, steps=2), 8),
 }
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU measurements of the open issues, grouped so that each group is one `device` call under 10 minutes.
+# Run from the repository root on the device machine (torch preinstalled there; our packages come from the tree):
+#
+#   bash bench/device_calls.sh ladder       # nvidia-h200(-x2): issue 9, the one-GPU optimisation ladder (~8 min)
+#   bash bench/device_calls.sh scaling      # nvidia-h200-x2: issue 5, dp2 / tp2+SP against one GPU (~8 min)
+#   bash bench/device_calls.sh ckpt-serve   # one GPU: issue 6 checkpoint bench, issue 7 serve bench eager/compiled
+#   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
+#   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
+#
+# Results go to $OUT (the device tool brings them back); copy them to bench/results/ with the date and hardware.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}"
+OUT="${OUT:-/tmp/mcore-device-out}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.version.cuda)" > "$OUT/torch.txt" 2>&1
+scale() { python3 bench/train_scaling_bench.py --preset llama-1b --steps 10 --case-timeout 170 "$@"; }
+
+case "${1:-}" in
+  ladder)
+    scale --cases 1gpu 1gpu-compile 1gpu-fused-ce 1gpu-opt 1gpu-opt-mb8 --out "$OUT/ladder.json" 2>&1 \
+      | tee "$OUT/ladder.log"
+    ;;
+  scaling)
+    scale --cases 1gpu dp2 dp2-no-overlap tp2-sp dp2-opt --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log"
+    ;;
+  ckpt-serve)
+    timeout 240 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckb --json "$OUT/ckpt.json" 2>&1 \
+      | tail -20 | tee "$OUT/ckpt.log"
+    timeout 150 python3 bench/serve_bench.py --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve.json" 2>&1 \
+      | tail -30 | tee "$OUT/serve.log"
+    timeout 180 python3 bench/serve_bench.py --compile --concurrency 1,64 --http-concurrency 0 \
+      --out "$OUT/serve-compile.json" 2>&1 | tail -30 | tee "$OUT/serve-compile.log"
+    ;;
+  gpu-tests)
+    timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+    ;;
+  x8)
+    timeout 200 python3 -m pytest -q tests/parallel/test_pipeline_nccl.py -p no:cacheprovider 2>&1 | tail -20 \
+      | tee "$OUT/x8-parity.log"
+    scale --steps 8 --case-timeout 120 --cases dp1-distopt dp2-distopt dp4-distopt dp8-distopt \
+      --out "$OUT/x8-dp-scaling.json" 2>&1 | tee "$OUT/x8-dp-scaling.log"
+    ;;
+  x8-large)
+    python3 bench/train_scaling_bench.py --preset llama3-8b --recipe llama3-8b --seq 4096 --steps 6 --case-timeout 170 \
+      --cases 8gpu-tp2-dp4 8gpu-tp4-dp2 8gpu-tp2-pp2-dp2 --out "$OUT/x8-llama3-8b.json" 2>&1 | tee "$OUT/x8-8b.log"
+    timeout 300 python3 bench/reshard_continue.py --world 8 --steps 30 --out "$OUT/x8-reshard.json" 2>&1 \
+      | tail -40 | tee "$OUT/x8-reshard.log"
+    ;;
+  *)
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|gpu-tests|x8|x8-large" >&2
+    exit 2
+    ;;
+esac
