@@ -116,3 +116,16 @@ def test_bad_parameters_name_the_field() -> None:
         with pytest.raises(ValueError) as e:
             SamplingParams(**{field: value}).validate()
         assert e.value.param == field  # type: ignore[attr-defined]
+
+
+def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
+    """Greedy rows take the argmax and sampled rows draw exactly as they would alone (same seeded generator)."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    s = Sampler(seed=1)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)
+    rows = [SampleRow(greedy, [], []), SampleRow(hot, [], [], s.request_generator(5)), SampleRow(greedy, [], []),
+            SampleRow(hot, [], [], s.request_generator(6))]  # fmt: skip
+    out = s(logits, rows).tokens
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    alone = s(logits[1:2], [SampleRow(hot, [], [], s.request_generator(5))]).tokens
+    assert out[1] == alone[0]

@@ -11,7 +11,7 @@ plus one). ``attention`` first stores the step's keys/values at their slots, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,7 @@ from mcore_infer.kv_cache import KVCache
 __all__ = ["PagedAttentionContext", "Segment"]
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """Tokens ``[start, end)`` of the flat step belong to block-table row ``row`` and end at context ``ctx``."""
 
     start: int

@@ -52,6 +52,14 @@ class StepBatch:
         """Append ``tokens`` at positions ``start_pos..``; ``logits``: ``none``, ``last`` or ``all`` rows."""
         n = len(tokens)
         t0 = len(self.tokens)
+        if n == 1 and logits == "last":  # a decode token: the common case, kept cheap
+            self.tokens.append(tokens[0])
+            self.positions.append(start_pos)
+            self.slots.append(table[start_pos // block_size] * block_size + start_pos % block_size)
+            self.segments.append(Segment(t0, t0 + 1, len(self.block_tables), start_pos + 1))
+            self.block_tables.append(table)
+            self.logits_index.append(t0)
+            return
         self.tokens.extend(tokens)
         pos = range(start_pos, start_pos + n)
         self.positions.extend(pos)

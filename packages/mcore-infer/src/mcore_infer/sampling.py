@@ -151,13 +151,19 @@ class Sampler:
                 x[i, r.banned] = float("-inf")
         want_lp = [r.params.logprobs is not None for r in rows]
         logp = torch.log_softmax(x, dim=-1) if any(want_lp) else None
-        tokens = torch.empty(n, dtype=torch.long, device=x.device)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=x.device)
-        if bool(greedy.any()):
-            tokens[greedy] = x[greedy].argmax(-1)
-        if not bool(greedy.all()):
-            idx = (~greedy).nonzero().flatten()
-            tokens[idx] = self._draw(x[idx], [rows[i] for i in idx.tolist()])
+        # which rows are greedy is known on the host: no device round trip before the single .tolist() below
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not drawn:
+            tokens = x.argmax(-1)
+        elif not greedy:
+            tokens = self._draw(x, rows)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=x.device)
+            g_idx = torch.tensor(greedy, device=x.device)
+            d_idx = torch.tensor(drawn, device=x.device)
+            tokens[g_idx] = x[g_idx].argmax(-1)
+            tokens[d_idx] = self._draw(x[d_idx], [rows[i] for i in drawn])
         token_list = tokens.tolist()
         lps: list[float | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n

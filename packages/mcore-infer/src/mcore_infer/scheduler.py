@@ -123,18 +123,20 @@ class Scheduler:
         budget = self.budget
         plan: list[Scheduled] = []
         bs = self.blocks.block_size
+        preempted: set[int] = set()
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted below by an older request
+            if id(seq) in preempted:  # preempted below by an older request
                 continue
-            n = min(seq.length - seq.num_computed, budget)
+            n = min(len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed, budget)
             while not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(id(victim))
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if id(seq) in preempted:
                 continue
             plan.append(self._plan(seq, n))
             budget -= n
