@@ -5,6 +5,7 @@
 #   bash bench/device_calls.sh ladder       # nvidia-h200(-x2): issue 9, the one-GPU optimisation ladder (~8 min)
 #   bash bench/device_calls.sh scaling      # nvidia-h200-x2: issue 5, dp2 / tp2+SP against one GPU (~8 min)
 #   bash bench/device_calls.sh ckpt-serve   # one GPU: issue 6 checkpoint bench, issue 7 serve bench eager/compiled
+#   bash bench/device_calls.sh curves       # one GPU: issue 9, 200-step loss curves, eager vs optimised (~5 min)
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
 #
@@ -20,7 +21,7 @@ scale() { python3 bench/train_scaling_bench.py --preset llama-1b --steps 10 --ca
 
 case "${1:-}" in
   ladder)
-    scale --cases 1gpu 1gpu-compile 1gpu-fused-ce 1gpu-opt 1gpu-opt-mb8 --out "$OUT/ladder.json" 2>&1 \
+    scale --measure-peak --cases 1gpu 1gpu-compile 1gpu-fused-ce 1gpu-opt 1gpu-opt-mb8 --out "$OUT/ladder.json" 2>&1 \
       | tee "$OUT/ladder.log"
     ;;
   scaling)
@@ -33,6 +34,12 @@ case "${1:-}" in
       | tail -30 | tee "$OUT/serve.log"
     timeout 180 python3 bench/serve_bench.py --compile --concurrency 1,64 --http-concurrency 0 \
       --out "$OUT/serve-compile.json" 2>&1 | tail -30 | tee "$OUT/serve-compile.log"
+    ;;
+  curves)
+    # issue 9: the optimised path's loss curve against the eager one, 200 steps of llama-1b at seq 1024
+    timeout 560 python3 bench/compare_runs.py --steps 200 --b training.compile=layers model.cross_entropy_fusion=true \
+      --extra model.preset=llama-1b data.seq_length=1024 training.micro_batch_size=4 training.global_batch_size=8 \
+      scheduler.warmup_iters=20 --out "$OUT/curves.json" 2>&1 | tail -30 | tee "$OUT/curves.log"
     ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
@@ -50,7 +57,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|curves|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

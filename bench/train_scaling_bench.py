@@ -111,6 +111,27 @@ def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespa
     }
 
 
+MATMUL = r"""
+import time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    a @ b
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(20):
+    a @ b
+torch.cuda.synchronize()
+print(2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12)
+"""
+
+
+def measured_peak_tflops() -> float:
+    """The bf16 matmul rate of GPU 0, in a subprocess (so this process holds no GPU memory)."""
+    out = subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True, check=True, timeout=120)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-1b")
@@ -121,7 +142,13 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
     parser.add_argument("--out", default=None)
     parser.add_argument("--case-timeout", type=float, default=300)
+    parser.add_argument("--measure-peak", action="store_true",
+                        help="measure the bf16 matmul rate first and log MFU against it (logging.peak_tflops)")  # fmt: skip
     args = parser.parse_args()
+    if args.measure_peak:
+        peak = measured_peak_tflops()
+        print(f"bf16 matmul ceiling (8192^3): {peak:.0f} TFLOP/s, the MFU denominator", flush=True)
+        args.extra = [*args.extra, f"logging.peak_tflops={peak:.1f}"]
     workdir = Path(tempfile.mkdtemp(prefix="scaling_"))
     results = []
     for c in args.cases:
