@@ -234,3 +234,22 @@ def test_async_saves_reuse_one_staging_buffer(tmp_path: Path) -> None:
     mgr.wait()
     assert mgr._staging._buffer is not buffer and mgr._staging.nbytes > buffer.numel()
     assert torch.equal(read_region(tmp_path / "step_3/optimizer/fc1.weight/master"), net.fc1.weight.detach())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_save_of_gpu_tensors_stages_into_pinned_memory(tmp_path: Path) -> None:
+    """On a GPU the staging buffer is pinned and reused; the checkpoint holds the values at save() time."""
+    state = ParallelState.initialize(ParallelConfig(), device="cuda")
+    net = Net(state.tp).cuda()
+    mgr = CheckpointManager(tmp_path, state, async_save=True)
+    items = net.sharded_state_dict()
+    for step in (1, 2):
+        mgr.save(f"step_{step}", items, metadata={"step": step})
+        expected = net.fc1.weight.detach().cpu().clone()
+        with torch.no_grad():
+            net.fc1.weight.add_(1.0)  # training goes on while the writer runs
+        mgr.wait()
+        assert torch.equal(read_region(tmp_path / f"step_{step}/model/fc1.weight"), expected)
+        buffer = mgr._staging._buffer
+        assert buffer is not None and buffer.is_pinned()
