@@ -108,4 +108,8 @@ class MicroBatchIterator:
             raise StopIteration
         items = [self.ds[(lo + i)] for i in range(self.mbs)]
         self.next_sample += self.mbs * self.dp_size
-        return {k: torch.stack([it[k] for it in items]).to(self.device, non_blocking=True) for k in items[0]}
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        if self.device.type == "cuda":
+            # from pinned memory the copy is asynchronous: the host does not wait for the GPU to drain its queue
+            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(self.device) for k, v in batch.items()}
