@@ -81,8 +81,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
-        for s in self.slots:
-            s.param.data.view(-1)[s.lo : s.hi].copy_(s.master)
+        if self.slots:  # one multi-tensor copy (with the cast) into each parameter's owned range
+            torch._foreach_copy_([s.param.data.view(-1)[s.lo : s.hi] for s in self.slots],
+                                 [s.master.view(-1) for s in self.slots])  # fmt: skip
         for chunk in self.chunks:
             assert isinstance(chunk, DistributedDataParallel)
             chunk.all_gather_params()

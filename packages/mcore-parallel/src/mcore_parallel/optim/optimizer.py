@@ -175,9 +175,9 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
-        for s in self.slots:
-            if s.master is not s.param:
-                s.param.data.copy_(s.master)
+        pairs = [(s.param.data, s.master) for s in self.slots if s.master is not s.param]
+        if pairs:  # one multi-tensor copy (with the cast to the model dtype) instead of a kernel per parameter
+            torch._foreach_copy_([p for p, _ in pairs], [m.view(p.shape) for p, m in pairs])
 
     # ------------------------------------------------------------------------------------------- public API
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
