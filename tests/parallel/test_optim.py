@@ -180,3 +180,16 @@ def _straight(spec: Spec) -> dict:
     for step in range(spec.steps):
         loss, _ = train_step(state, chunks, opt, spec, step)
     return dict(loss=loss, params={n: t for n, (t, _) in param_entries(state, chunks).items()})
+
+
+def test_global_grad_norm_matches_float64() -> None:
+    """The multi-tensor norm equals the float64 norm of all elements (fp32 and bf16 gradients, empty lists)."""
+    from mcore_parallel import Group
+    from mcore_parallel.optim.clip import global_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(513, 7, generator=g) * 1e-3, torch.randn(10_000, generator=g) * 50,
+             torch.randn(33, generator=g).bfloat16(), torch.zeros(4)]  # fmt: skip
+    want = torch.cat([t.double().reshape(-1) for t in grads]).norm().item()
+    assert abs(global_grad_norm(grads, Group.single()) - want) <= 1e-6 * want
+    assert global_grad_norm([], Group.single()) == 0.0

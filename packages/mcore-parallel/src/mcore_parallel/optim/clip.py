@@ -23,10 +23,15 @@ def _device(grads: list[torch.Tensor]) -> torch.device:
 
 
 def global_grad_norm(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> float:
-    """L2 norm over every element of ``grads`` on every rank of ``group`` (float64 accumulation)."""
+    """L2 norm over every element of ``grads`` on every rank of ``group``.
+
+    Per-tensor norms come from one multi-tensor kernel (float32 accumulation, no float64 copy of the gradients);
+    their squares are summed in float64, locally and over the group.
+    """
     total = torch.zeros(1, dtype=torch.float64, device=device or _device(grads))
-    for g in grads:
-        total += g.detach().double().pow(2).sum()
+    if grads:
+        norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+        total += torch.stack(norms).double().pow(2).sum()
     _comm.all_reduce(total, group)
     return math.sqrt(total.item())
 
