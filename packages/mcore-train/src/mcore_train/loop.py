@@ -94,11 +94,9 @@ def _agree(run: Run, loss: float, stop: bool) -> tuple[float, bool]:
     contributes = st.is_last_stage and st.tp.rank == 0
     t = torch.tensor([loss if contributes else 0.0, 1.0 if stop else 0.0], dtype=torch.float64, device=st.device)
     if dist.is_available() and dist.is_initialized():
-        flag = t[1:].clone()
-        dist.all_reduce(t[:1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        t[1:] = flag
-    return t[0].item() / st.dp_size / st.cp.size, bool(t[1].item())
+        dist.all_reduce(t)  # one collective: the loss sum, and how many ranks want to stop
+    loss_sum, stops = t.tolist()
+    return loss_sum / st.dp_size / st.cp.size, stops > 0
 
 
 def _run_schedule(run: Run, iterators: list[Any], num_micro: int, forward_only: bool) -> float:
