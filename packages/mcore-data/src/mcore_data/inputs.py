@@ -68,25 +68,39 @@ class Chunk:
     nbytes: int = 0
 
 
-def iter_chunks(files: Sequence[Path], *, text_unit: str = "file", chunk_bytes: int = 1 << 20) -> Iterator[Chunk]:
-    """Raw units of every file, batched into chunks of about ``chunk_bytes``; order is the input order."""
+def iter_chunks(
+    files: Sequence[Path], *, text_unit: str = "file", chunk_bytes: int = 1 << 20, tail_parts: int = 0
+) -> Iterator[Chunk]:
+    """Raw units of every file, batched into chunks of about ``chunk_bytes``; order is the input order.
+
+    With ``tail_parts`` > 0 chunks shrink towards the end of the input (to the bytes left / ``tail_parts``, at least
+    64 KiB), so parallel workers finish together instead of one waiting for another's last big chunk. Compressed
+    inputs count with their compressed size (an estimate is enough here).
+    """
     if text_unit not in ("file", "line"):
         raise ConfigError(f"text_unit must be 'file' or 'line', not {text_unit!r}")
+    left = sum(p.stat().st_size for p in files) if tail_parts > 0 else 0
     for path in files:
         kind = "json" if is_jsonl(path) else "text"
         with open_binary(path) as f:
             if kind == "text" and text_unit == "file":
                 data = f.read()
+                left -= len(data)
                 yield Chunk(str(path), kind, 1, [data], len(data))
                 continue
             chunk = Chunk(str(path), kind, 1)
+            limit = chunk_bytes if tail_parts <= 0 else max(1 << 16, min(chunk_bytes, left // tail_parts))
             for lineno, line in enumerate(f, 1):
                 chunk.units.append(line)
                 chunk.nbytes += len(line)
-                if chunk.nbytes >= chunk_bytes:
+                if chunk.nbytes >= limit:
+                    if tail_parts > 0:
+                        left -= chunk.nbytes
+                        limit = max(1 << 16, min(chunk_bytes, left // tail_parts))
                     yield chunk
                     chunk = Chunk(str(path), kind, lineno + 1)
             if chunk.units:
+                left -= chunk.nbytes
                 yield chunk
 
 

@@ -202,7 +202,9 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     tokenizer = build_tokenizer(config.tokenizer)
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary(files=len(files), dtype=str(dtype))
-    chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes)
+    # shrinking chunks at the end of the input let the tokenizer processes finish together
+    chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes,
+                         tail_parts=4 * config.workers if config.workers > 1 else 0)  # fmt: skip
     init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed)
     main_tokenizes = config.main_tokenizes()
     pool_size = config.workers - 1 if main_tokenizes else config.workers
