@@ -207,3 +207,11 @@ def test_console_script_starts_fast_without_torch(corpus: Path, tmp_path: Path) 
         check=True,
     )
     assert "docs/s" in r.stderr and "documents 60" in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["byte", "sentencepiece", "hf"])
+def test_batch_encoding_equals_one_text_at_a_time(corpus: Path, models: dict[str, str], kind: str) -> None:
+    """encode_batch (the preprocess path, e.g. HF's offset-free batch API) gives exactly the ids of encode."""
+    tok = build_tokenizer(kind, models[kind] or None)
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[:20]] + ["", " ", "é\n\tx"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]

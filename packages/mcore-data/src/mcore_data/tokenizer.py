@@ -133,8 +133,12 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # one text at a time: without its thread pool (parallelism comes from worker processes) ``encode_batch``
-        # is slower than a loop of ``encode``
+        # ``encode_batch_fast`` (tokenizers >= 0.21) skips the character offsets: the same ids, ~20% faster on one
+        # thread. Without it, a loop of ``encode`` beats ``encode_batch`` when its thread pool is off (parallelism
+        # comes from worker processes).
+        fast = getattr(self._tok, "encode_batch_fast", None)
+        if fast is not None:
+            return [e.ids for e in fast(texts, add_special_tokens=False)]
         enc = self._tok.encode
         return [enc(t, add_special_tokens=False).ids for t in texts]
 
