@@ -4,7 +4,8 @@
 
 Preprocess runs the real ``mcore-data`` console script in a subprocess on a ~60 MB JSONL built from the demo corpus
 (standard library sources), for the byte, SentencePiece-BPE (vocab 8000) and HF byte-level BPE (vocab 8000)
-tokenizers, at 1 and 2 workers; raw single-thread encode speed is measured in-process on the same texts. Index
+tokenizers, at 1 and 2 workers; raw single-thread encode speed is measured in-process on the same texts (for HF the
+faster of an ``encode`` loop and ``encode_batch_fast``). Index
 builds run in a fresh subprocess each (peak RSS from ``getrusage``) on synthetic ``.idx`` files (mean 500 tokens per
 document, sparse ``.bin``), seq length 4096, one epoch.
 """
