@@ -6,6 +6,7 @@
 #   bash bench/device_calls.sh scaling      # nvidia-h200-x2: issue 5, dp2 / tp2+SP against one GPU (~8 min)
 #   bash bench/device_calls.sh ckpt-serve   # one GPU: issue 6 checkpoint bench, issue 7 serve bench eager/compiled
 #   bash bench/device_calls.sh curves       # one GPU: issue 9, 200-step loss curves, eager vs optimised (~5 min)
+#   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
 #
@@ -41,6 +42,16 @@ case "${1:-}" in
       --extra model.preset=llama-1b data.seq_length=1024 training.micro_batch_size=4 training.global_batch_size=8 \
       scheduler.warmup_iters=20 --out "$OUT/curves.json" 2>&1 | tail -30 | tee "$OUT/curves.log"
     ;;
+  matrix)
+    # issue 9's table: gpt2-124m (seq 1024) and llama-1b (seq 4096), micro-batch 1/2/4/8, with and without full
+    # recompute, on the path mcore-train runs (fp32 master weights), all levers on
+    step() { python3 bench/train_step_bench.py --optimizer mixed --compile --fused-ce --steps 6 --warmup 3 "$@"; }
+    { step --preset gpt2-124m --seq 1024 --micro-batch 1 2 4 8 --json "$OUT/m-gpt2.json"
+      step --preset gpt2-124m --seq 1024 --micro-batch 1 2 4 8 --recompute full --json "$OUT/m-gpt2-rc.json"
+      step --preset llama-1b --micro-batch 1 2 4 8 --json "$OUT/m-llama.json"
+      step --preset llama-1b --micro-batch 1 2 4 8 --recompute full --json "$OUT/m-llama-rc.json"; } 2>&1 \
+      | grep -v Warning | tee "$OUT/matrix.log"
+    ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
     ;;
@@ -57,7 +68,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|curves|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|curves|matrix|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,15 @@ micro-batch size the time of a full training step (forward, backward, optimizer 
 tokens/s, model TFLOP/s (Megatron's formula, causal attention counted half: ``mcore_models.training_flops_per_token``),
 MFU and peak memory. Results go to stdout as a table and to ``--json``.
 
+``--optimizer bf16-adamw`` (default) is plain ``torch.optim.AdamW(fused=True)`` on the bf16 parameters;
+``--optimizer mixed`` is what ``mcore-train`` runs: the DDP wrapper's fp32 gradient buffer, fp32 master weights and
+moments (mcore's mixed-precision optimizer, fused AdamW) and gradient clipping. ``--compile`` compiles each layer,
+``--fused-ce`` turns on ``cross_entropy_fusion``, ``--recompute`` sets activation recompute. A micro-batch that runs
+out of memory is reported as such and the next one is tried.
+
     python bench/train_step_bench.py --preset llama-1b --seq 4096 --micro-batch 2 4
+    python bench/train_step_bench.py --preset llama-1b --micro-batch 1 2 4 8 --optimizer mixed --compile --fused-ce
+    python bench/train_step_bench.py --smoke     # a toy model on the CPU: checks the script, measures nothing
 """
 
 from __future__ import annotations
@@ -35,47 +43,88 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
 
 
-def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float) -> dict[str, Any]:
-    config = preset(args.preset, params_dtype="bfloat16", recompute=args.recompute)
-    torch.cuda.reset_peak_memory_stats()
-    model = GPTModel(config, device="cuda").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (micro_batch, args.seq + 1), device="cuda", generator=gen)
-    tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def step() -> torch.Tensor:
-        loss = model(tokens, labels=labels).mean()
+
+def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device) -> tuple[Any, Any]:
+    """(config, step function returning the detached loss) for one micro-batch size."""
+    over: dict[str, Any] = dict(params_dtype="bfloat16", recompute=args.recompute, cross_entropy_fusion=args.fused_ce)
+    if args.smoke:
+        over.update(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=512)
+        over.pop("num_query_groups", None)
+        if args.preset.startswith("llama"):
+            over["num_query_groups"] = 2
+    config = preset(args.preset, **over)
+    model = GPTModel(config, device=device).train()
+    if args.compile:
+        model.compile_layers()
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, args.seq + 1), device=device, generator=gen)
+    tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    if args.optimizer == "bf16-adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+
+        def step() -> torch.Tensor:
+            loss = model(tokens, labels=labels).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return config, step
+
+    from mcore_parallel import ParallelState
+    from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
+    from mcore_parallel.optim import OptimizerConfig, get_optimizer
+
+    state = ParallelState.initialize(device=device)
+    ddp = DistributedDataParallel(model, state, DDPConfig())
+    mp_opt = get_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0), [ddp], state)
+
+    def mixed_step() -> torch.Tensor:
+        mp_opt.zero_grad()
+        loss = ddp(tokens, labels=labels).mean()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        ddp.finish_grad_sync()
+        mp_opt.step()
         return loss.detach()
 
+    return config, mixed_step
+
+
+def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    config, step = build_step(args, micro_batch, device)
     first = step().item()
     for _ in range(args.warmup - 1):
         step()
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
-    torch.cuda.synchronize()
+    _sync(device)
     elapsed = (time.perf_counter() - start) / args.steps
     tok_s = micro_batch * args.seq / elapsed
     tflops = tok_s * training_flops_per_token(config, args.seq) / 1e12
-    result = {
+    return {
         "preset": args.preset,
         "seq": args.seq,
         "micro_batch": micro_batch,
+        "optimizer": args.optimizer,
+        "compile": args.compile,
+        "fused_ce": args.fused_ce,
+        "recompute": args.recompute,
         "step_ms": elapsed * 1e3,
         "tokens_per_s": tok_s,
         "model_tflops": tflops,
         "mfu": tflops / peak_tflops,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
         "first_loss": first,
         "last_loss": loss.item(),
-        "recompute": args.recompute,
     }
-    return result
 
 
 def main() -> None:
@@ -86,29 +135,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--optimizer", default="bf16-adamw", choices=["bf16-adamw", "mixed"])
+    parser.add_argument("--compile", action="store_true", help="compile each transformer layer")
+    parser.add_argument("--fused-ce", action="store_true", help="model.cross_entropy_fusion")
+    parser.add_argument("--smoke", action="store_true", help="toy model on the CPU (checks the script only)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
-    peak = matmul_ceiling()
-    results = []
+    if args.smoke:
+        device, peak = torch.device("cpu"), 1.0
+        args.seq, args.steps, args.warmup = min(args.seq, 64), min(args.steps, 2), min(args.warmup, 2)
+    elif not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (or --smoke)")
+    else:
+        device, peak = torch.device("cuda"), matmul_ceiling()
+    results: list[dict[str, Any]] = []
     for mb in args.micro_batch:
-        results.append(bench_one(args, mb, peak))
+        try:
+            results.append(bench_one(args, mb, peak, device))
+        except torch.OutOfMemoryError:
+            results.append({"preset": args.preset, "seq": args.seq, "micro_batch": mb, "error": "out of memory"})
         gc.collect()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     env = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "matmul_bf16_tflops": peak,
         "flops_per_token": training_flops_per_token(preset(args.preset), args.seq),
         "date": time.strftime("%Y-%m-%d"),
     }
+    levers = [args.optimizer, f"recompute={args.recompute}"] + ["compile"] * args.compile + ["fused-ce"] * args.fused_ce
     print(f"{env['gpu']}, torch {env['torch']}, bf16 matmul ceiling {peak:.0f} TFLOP/s, "
-          f"{env['flops_per_token'] / 1e9:.2f} GFLOP/token")  # fmt: skip
+          f"{env['flops_per_token'] / 1e9:.2f} GFLOP/token; {', '.join(levers)}")  # fmt: skip
     print("| preset | seq | micro-batch | step ms | tokens/s | model TFLOP/s | MFU | peak GiB | loss first→last |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        if "error" in r:
+            print(f"| {r['preset']} | {r['seq']} | {r['micro_batch']} | {r['error']} | | | | | |")
+            continue
         print(f"| {r['preset']} | {r['seq']} | {r['micro_batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
               f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")  # fmt: skip
