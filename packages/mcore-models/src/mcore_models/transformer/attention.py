@@ -133,13 +133,21 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
+        v = qkv[:, :, :, per_group + 1]
+        if rotary is not None and self.q_layernorm is None:
+            # queries and keys of every group rotated together: one set of elementwise kernels instead of two
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = apply_rotary(qkv[:, :, :, : per_group + 1], cos[:, :, :, None], sin[:, :, :, None])
+            q = qk[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+            k = qk[:, :, :, per_group]
+        else:
+            q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+            k = qkv[:, :, :, per_group]
+            if self.q_layernorm is not None:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary is not None:
+                cos, sin = rotary
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
             out = inference_context.attention(layer_number, q, k, v)
         elif self.selective_recompute and self.training:

@@ -57,9 +57,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dimensions of ``x`` (``[s, b, heads, d]``); the rest pass through."""
+    """Rotate the first ``cos.shape[-1]`` dimensions of ``x`` (``[s, b, ..., d]``, ``cos``/``sin`` broadcast over the
+    middle dimensions); the rest pass through. Four elementwise kernels (``addcmul`` fuses the last multiply-add)."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return torch.addcmul(x * cos, _rotate_half(x), sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+    return torch.cat([torch.addcmul(x_rot * cos, _rotate_half(x_rot), sin), x_pass], dim=-1)
