@@ -4,7 +4,8 @@
 #
 #   bash bench/device_calls.sh ladder       # nvidia-h200(-x2): issue 9, the one-GPU optimisation ladder (~8 min)
 #   bash bench/device_calls.sh scaling      # nvidia-h200-x2: issue 5, dp2 / tp2+SP against one GPU (~8 min)
-#   bash bench/device_calls.sh ckpt-serve   # one GPU: issue 6 checkpoint bench, issue 7 serve bench eager/compiled
+#   bash bench/device_calls.sh ckpt         # one GPU: issue 6, llama-1b checkpoint bench (~5 min)
+#   bash bench/device_calls.sh serve        # one GPU: issue 7, serve bench eager and compiled (~6 min)
 #   bash bench/device_calls.sh curves       # one GPU: issue 9, 200-step loss curves, eager vs optimised (~5 min)
 #   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
@@ -28,13 +29,17 @@ case "${1:-}" in
   scaling)
     scale --cases 1gpu dp2 dp2-no-overlap tp2-sp dp2-opt --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log"
     ;;
-  ckpt-serve)
-    timeout 240 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckb --json "$OUT/ckpt.json" 2>&1 \
-      | tail -20 | tee "$OUT/ckpt.log"
-    timeout 150 python3 bench/serve_bench.py --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve.json" 2>&1 \
-      | tail -30 | tee "$OUT/serve.log"
-    timeout 180 python3 bench/serve_bench.py --compile --concurrency 1,64 --http-concurrency 0 \
-      --out "$OUT/serve-compile.json" 2>&1 | tail -30 | tee "$OUT/serve-compile.log"
+  ckpt)
+    # issue 6: llama-1b training state (15.5 GB): mcore sync/async (first and later) vs torch.save vs DCP
+    timeout 500 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckb --json "$OUT/ckpt.json" 2>&1 \
+      | grep -v Warning | tail -20 | tee "$OUT/ckpt.log"
+    ;;
+  serve)
+    # issue 7: concurrency 1 and 64 through the engine, eager layers and compiled layers (HF baseline: add --hf)
+    timeout 200 python3 bench/serve_bench.py --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve.json" 2>&1 \
+      | grep -v Warning | tail -30 | tee "$OUT/serve.log"
+    timeout 280 python3 bench/serve_bench.py --compile --concurrency 1,64 --http-concurrency 0 \
+      --out "$OUT/serve-compile.json" 2>&1 | grep -v Warning | tail -30 | tee "$OUT/serve-compile.log"
     ;;
   curves)
     # issue 9: the optimised path's loss curve against the eager one, 200 steps of llama-1b at seq 1024
@@ -68,7 +73,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt-serve|curves|matrix|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac
