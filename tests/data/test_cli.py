@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -215,3 +216,15 @@ def test_batch_encoding_equals_one_text_at_a_time(corpus: Path, models: dict[str
     tok = build_tokenizer(kind, models[kind] or None)
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[:20]] + ["", " ", "é\n\tx"]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
+def test_tokenizer_role_leaves_the_calling_process_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main process tokenizes in the tokenizer role; afterwards its environment and globals are restored."""
+    from mcore_data import preprocess as pp
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "abc"}\n{"text": "de"}\n')
+    assert _preprocess(src, tmp_path / "o", "byte", "", "--main-process", "tokenizer") == 0
+    assert "TOKENIZERS_PARALLELISM" not in os.environ and pp._TOKENIZER is None
+    assert IndexedDataset(tmp_path / "o").num_documents == 2

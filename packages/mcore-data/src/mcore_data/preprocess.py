@@ -189,9 +189,14 @@ class _Pending:
     result: Any
 
 
-def _restore_worker_state(tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool]) -> None:
+def _restore_worker_state(tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool], env: str | None) -> None:
+    """Undo what :func:`_init_worker` did to this (the caller's) process when it tokenized here."""
     global _TOKENIZER, _OPTS
     _TOKENIZER, _OPTS = tokenizer, opts
+    if env is None:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = env
 
 
 def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | None = None) -> PreprocessSummary:
@@ -237,7 +242,7 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
         if pool_size > 0:
             pool = stack.enter_context(ctx.Pool(pool_size, initializer=_init_worker, initargs=init_args))
         if main_tokenizes:  # after the fork: the pool does not inherit this process's tokenizer
-            stack.callback(_restore_worker_state, _TOKENIZER, _OPTS)
+            stack.callback(_restore_worker_state, _TOKENIZER, _OPTS, os.environ.get("TOKENIZERS_PARALLELISM"))
             _init_worker(*init_args)
         pending: deque[_Pending] = deque()
         for chunk in chunks:
