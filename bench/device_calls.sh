@@ -38,7 +38,7 @@ case "${1:-}" in
     # issue 7: concurrency 1 and 64 through the engine, eager layers and compiled layers (HF baseline: add --hf)
     timeout 200 python3 bench/serve_bench.py --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve.json" 2>&1 \
       | grep -v Warning | tail -30 | tee "$OUT/serve.log"
-    timeout 280 python3 bench/serve_bench.py --compile --concurrency 1,64 --http-concurrency 0 \
+    timeout 300 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
       --out "$OUT/serve-compile.json" 2>&1 | grep -v Warning | tail -30 | tee "$OUT/serve-compile.log"
     ;;
   curves)

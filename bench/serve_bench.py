@@ -48,6 +48,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.batched_tokens,
         memory_fraction=0.6,
         compile=args.compile,
+        lookahead=args.lookahead,
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")
@@ -210,6 +211,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
+    ap.add_argument("--lookahead", action="store_true", help="EngineConfig.lookahead: overlap host and GPU steps")
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)

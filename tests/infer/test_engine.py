@@ -177,3 +177,62 @@ def test_compiled_layers_give_the_same_tokens() -> None:
     assert counters["stats"]["unique_graphs"] >= 2  # the code before and after attention was compiled
     assert counters["stats"]["unique_graphs"] <= 16  # dynamic token count: not one compile per step shape
     assert any("torch.compiler.disable" in k for k in counters["graph_break"])
+
+
+def test_lookahead_steps_give_identical_outputs(model) -> None:
+    """EngineConfig.lookahead launches each steady decode step from the previous step's tokens on the device before
+    the host reads them; every output (greedy, seeded sampling with penalties and logprobs, stop strings, stop
+    tokens, lengths that end mid-batch, streaming) is identical to stepping without it."""
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33, seed=4)
+    greedy_ref = [reference_greedy(model, p, 10) for p in prompts]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[greedy_ref[2][4]]),
+        SamplingParams(temperature=1.2, top_k=20, seed=3, max_tokens=15, ignore_eos=True, repetition_penalty=1.3,
+                       logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=9, ignore_eos=True, presence_penalty=0.5),
+    ]  # fmt: skip
+    runs = {}
+    for lookahead in (False, True):
+        llm = _llm(model, max_num_seqs=6, lookahead=lookahead)
+        res = llm.generate(prompts, params)
+        runs[lookahead] = [(r.outputs[0].token_ids, r.outputs[0].finish_reason, r.outputs[0].logprobs) for r in res]
+        assert llm.runner.blocks.num_free == llm.runner.blocks.capacity  # every block came back
+        if lookahead:
+            assert llm.engine.num_lookahead_steps > 0
+    assert runs[True] == runs[False]
+    assert runs[True][0][0] == greedy_ref[0]
+    # streaming through the lookahead path: the deltas add up to the whole completion
+    llm = _llm(model, lookahead=True)
+    full = llm.generate("hello there", GREEDY)[0].outputs[0]
+    ids = [t for out in llm.generate_stream("hello there", GREEDY) for t in out.new_token_ids]
+    assert ids == full.token_ids
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_requests_joining_and_aborting_with_lookahead(model, lookahead: bool) -> None:
+    """Requests that arrive or are aborted while a lookahead step is in flight are handled exactly as without it."""
+    prompts = prompts_of_lengths(9, 30, 4, 21, seed=1)
+    llm = _llm(model, max_num_batched_tokens=16, lookahead=lookahead)
+    eng = llm.engine
+    done = {}
+    rids = [eng.add_request(prompts[0], GREEDY), eng.add_request(prompts[1], GREEDY)]
+    doomed = eng.add_request(prompts[3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for step in range(300):
+        if step == 5:
+            rids.append(eng.add_request(prompts[2], GREEDY))
+        if step == 8:
+            eng.abort(doomed)
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not eng.has_work():
+            break
+    assert done[doomed].finish_reason == "abort"
+    for rid, p in zip(rids, prompts):
+        assert done[rid].token_ids == reference_greedy(model, p, 10)
+    assert llm.runner.blocks.num_free == llm.runner.blocks.capacity
+    if lookahead:
+        assert eng.num_lookahead_steps > 0

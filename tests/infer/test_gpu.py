@@ -89,3 +89,16 @@ def test_compiled_engine_with_cuda_graphs_matches_recompute() -> None:
     assert llm.runner.backend == "triton" and llm.runner.graphs
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
+
+
+def test_lookahead_with_cuda_graphs_matches_recompute() -> None:
+    """EngineConfig.lookahead on the GPU: replayed graphs fed by the previous step's tokens on the device."""
+    model = tiny_model().cuda()
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=6, max_num_batched_tokens=256, lookahead=True)
+    llm = LLM(model=model, config=cfg)
+    assert llm.runner.graphs
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    for p, g in zip(prompts, res):
+        assert g.outputs[0].token_ids == reference_greedy(model, p, 10)
+    assert llm.engine.num_lookahead_steps > 0

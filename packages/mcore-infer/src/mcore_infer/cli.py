@@ -29,6 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer (fused elementwise ops)")
+    p.add_argument("--lookahead", action="store_true", help="launch each decode step before reading the last one")
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
 
 
@@ -51,6 +52,7 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
         compile=args.compile,
+        lookahead=args.lookahead,
         attention_backend=args.attention,
     )
     return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)

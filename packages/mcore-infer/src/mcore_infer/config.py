@@ -30,6 +30,10 @@ class EngineConfig:
     """``plain`` (gather + SDPA), ``triton`` (paged kernel) or ``auto`` (triton on CUDA when installed)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (GPU only)."""
+    lookahead: bool = False
+    """Launch the next decode step before the host has read this step's tokens (the sampled ids feed the next step
+    on the device), so scheduling and bookkeeping overlap the GPU. Only in steady decoding (no prefill, nobody
+    waiting) and with one TP rank; outputs are identical to stepping without it."""
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
     SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before."""

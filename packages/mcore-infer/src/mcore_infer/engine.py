@@ -19,7 +19,7 @@ import torch
 
 from mcore_infer.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from mcore_infer.kv_cache import blocks_for
-from mcore_infer.runner import ModelRunner
+from mcore_infer.runner import ModelRunner, StepBatch
 from mcore_infer.sampling import Sampler, SampleRow, SamplingParams, merge_banned
 from mcore_infer.scheduler import Scheduled, Scheduler, Sequence
 
@@ -70,6 +70,9 @@ class LLMEngine:
         self._pending = 0
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.lookahead = cfg.lookahead and runner.tp.size == 1
+        self._ahead: tuple[list[Scheduled], torch.Tensor] | None = None
+        self.num_lookahead_steps = 0
         self.num_steps = 0
         self.num_aborted = 0
 
@@ -127,7 +130,7 @@ class LLMEngine:
         self._commands.put(("abort", request_id))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._commands.empty()
+        return self.scheduler.has_work() or not self._commands.empty() or self._ahead is not None
 
     @property
     def num_running(self) -> int:
@@ -158,16 +161,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain(outputs)
-        plan, batch = self.scheduler.schedule()
-        if not plan:
-            return outputs
+        if self._ahead is not None:  # launched during the previous step, its input ids taken on the device
+            plan, logits = self._ahead
+            self._ahead = None
+        else:
+            plan, batch = self.scheduler.schedule()
+            if not plan:
+                return outputs
+            logits = self.runner.execute(batch)
         self.num_steps += 1
-        logits = self.runner.execute(batch)
         row = 0
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for item in plan:
             seq = item.seq
+            if seq.finished:  # a lookahead row of a request that ended (or was aborted) meanwhile: discarded
+                row += item.num_tokens if item.logits == "all" else int(item.logits == "last")
+                continue
             if item.logits == "all":
                 self._prompt_logprobs(item, logits[row : row + item.num_tokens])
                 row += item.num_tokens
@@ -195,7 +205,10 @@ class LLMEngine:
                 )
                 for s in sample_seqs
             ]
-            result = self.sampler(sel, rows)
+            drawn = self.sampler.draw(sel, rows)
+            if self.lookahead:
+                self._ahead = self._launch_ahead(plan, sample_seqs, drawn.tokens)
+            result = drawn.result()  # the host waits for this step's tokens here
             now = time.perf_counter()
             for i, seq in enumerate(sample_seqs):
                 self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], now)
@@ -209,6 +222,35 @@ class LLMEngine:
                     if out.new_token_ids or out.new_text:
                         outputs.append(out)
         return outputs
+
+    def _launch_ahead(
+        self, plan: list[Scheduled], sampled: list[Sequence], tokens: torch.Tensor
+    ) -> tuple[list[Scheduled], torch.Tensor] | None:
+        """Launch the next decode step for the requests that certainly continue, fed by ``tokens`` on the device.
+
+        Only when every request in the step is decoding, nothing waits for admission and the blocks for one more
+        token are free: the next step is then exactly what :meth:`Scheduler.schedule` would produce, minus the
+        requests that end now (by length here; an EOD or stop hit shows only later and its row is discarded).
+        """
+        if len(sampled) != len(plan) or any(it.num_tokens != 1 or it.logits != "last" for it in plan):
+            return None
+        if self.scheduler.waiting or not self._commands.empty():
+            return None
+        keep = [i for i, s in enumerate(sampled) if len(s.output_ids) + 1 < s.max_tokens]
+        if not keep:
+            return None
+        blocks, bs = self.scheduler.blocks, self.runner.block_size
+        batch = StepBatch()
+        for i in keep:
+            seq = sampled[i]
+            pos = seq.length  # where this step's token goes; its logits give the token after it
+            if not blocks.grow(seq.block_table, pos + 1):
+                return None
+            batch.add([0], pos, seq.block_table, bs, "last")
+        ids = tokens if len(keep) == len(sampled) else tokens[torch.tensor(keep, device=tokens.device)]
+        logits = self.runner.execute(batch, device_ids=ids)
+        self.num_lookahead_steps += 1
+        return [Scheduled(sampled[i], 1, "last") for i in keep], logits
 
     def _prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
         seq = item.seq

@@ -104,6 +104,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         self._static: dict[str, torch.Tensor] = {}
+        self._host_copied: torch.cuda.Event | None = None
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
 
     # ------------------------------------------------------------------------------------------------- sizing
@@ -121,11 +122,17 @@ class ModelRunner:
         return self.config.max_num_seqs * self.max_blocks_per_seq + 1
 
     # ------------------------------------------------------------------------------------------------ running
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; returns logits ``[len(batch.logits_index), vocab]`` (model dtype, full vocab)."""
+    def execute(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns logits ``[len(batch.logits_index), vocab]`` (model dtype, full vocab).
+
+        ``device_ids`` (one id per token, on the device) replace ``batch.tokens``: a step launched before the tokens
+        it consumes are known on the host (the engine's lookahead; one TP rank only).
+        """
         if self.tp.size > 1:
+            if device_ids is not None:
+                raise ValueError("device-side input ids need tp=1 (followers replay host batches)")
             self._broadcast(batch)
-        return self._run(batch)
+        return self._run(batch, device_ids)
 
     def follow(self) -> None:
         """On a non-first TP rank: execute the first rank's steps until it calls :meth:`stop_followers`."""
@@ -144,10 +151,10 @@ class ModelRunner:
         dist.broadcast_object_list([batch], src=self.tp.ranks[0], group=self.tp.pg)
 
     @torch.inference_mode()
-    def _run(self, batch: StepBatch) -> torch.Tensor:
+    def _run(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(batch.tokens)
         if batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
-            return self._replay(batch)
+            return self._replay(batch, device_ids)
         s = len(batch.segments)
         width = max((len(t) for t in batch.block_tables), default=1) or 1
         r = len(batch.logits_index)
@@ -162,6 +169,8 @@ class ModelRunner:
         )
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         ids, positions, slots, tseq, tctx = (dev[i * n : (i + 1) * n] for i in range(5))
+        if device_ids is not None:
+            ids.copy_(device_ids)
         logits_index = dev[5 * n : 5 * n + r]
         block_tables = dev[5 * n + r :].view(s, width)
         ctx = PagedAttentionContext(
@@ -229,11 +238,13 @@ class ModelRunner:
         self._graph_sizes = sorted(self.graphs)
         log.info("captured decode CUDA graphs for batch sizes %s", self._graph_sizes)
 
-    def _replay(self, batch: StepBatch) -> torch.Tensor:
+    def _replay(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(batch.tokens)
         b = next(s for s in self._graph_sizes if s >= n)
         mx = self._graph_sizes[-1]
         w = self.max_blocks_per_seq
+        if self._host_copied is not None:  # the previous step's copy out of the pinned buffer must have run
+            self._host_copied.synchronize()
         h = self._host.numpy()
         h[: 3 * mx] = 0
         h[4 * mx : 5 * mx] = 0
@@ -247,6 +258,10 @@ class ModelRunner:
             bt[i, : len(t)] = t
         used = 5 * mx + b * w
         self._static["buf"][:used].copy_(self._host[:used], non_blocking=True)
+        self._host_copied = torch.cuda.Event()
+        self._host_copied.record()
+        if device_ids is not None:
+            self._static["ids"][:n].copy_(device_ids)
         graph, out = self.graphs[b]
         graph.replay()
         if len(batch.logits_index) == n:

@@ -113,6 +113,32 @@ class SampleResult:
     top: list[list[tuple[int, float]] | None]
 
 
+class Drawn:
+    """Tokens chosen on the device (``tokens``, not yet waited for) and what :meth:`result` needs."""
+
+    def __init__(self, tokens: torch.Tensor, rows: list[SampleRow], logp: torch.Tensor | None) -> None:
+        self.tokens, self.rows, self.logp = tokens, rows, logp
+
+    def result(self) -> SampleResult:
+        """The tokens (and log-probabilities) on the host: waits for the device."""
+        n = len(self.rows)
+        token_list = self.tokens.tolist()
+        lps: list[float | None] = [None] * n
+        tops: list[list[tuple[int, float]] | None] = [None] * n
+        logp = self.logp
+        if logp is not None:
+            chosen = logp.gather(1, self.tokens[:, None])[:, 0].tolist()
+            k = max(r.params.logprobs or 0 for r in self.rows)
+            top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+            for i, r in enumerate(self.rows):
+                if r.params.logprobs is not None:
+                    lps[i] = chosen[i]
+                    m = r.params.logprobs or 0
+                    tops[i] = list(zip(top_i_l[i][:m], top_v_l[i][:m]))
+        return SampleResult(token_list, lps, tops)
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row: parameters, history and the request's generator."""
@@ -139,19 +165,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """``logits``: ``[len(rows), vocab]`` (any float dtype, any device)."""
+        return self.draw(logits, rows).result()
+
+    def draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> Drawn:
+        """Choose the tokens on the device without waiting for them (``Drawn.tokens``); ``.result()`` fetches them."""
         n = len(rows)
         assert logits.shape[0] == n
         fast = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in rows)
         if fast and not any(r.banned for r in rows):
-            return SampleResult(logits.argmax(-1).tolist(), [None] * n, [None] * n)
+            return Drawn(logits.argmax(-1), rows, None)
         x = logits.float().clone()
         self._penalise(x, rows)
         for i, r in enumerate(rows):
             if r.banned:
                 x[i, r.banned] = float("-inf")
-        want_lp = [r.params.logprobs is not None for r in rows]
-        logp = torch.log_softmax(x, dim=-1) if any(want_lp) else None
-        # which rows are greedy is known on the host: no device round trip before the single .tolist() below
+        logp = torch.log_softmax(x, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        # which rows are greedy is known on the host: no device round trip
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not drawn:
@@ -164,20 +193,7 @@ class Sampler:
             d_idx = torch.tensor(drawn, device=x.device)
             tokens[g_idx] = x[g_idx].argmax(-1)
             tokens[d_idx] = self._draw(x[d_idx], [rows[i] for i in drawn])
-        token_list = tokens.tolist()
-        lps: list[float | None] = [None] * n
-        tops: list[list[tuple[int, float]] | None] = [None] * n
-        if logp is not None:
-            chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
-            k = max(r.params.logprobs or 0 for r in rows)
-            top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-            for i, r in enumerate(rows):
-                if want_lp[i]:
-                    lps[i] = chosen[i]
-                    m = r.params.logprobs or 0
-                    tops[i] = list(zip(top_i_l[i][:m], top_v_l[i][:m]))
-        return SampleResult(token_list, lps, tops)
+        return Drawn(tokens, rows, logp)
 
     # ---------------------------------------------------------------------------------------------------------
     def _penalise(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
