@@ -13,23 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-
-def launch(world: int, overrides: list[str], log_dir: Path, timeout: float) -> dict[int, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "mcore_train.cli", "pretrain", *overrides, f"logging.dir={log_dir}"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"launch failed ({' '.join(overrides)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    records: list[dict[str, Any]] = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+from _pretrain_launch import launch_pretrain
 
 
 def main() -> None:
@@ -47,8 +34,8 @@ def main() -> None:
     common = ["--recipe", args.recipe, "data.mock=true", "data.tokenizer=byte", f"training.train_iters={args.steps}",
               "logging.log_interval=1", "logging.progress_bar=false", "training.eval_iters=0",
               "training.generate_at_end=0", *args.extra]  # fmt: skip
-    a = launch(args.world, [*common, *args.a], work / "a", args.timeout)
-    b = launch(args.world, [*common, *args.b], work / "b", args.timeout)
+    a = {r["step"]: r["loss"] for r in launch_pretrain(args.world, [*common, *args.a], work / "a", args.timeout)}
+    b = {r["step"]: r["loss"] for r in launch_pretrain(args.world, [*common, *args.b], work / "b", args.timeout)}
     steps = sorted(set(a) & set(b))
     if len(steps) != args.steps:
         raise SystemExit(f"expected {args.steps} logged steps in both runs, got {len(a)} and {len(b)}")

@@ -17,23 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-
-def launch(world: int, overrides: list[str], log_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "mcore_train.cli", "pretrain", *overrides, f"logging.dir={log_dir}"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"launch failed ({' '.join(overrides)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
+from _pretrain_launch import launch_pretrain
 
 
 def main() -> None:
@@ -54,11 +41,13 @@ def main() -> None:
               "training.eval_iters=0", "training.generate_at_end=0", "scheduler.warmup_iters=2",
               "checkpoint.save_at_end=false", *args.extra]  # fmt: skip
     half = args.steps // 2
-    straight = launch(args.world, [*common, *args.first], work / "straight", args.timeout)
+    straight = launch_pretrain(args.world, [*common, *args.first], work / "straight", args.timeout)
     ckpt = work / "ckpt"
-    launch(args.world, [*common, *args.first, f"training.exit_interval={half}", f"checkpoint.dir={ckpt}"],
+    launch_pretrain(args.world, [*common, *args.first, f"training.exit_interval={half}", f"checkpoint.dir={ckpt}"],
            work / "first", args.timeout)  # fmt: skip
-    second = launch(args.world, [*common, *args.second, f"checkpoint.dir={ckpt}"], work / "second", args.timeout)
+    second = launch_pretrain(
+        args.world, [*common, *args.second, f"checkpoint.dir={ckpt}"], work / "second", args.timeout
+    )
     want = {r["step"]: r["loss"] for r in straight}
     got = {r["step"]: r["loss"] for r in second}
     steps = sorted(got)

@@ -33,6 +33,19 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
+def latency_row(conc: int, wall: float, ttft: list[float], tpot: list[float]) -> dict[str, Any]:
+    """Throughput and p50/p99 time-to-first-token and per-token latency (ms) of one concurrency level."""
+    return {
+        "concurrency": conc,
+        "output_tok_s": conc * GEN / wall,
+        "wall_s": wall,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "tpot_ms_p50": pct(tpot, 50),
+        "tpot_ms_p99": pct(tpot, 99),
+    }
+
+
 def build_llm(args: argparse.Namespace) -> Any:
     from mcore_infer import LLM, EngineConfig
     from mcore_models import GPTModel, preset
@@ -75,16 +88,7 @@ def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
     assert all(len(o.token_ids) == GEN for o in outs)
     ttft = [(o.metrics["first_token"] - o.metrics["arrival"]) * 1e3 for o in outs]
     tpot = [(o.metrics["finished"] - o.metrics["first_token"]) * 1e3 / (GEN - 1) for o in outs]
-    return {
-        "concurrency": conc,
-        "output_tok_s": conc * GEN / wall,
-        "wall_s": wall,
-        "ttft_ms_p50": pct(ttft, 50),
-        "ttft_ms_p99": pct(ttft, 99),
-        "tpot_ms_p50": pct(tpot, 50),
-        "tpot_ms_p99": pct(tpot, 99),
-        "preemptions": llm.engine.scheduler.num_preemptions,
-    }
+    return {**latency_row(conc, wall, ttft, tpot), "preemptions": llm.engine.scheduler.num_preemptions}
 
 
 def http_run(llm: Any, conc: int) -> dict[str, Any]:
@@ -139,16 +143,7 @@ def http_run(llm: Any, conc: int) -> dict[str, Any]:
     th.join(timeout=30)
     ttft = [(f - s) * 1e3 for s, f, _, _ in res]
     tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
-    return {
-        "concurrency": conc,
-        "via": "http (streaming /v1/completions)",
-        "output_tok_s": conc * GEN / wall,
-        "wall_s": wall,
-        "ttft_ms_p50": pct(ttft, 50),
-        "ttft_ms_p99": pct(ttft, 99),
-        "tpot_ms_p50": pct(tpot, 50),
-        "tpot_ms_p99": pct(tpot, 99),
-    }
+    return {**latency_row(conc, wall, ttft, tpot), "via": "http (streaming /v1/completions)"}
 
 
 # ------------------------------------------------------------------------------------------------ HF baseline

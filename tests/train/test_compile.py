@@ -42,6 +42,8 @@ def test_compile_keeps_parameter_names() -> None:
     run = setup(config("training.train_iters=3", "training.device=cpu", "training.compile=layers"))
     names = [n for n, _ in run.chunks[0].named_parameters()]
     assert names and not any("_orig_mod" in n for n in names)  # checkpoints stay loadable either way
+    layers = list(run.chunks[0].decoder.layers.values())
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)  # compiled in place
 
 
 def test_compile_choice_is_checked() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from mcore_infer.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from mcore_infer.kv_cache import blocks_for
-from mcore_infer.runner import ModelRunner, StepBatch
+from mcore_infer.runner import ModelRunner
 from mcore_infer.sampling import Sampler, SampleRow, SamplingParams, merge_banned
 from mcore_infer.scheduler import Scheduled, Scheduler, Sequence
 
@@ -175,8 +175,8 @@ class LLMEngine:
         sample_seqs: list[Sequence] = []
         for item in plan:
             seq = item.seq
-            if seq.finished:  # a lookahead row of a request that ended (or was aborted) meanwhile: discarded
-                row += item.num_tokens if item.logits == "all" else int(item.logits == "last")
+            if seq.finished:  # a lookahead row (one "last" row) of a request that ended or was aborted meanwhile
+                row += 1
                 continue
             if item.logits == "all":
                 self._prompt_logprobs(item, logits[row : row + item.num_tokens])
@@ -234,23 +234,16 @@ class LLMEngine:
         """
         if len(sampled) != len(plan) or any(it.num_tokens != 1 or it.logits != "last" for it in plan):
             return None
-        if self.scheduler.waiting or not self._commands.empty():
+        if not self._commands.empty():
             return None
         keep = [i for i, s in enumerate(sampled) if len(s.output_ids) + 1 < s.max_tokens]
-        if not keep:
+        nxt = self.scheduler.continue_decoding([sampled[i] for i in keep]) if keep else None
+        if nxt is None:
             return None
-        blocks, bs = self.scheduler.blocks, self.runner.block_size
-        batch = StepBatch()
-        for i in keep:
-            seq = sampled[i]
-            pos = seq.length  # where this step's token goes; its logits give the token after it
-            if not blocks.grow(seq.block_table, pos + 1):
-                return None
-            batch.add([0], pos, seq.block_table, bs, "last")
         ids = tokens if len(keep) == len(sampled) else tokens[torch.tensor(keep, device=tokens.device)]
-        logits = self.runner.execute(batch, device_ids=ids)
+        logits = self.runner.execute(nxt[1], device_ids=ids)
         self.num_lookahead_steps += 1
-        return [Scheduled(sampled[i], 1, "last") for i in keep], logits
+        return nxt[0], logits
 
     def _prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
         seq = item.seq

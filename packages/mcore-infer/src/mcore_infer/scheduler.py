@@ -165,6 +165,21 @@ class Scheduler:
             )
         return plan, batch
 
+    def continue_decoding(self, seqs: list[Sequence]) -> tuple[list[Scheduled], StepBatch] | None:
+        """The next step of ``seqs``, all decoding, whose newest token is not appended yet (the engine's lookahead):
+        one token each at position ``seq.length``, blocks grown for it. None when it is not the step
+        :meth:`schedule` would build next: someone waits for admission, or a block is short (no preemption here)."""
+        if self.waiting:
+            return None
+        bs = self.blocks.block_size
+        batch = StepBatch()
+        for seq in seqs:
+            pos = seq.length
+            if not self.blocks.grow(seq.block_table, pos + 1):
+                return None
+            batch.add([0], pos, seq.block_table, bs, "last")  # the id itself comes from the device
+        return [Scheduled(seq, 1, "last") for seq in seqs], batch
+
     @staticmethod
     def _plan(seq: Sequence, n: int) -> Scheduled:
         reaches_end = seq.num_computed + n == seq.length
