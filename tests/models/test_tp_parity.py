@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mcore_models import GPTModel, TransformerConfig
+from mcore_models import gpt as gpt_module
 from mcore_parallel import Group, ParallelConfig, ParallelState, shard_info
 from mcore_parallel.tensor import allreduce_sequence_parallel_grads
 from mcore_parallel.testing import run_distributed
@@ -35,7 +36,14 @@ def _run(config: TransformerConfig, tp: int, sp: bool, fused: bool = False) -> N
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
 
     ref_loss = ref(ids, labels=labels)
-    loss = model(ids, labels=labels)
+    calls = []
+    real = gpt_module.linear_vocab_parallel_cross_entropy
+    gpt_module.linear_vocab_parallel_cross_entropy = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        loss = model(ids, labels=labels)
+    finally:
+        gpt_module.linear_vocab_parallel_cross_entropy = real
+    assert len(calls) == int(fused)  # the fused path is really taken, and only when asked for
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, gather_logits=True), ref(ids, gather_logits=True), rtol=1e-5, atol=1e-5)
