@@ -17,8 +17,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/mcore-device-out}"
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
-python3 -c "import torch; print(torch.__version__, torch.version.cuda)" > "$OUT/torch.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u
+  python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$OUT/env.txt" 2>&1
 scale() { python3 bench/train_scaling_bench.py --preset llama-1b --steps 10 --case-timeout 170 "$@"; }
 
 case "${1:-}" in
@@ -56,6 +56,21 @@ case "${1:-}" in
       step --preset llama-1b --micro-batch 1 2 4 8 --json "$OUT/m-llama.json"
       step --preset llama-1b --micro-batch 1 2 4 8 --recompute full --json "$OUT/m-llama-rc.json"; } 2>&1 \
       | grep -v Warning | tee "$OUT/matrix.log"
+    ;;
+  call1)
+    # one call, both GPUs: the checkpoint bench on GPU 1 while the gpu tests run, then a serving diagnosis on GPU 0
+    # (eager vs compiled+lookahead at concurrency 1 and 64, each with a profile of one batch-1 request)
+    (CUDA_VISIBLE_DEVICES=1 timeout 520 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckb \
+      --json "$OUT/ckpt.json" > "$OUT/ckpt.log" 2>&1) &
+    timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    for mode in eager compile; do
+      flags=(); [ "$mode" = compile ] && flags=(--compile --lookahead)
+      CUDA_VISIBLE_DEVICES=0 timeout 170 python3 bench/serve_bench.py "${flags[@]}" --concurrency 1,64 \
+        --http-concurrency 0 --out "$OUT/serve-$mode.json" --profile "/tmp/prof-$mode.txt" 2>&1 | grep -v Warning \
+        >> "$OUT/serve.log"
+      { echo "=== $mode"; cat "/tmp/prof-$mode.txt"; } >> "$OUT/prof.txt"
+    done
+    wait
     ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"

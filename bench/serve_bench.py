@@ -196,6 +196,25 @@ def hf_baseline(batch_sizes: list[int], deadline_s: float) -> list[dict[str, Any
     return out
 
 
+def profile_run(llm: Any, path: str) -> None:
+    """Where the time of batch-1 decoding goes: kernel time against wall time, hottest GPU and host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        r = engine_run(llm, 1, 7)
+    ka = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
+    with open(path, "w") as f:
+        f.write(json.dumps(r) + "\n")
+        f.write(f"total self device time {gpu_us / 1e3:.2f} ms over wall {r['wall_s'] * 1e3:.2f} ms\n\n")
+        if torch.cuda.is_available():
+            f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
+    print(f"profile written to {path}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,8,32,64,256")
@@ -212,6 +231,7 @@ def main() -> None:
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-deadline", type=float, default=150.0)
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here")
     args = ap.parse_args()
     if args.hf_only:
         res = hf_baseline([int(b) for b in args.hf_batches.split(",")], args.hf_deadline)
@@ -230,6 +250,8 @@ def main() -> None:
         results["engine"].append(r)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    if args.profile:
+        profile_run(llm, args.profile)
     if args.http_concurrency:
         try:
             r = http_run(llm, args.http_concurrency)
