@@ -165,18 +165,25 @@ def test_full_queue_is_refused_as_overloaded(model) -> None:
 def test_compiled_layers_give_the_same_tokens() -> None:
     """EngineConfig.compile: layers compiled with a dynamic token count; greedy tokens unchanged, and the paged
     attention call stays out of the compiled graphs (one graph break per layer call, no recompiles per step)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from mcore_models.transformer.layer import TransformerLayer
+
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    eager = tiny_model()  # the same weights (seeded init), never compiled
+    eager = tiny_model(num_layers=4)  # the same weights (seeded init), never compiled
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    llm = _llm(tiny_model(), compile=True)
+    llm = _llm(tiny_model(num_layers=4), compile=True)
     res = llm.generate(prompts, GREEDY)
     assert [r.outputs[0].token_ids for r in res] == expected
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 2  # the code before and after attention was compiled
-    assert counters["stats"]["unique_graphs"] <= 16  # dynamic token count: not one compile per step shape
+    assert counters["stats"]["unique_graphs"] <= 10  # dynamic token count: not one compile per step shape
     assert any("torch.compiler.disable" in k for k in counters["graph_break"])
+    # the four layers share their compiled entries (one token / many tokens), none specialises on its layer number:
+    # with one entry per layer, torch's limit of 8 entries per code object sends a 16-layer model back to eager
+    assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) <= 2
 
 
 def test_lookahead_steps_give_identical_outputs(model) -> None:

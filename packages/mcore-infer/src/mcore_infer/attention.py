@@ -52,6 +52,7 @@ class PagedAttentionContext:
         if backend == "plain" and (segments is None or block_tables_host is None):
             raise ValueError("the plain backend needs segments and host block tables")
         self.cache, self.first_layer = cache, first_layer
+        self.layer_number = first_layer
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.token_seq, self.token_ctx = token_seq, token_ctx
         self.logits_index = logits_index
@@ -60,12 +61,12 @@ class PagedAttentionContext:
         self.block_tables_host = block_tables_host or []
 
     @torch.compiler.disable
-    def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, 1, heads, d]``, ``k``/``v`` ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``.
 
         Never traced by ``torch.compile`` (``EngineConfig.compile``): compiled layers run their code before and
         after this call, which depends on per-step host data (segments, block tables) and writes the cache."""
-        i = layer_number - self.first_layer
+        i = self.layer_number - self.first_layer  # set by GPTModel.forward before each layer
         k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
         t, _, heads, d = q.shape
         groups = k.shape[2]

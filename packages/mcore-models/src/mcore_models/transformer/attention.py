@@ -41,13 +41,18 @@ class InferenceContext(Protocol):
 
     The tokens of one step are laid out as one flat sequence (``[s, 1, ...]``); the context knows which request each
     token belongs to, its position, and where its key/value go in the cache. ``attention`` stores this step's
-    keys/values for ``layer_number`` and returns attention over each token's request cache (``[s, 1, heads * d]``).
+    keys/values for the current layer and returns attention over each token's request cache (``[s, 1, heads * d]``).
     ``logits_index`` (or None for all) names the tokens whose logits the caller needs.
+
+    ``GPTModel.forward`` sets ``layer_number`` before calling each layer, and ``attention`` reads it at call time:
+    the layer number never appears inside a layer's own code, so ``torch.compile`` shares one compiled layer across
+    all layers of a shape instead of specialising (and recompiling) on each layer's number.
     """
 
     logits_index: torch.Tensor | None
+    layer_number: int
 
-    def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class SDPACoreAttention(nn.Module):
@@ -61,6 +66,8 @@ class SDPACoreAttention(nn.Module):
         super().__init__()
         self.dropout, self.ctx = config.attention_dropout, ctx
         self.backends = _SDPA_BACKENDS[config.attention_backend]
+        # torch's memory-efficient kernel takes no grouped keys/values (enable_gqa): they are repeated for it
+        self.native_gqa = _TORCH_GQA and config.attention_backend != "efficient"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, heads, d = q.shape
@@ -68,7 +75,7 @@ class SDPACoreAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         kwargs: dict[str, Any] = {}
         if k.shape[1] != heads:
-            if _TORCH_GQA:
+            if self.native_gqa:
                 kwargs["enable_gqa"] = True
             else:
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
@@ -127,7 +134,6 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         inference_context: InferenceContext | None = None,
-        layer_number: int = 0,
     ) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
@@ -149,7 +155,7 @@ class SelfAttention(nn.Module):
                 cos, sin = rotary
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
-            out = inference_context.attention(layer_number, q, k, v)
+            out = inference_context.attention(q, k, v)
         elif self.selective_recompute and self.training:
             out = self.ctx.recompute(self.core_attention, q, k, v)
         else:

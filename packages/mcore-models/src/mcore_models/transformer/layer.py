@@ -48,6 +48,6 @@ class TransformerLayer(nn.Module):
         if inference_context is None:
             attn = self.self_attention(self.input_layernorm(x), rotary)
         else:  # inference: attention over the engine's KV cache (see InferenceContext)
-            attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, self.layer_number)
+            attn = self.self_attention(self.input_layernorm(x), rotary, inference_context)
         x = self._dropout_add(attn, x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
