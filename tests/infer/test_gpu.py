@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mcore_infer import LLM, EngineConfig, SamplingParams
-from mcore_infer._triton_attention import paged_attention_triton, triton_available
+from mcore_infer._triton_attention import num_splits, paged_attention_triton, store_kv_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
 from mcore_infer.runner import StepBatch
 from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
@@ -18,8 +18,11 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("splits", [None, 1, 2, 16])
 @pytest.mark.parametrize("dtype,block", [(torch.bfloat16, 16), (torch.bfloat16, 32), (torch.float32, 16)])
-def test_triton_paged_attention_matches_plain(dtype: torch.dtype, block: int) -> None:
+def test_triton_paged_attention_matches_plain(dtype: torch.dtype, block: int, splits: int | None) -> None:
+    """Every split count (flash-decoding partial states + combine) gives the plain result; a padded CUDA-graph row
+    (context 0) gives zeros, not NaN."""
     torch.manual_seed(0)
     groups, heads, d, nblocks = 8, 32, 64, 64
     kc = torch.randn(nblocks, block, groups, d, device="cuda", dtype=dtype)
@@ -35,16 +38,44 @@ def test_triton_paged_attention_matches_plain(dtype: torch.dtype, block: int) ->
         tseq += [row] * n
         tctx += list(range(end - n + 1, end + 1))
         t0 += n
-    q = torch.randn(t0, heads, d, device="cuda", dtype=dtype)
+    tseq.append(0)  # a padded row of a CUDA-graph batch: context 0
+    tctx.append(0)
+    q = torch.randn(t0 + 1, heads, d, device="cuda", dtype=dtype)
     bt = torch.zeros(len(tables), 17, dtype=torch.int64, device="cuda")
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t)
-    ref = plain_paged_attention(q.float(), kc.float(), vc.float(), segs, tables)
+    ref = plain_paged_attention(q[:t0].float(), kc.float(), vc.float(), segs, tables)
     out = paged_attention_triton(
-        q, kc, vc, bt, torch.tensor(tseq, device="cuda"), torch.tensor(tctx, device="cuda"), d**-0.5
+        q, kc, vc, bt, torch.tensor(tseq, device="cuda"), torch.tensor(tctx, device="cuda"), d**-0.5, splits=splits
     )
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert torch.allclose(out.float(), ref, atol=tol, rtol=tol), (out.float() - ref).abs().max()
+    assert torch.allclose(out[:t0].float(), ref, atol=tol, rtol=tol), (out[:t0].float() - ref).abs().max()
+    assert torch.equal(out[t0], torch.zeros_like(out[t0]))
+
+
+def test_num_splits_fills_the_gpu_for_small_batches() -> None:
+    assert num_splits(1, 8, 32, sms=132) == 16  # batch 1: 8 programs alone would leave 124 SMs idle
+    assert num_splits(8, 8, 32, sms=132) == 8
+    assert num_splits(64, 8, 32, sms=132) == 1  # enough programs already
+    assert num_splits(1, 8, 4, sms=132) == 4  # never more splits than a row has blocks
+    assert num_splits(1, 8, 1, sms=132) == 1
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_matches_index_copy(cache_dtype: torch.dtype) -> None:
+    """The one-kernel key/value write equals two index_copy_ calls, from the strided views attention passes."""
+    torch.manual_seed(0)
+    groups, d = 8, 64
+    kc = torch.randn(32, 16, groups, d, device="cuda", dtype=cache_dtype)
+    vc = torch.randn_like(kc)
+    qkv = torch.randn(5, groups, 6, d, device="cuda", dtype=torch.bfloat16)  # [t, groups, q_per_group + 2, d]
+    k, v = qkv[:, :, 4], qkv[:, :, 5]
+    slots = torch.tensor([3, 17, 40, 41, 500], device="cuda")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k.view(-1, groups, d).index_copy_(0, slots, k.to(cache_dtype))
+    ref_v.view(-1, groups, d).index_copy_(0, slots, v.to(cache_dtype))
+    store_kv_triton(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
 def test_cuda_graph_decode_matches_eager() -> None:

@@ -4,6 +4,11 @@ One program per (query token, key/value group): it loads the group's query heads
 block table up to the token's context length with an online softmax, and writes the heads' outputs. Decode tokens
 and prefill chunks use the same kernel: a prefill token at position ``p`` has context length ``p + 1`` (its own
 key/value was written to the cache before the call). Works under CUDA-graph capture (no host syncs).
+
+Small decode batches (batch 1 gives only ``groups`` programs, a few of the GPU's 132 SMs) split each token's blocks
+among several programs (flash-decoding); each writes its partial softmax state (running max, sum, unnormalised
+output) and a second kernel combines them. ``store_kv_triton`` writes a step's keys and values into the cache in
+one kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 
 from mcore_infer.errors import MissingDependencyError
 
-__all__ = ["paged_attention_triton", "triton_available"]
+__all__ = ["num_splits", "paged_attention_triton", "store_kv_triton", "triton_available"]
 
 _KERNEL: Any = None
 
@@ -38,11 +43,14 @@ def _kernel() -> Any:
         raise MissingDependencyError("triton", "gpu") from e
 
     @triton.jit  # type: ignore[misc]
-    def kernel(  # type: ignore[no-untyped-def]
+    def attend(  # type: ignore[no-untyped-def]
         Q,
         K,
         V,
         Out,
+        PM,
+        PL,
+        PACC,
         BT,
         TSEQ,
         TCTX,
@@ -55,14 +63,17 @@ def _kernel() -> Any:
         stride_bt,
         stride_ot,
         stride_oh,
+        HEADS: tl.constexpr,
         HPG: tl.constexpr,
         HPG_PAD: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
         h = tl.arange(0, HPG_PAD)
@@ -75,7 +86,10 @@ def _kernel() -> Any:
         acc = tl.zeros([HPG_PAD, D], tl.float32)
         offs = tl.arange(0, BLOCK)
         num_blocks = (ctx + BLOCK - 1) // BLOCK
-        for j in range(0, num_blocks):
+        per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
+        first = split * per_split
+        last = tl.minimum(num_blocks, first + per_split)
+        for j in range(first, last):
             start = j * BLOCK
             blk = tl.load(BT + seq * stride_bt + j).to(tl.int64)
             base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
@@ -95,16 +109,81 @@ def _kernel() -> Any:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        denom = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / denom[:, None]
-        tl.store(
-            Out + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=hmask[:, None],
-        )
+        if SPLITS == 1:
+            denom = tl.where(l_i > 0, l_i, 1.0)
+            out = acc / denom[:, None]
+            tl.store(
+                Out + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=hmask[:, None],
+            )
+        else:  # partial softmax state of this split: [t, head, split] maxima and sums, [t, head, split, d] outputs
+            row = (t * HEADS + heads) * SPLITS + split
+            tl.store(PM + row, m_i, mask=hmask)
+            tl.store(PL + row, l_i, mask=hmask)
+            tl.store(PACC + row[:, None] * D + d[None, :], acc, mask=hmask[:, None])
 
-    _KERNEL = kernel
-    return kernel
+    @triton.jit  # type: ignore[misc]
+    def combine(  # type: ignore[no-untyped-def]
+        Out, PM, PL, PACC, stride_ot, stride_oh, HEADS: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        row = (t * HEADS + h) * SPLITS + sp
+        m = tl.load(PM + row)
+        l_s = tl.load(PL + row)
+        acc = tl.load(PACC + row[:, None] * D + d[None, :])
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padded graph row attends to nothing
+        w = tl.exp(m - m_max)
+        num = tl.sum(acc * w[:, None], 0)
+        den = tl.sum(l_s * w, 0)
+        out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+        tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+    @triton.jit  # type: ignore[misc]
+    def store_kv(  # type: ignore[no-untyped-def]
+        Kin,
+        Vin,
+        K,
+        V,
+        SLOTS,
+        stride_kt,
+        stride_kg,
+        stride_vt,
+        stride_vg,
+        stride_slot,
+        GD_PAD: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        i = tl.arange(0, GD_PAD)
+        mask = i < G * D
+        g, d = i // D, i % D
+        k = tl.load(Kin + t * stride_kt + g * stride_kg + d, mask=mask)
+        v = tl.load(Vin + t * stride_vt + g * stride_vg + d, mask=mask)
+        tl.store(K + slot * stride_slot + i, k.to(K.dtype.element_ty), mask=mask)
+        tl.store(V + slot * stride_slot + i, v.to(V.dtype.element_ty), mask=mask)
+
+    _KERNEL = (attend, combine, store_kv)
+    return _KERNEL
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def num_splits(tokens: int, groups: int, max_blocks: int, sms: int = 132) -> int:
+    """How many programs share one token's blocks (flash-decoding): enough that a small decode batch still gives
+    the GPU about two programs per SM, never more than 16 or than a block-table row has blocks; 1 for big batches."""
+    programs = tokens * groups
+    if programs >= sms or max_blocks <= 1:
+        return 1
+    return min(16, _pow2(max_blocks), _pow2(-(-2 * sms // programs)))
 
 
 def paged_attention_triton(
@@ -115,21 +194,39 @@ def paged_attention_triton(
     token_seq: torch.Tensor,
     token_ctx: torch.Tensor,
     scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]``; caches ``[blocks, block_size, groups, d]``; ``block_tables`` ``[S, max_blocks]``;
-    ``token_seq``/``token_ctx`` ``[T]`` (row of the block table, keys to attend). Returns ``[T, heads, d]``."""
+    ``token_seq``/``token_ctx`` ``[T]`` (row of the block table, keys to attend). Returns ``[T, heads, d]``.
+
+    ``splits`` (a power of two; default :func:`num_splits`) divides each token's blocks among that many programs,
+    whose partial softmax states a second kernel combines: small decode batches then keep every SM busy."""
     t, heads, d = q.shape
     _, block_size, groups, _ = k_cache.shape
     hpg = heads // groups
     out = torch.empty_like(q)
     if t == 0:
         return out
+    if splits is None:
+        splits = num_splits(t, groups, block_tables.shape[1], _sm_count(q.device))
+    if splits & (splits - 1):
+        raise ValueError(f"splits={splits}: must be a power of two")
     q = q.contiguous()
-    _kernel()[(t, groups)](
+    attend, combine, _ = _kernel()
+    if splits > 1:
+        pm = torch.empty(t, heads, splits, device=q.device, dtype=torch.float32)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(t, heads, splits, d, device=q.device, dtype=torch.float32)
+    else:
+        pm = pl = pacc = out  # unused
+    attend[(t, groups, splits)](
         q,
         k_cache,
         v_cache,
         out,
+        pm,
+        pl,
+        pacc,
         block_tables,
         token_seq,
         token_ctx,
@@ -142,10 +239,52 @@ def paged_attention_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        HEADS=heads,
         HPG=hpg,
-        HPG_PAD=max(16, 1 << (hpg - 1).bit_length()),
+        HPG_PAD=max(16, _pow2(hpg)),
         D=d,
         BLOCK=block_size,
+        SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32,
     )
+    if splits > 1:
+        combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits)
     return out
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write ``k``/``v`` ``[T, groups, d]`` (any strides of the last two dims' rows) at cache ``slots`` ``[T]`` of
+    ``[blocks, block_size, groups, d]`` caches: one kernel for both (instead of an ``index_copy_`` for each)."""
+    t, groups, d = k.shape
+    if t == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv_triton needs unit-stride head dims and contiguous caches")
+    _, _, store = _kernel()
+    store[(t,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        groups * d,
+        GD_PAD=_pow2(groups * d),
+        G=groups,
+        D=d,
+    )
+
+
+_SMS: dict[str, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return _SMS[key]

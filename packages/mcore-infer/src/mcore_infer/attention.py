@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mcore_infer._triton_attention import paged_attention_triton
+from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
 from mcore_infer.kv_cache import KVCache
 
 __all__ = ["PagedAttentionContext", "Segment"]
@@ -70,16 +70,15 @@ class PagedAttentionContext:
         k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
         t, _, heads, d = q.shape
         groups = k.shape[2]
-        flat_k = k_cache.view(-1, groups, d)
-        flat_v = v_cache.view(-1, groups, d)
-        flat_k.index_copy_(0, self.slot_mapping, k[:, 0].to(k_cache.dtype))
-        flat_v.index_copy_(0, self.slot_mapping, v[:, 0].to(v_cache.dtype))
         scale = 1.0 / (d**0.5)
         if self.backend == "triton":
+            store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping)
             out = paged_attention_triton(
                 q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq, self.token_ctx, scale
             )
             return out.view(t, 1, heads * d)
+        k_cache.view(-1, groups, d).index_copy_(0, self.slot_mapping, k[:, 0].to(k_cache.dtype))
+        v_cache.view(-1, groups, d).index_copy_(0, self.slot_mapping, v[:, 0].to(v_cache.dtype))
         return plain_paged_attention(q[:, 0], k_cache, v_cache, self.segments, self.block_tables_host).view(
             t, 1, heads * d
         )
