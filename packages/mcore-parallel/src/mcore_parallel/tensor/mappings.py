@@ -93,29 +93,38 @@ class _ReduceScatter(torch.autograd.Function):
         return _comm.all_gather(g, ctx.group, ctx.dim), None, None
 
 
+@torch.compiler.disable
+def _eager(fn: Any, *args: Any) -> torch.Tensor:
+    """Run a collective's autograd function outside ``torch.compile``: the compiled layers of
+    ``training.compile=layers`` break their graphs here. Traced in-place collectives trained wrongly on GPUs (tp2 + SP
+    on 2x H200: the loss stalled near its initial value, while gloo on CPU matched), so the collectives and their
+    backward always run eagerly; the elementwise work between them is still compiled."""
+    return fn(*args)
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a TP region with a replicated input: gradients from every rank are summed in backward."""
-    return x if group.size == 1 else _Copy.apply(x, group)
+    return x if group.size == 1 else _eager(_Copy.apply, x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region by summing the partial results of every rank."""
-    return x if group.size == 1 else _Reduce.apply(x, group)
+    return x if group.size == 1 else _eager(_Reduce.apply, x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's slice of the last dimension."""
-    return x if group.size == 1 else _Split.apply(x, group, -1)
+    return x if group.size == 1 else _eager(_Split.apply, x, group, -1)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenate every rank's slice of the last dimension."""
-    return x if group.size == 1 else _Gather.apply(x, group, -1, False)
+    return x if group.size == 1 else _eager(_Gather.apply, x, group, -1, False)
 
 
 def scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's chunk of the sequence (dimension 0)."""
-    return x if group.size == 1 else _Split.apply(x, group, 0)
+    return x if group.size == 1 else _eager(_Split.apply, x, group, 0)
 
 
 def gather_from_sp_region(x: torch.Tensor, group: Group, tensor_parallel_output_grad: bool = True) -> torch.Tensor:
@@ -124,9 +133,9 @@ def gather_from_sp_region(x: torch.Tensor, group: Group, tensor_parallel_output_
     With ``tensor_parallel_output_grad`` (the default, used in front of a column-parallel layer) the gradient arriving
     in backward is a per-rank partial sum and is reduce-scattered; otherwise it is already complete and only split.
     """
-    return x if group.size == 1 else _Gather.apply(x, group, 0, tensor_parallel_output_grad)
+    return x if group.size == 1 else _eager(_Gather.apply, x, group, 0, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum partial results over the group and keep this rank's chunk of the sequence (dimension 0)."""
-    return x if group.size == 1 else _ReduceScatter.apply(x, group, 0)
+    return x if group.size == 1 else _eager(_ReduceScatter.apply, x, group, 0)
