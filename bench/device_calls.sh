@@ -8,6 +8,7 @@
 #   bash bench/device_calls.sh serve        # one GPU: issue 7, serve bench eager and compiled (~6 min)
 #   bash bench/device_calls.sh curves       # one GPU: issue 9, 200-step loss curves, eager vs optimised (~5 min)
 #   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
+#   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
 #
@@ -72,6 +73,12 @@ case "${1:-}" in
     done
     wait
     ;;
+  agree)
+    # issue 9: the training log's TFLOP/s against this bench's, same work per optimizer step (mb 4, 4 micro-batches)
+    scale --measure-peak --cases 1gpu-opt --out "$OUT/agree-loop.json" 2>&1 | tee "$OUT/agree-loop.log"
+    python3 bench/train_step_bench.py --optimizer mixed --compile --fused-ce --micro-batch 4 --accum 4 --steps 6 \
+      --warmup 3 --json "$OUT/agree-bench.json" 2>&1 | grep -v Warning | tee "$OUT/agree-bench.log"
+    ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
     ;;
@@ -88,7 +95,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -67,8 +67,9 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
 
         def step() -> torch.Tensor:
-            loss = model(tokens, labels=labels).mean()
-            loss.backward()
+            for _ in range(args.accum):
+                loss = model(tokens, labels=labels).mean() / args.accum
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
@@ -85,8 +86,9 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
 
     def mixed_step() -> torch.Tensor:
         mp_opt.zero_grad()
-        loss = ddp(tokens, labels=labels).mean()
-        loss.backward()
+        for _ in range(args.accum):  # gradient accumulation into the fp32 buffer, as the loop does
+            loss = ddp(tokens, labels=labels).mean() / args.accum
+            loss.backward()
         ddp.finish_grad_sync()
         mp_opt.step()
         return loss.detach()
@@ -107,12 +109,13 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         loss = step()
     _sync(device)
     elapsed = (time.perf_counter() - start) / args.steps
-    tok_s = micro_batch * args.seq / elapsed
+    tok_s = micro_batch * args.seq * args.accum / elapsed
     tflops = tok_s * training_flops_per_token(config, args.seq) / 1e12
     return {
         "preset": args.preset,
         "seq": args.seq,
         "micro_batch": micro_batch,
+        "accum": args.accum,
         "optimizer": args.optimizer,
         "compile": args.compile,
         "fused_ce": args.fused_ce,
@@ -122,8 +125,8 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "model_tflops": tflops,
         "mfu": tflops / peak_tflops,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
-        "first_loss": first,
-        "last_loss": loss.item(),
+        "first_loss": first * args.accum,
+        "last_loss": loss.item() * args.accum,
     }
 
 
@@ -139,6 +142,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compile each transformer layer")
     parser.add_argument("--fused-ce", action="store_true", help="model.cross_entropy_fusion")
     parser.add_argument("--smoke", action="store_true", help="toy model on the CPU (checks the script only)")
+    parser.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (mcore-train's loop at global batch 16, mb 4: 4)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.smoke:
@@ -154,6 +163,9 @@ def main() -> None:
             results.append(bench_one(args, mb, peak, device))
         except torch.OutOfMemoryError:
             results.append({"preset": args.preset, "seq": args.seq, "micro_batch": mb, "error": "out of memory"})
+        # the compiled layers of this micro-batch's model are referenced from dynamo's caches: drop them, or the
+        # next micro-batch's peak memory includes this model, its master weights and its moments
+        torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -165,7 +177,11 @@ def main() -> None:
         "flops_per_token": training_flops_per_token(preset(args.preset), args.seq),
         "date": time.strftime("%Y-%m-%d"),
     }
-    levers = [args.optimizer, f"recompute={args.recompute}"] + ["compile"] * args.compile + ["fused-ce"] * args.fused_ce
+    levers = (
+        [args.optimizer, f"recompute={args.recompute}", f"accum={args.accum}"]
+        + ["compile"] * args.compile
+        + ["fused-ce"] * args.fused_ce
+    )
     print(f"{env['gpu']}, torch {env['torch']}, bf16 matmul ceiling {peak:.0f} TFLOP/s, "
           f"{env['flops_per_token'] / 1e9:.2f} GFLOP/token; {', '.join(levers)}")  # fmt: skip
     print("| preset | seq | micro-batch | step ms | tokens/s | model TFLOP/s | MFU | peak GiB | loss first→last |")
