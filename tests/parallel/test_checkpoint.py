@@ -236,6 +236,28 @@ def test_async_saves_reuse_one_staging_buffer(tmp_path: Path) -> None:
     assert torch.equal(read_region(tmp_path / "step_3/optimizer/fc1.weight/master"), net.fc1.weight.detach())
 
 
+def test_reserved_staging_buffer_is_used_by_the_first_save(tmp_path: Path) -> None:
+    """reserve() allocates the first save's host buffer ahead of time (in a thread); the first save then stages into
+    it without allocating; a synchronous manager reserves nothing."""
+    state = ParallelState.initialize(ParallelConfig())
+    net = Net(state.tp)
+    opt = get_optimizer(OptimizerConfig(lr=0.1), [net], state)
+    items = net.sharded_state_dict()
+    sync = CheckpointManager(tmp_path / "sync", state)
+    sync.reserve(items, opt)
+    assert sync._staging.nbytes == 0
+    mgr = CheckpointManager(tmp_path / "async", state, async_save=True)
+    mgr.reserve(items, opt)
+    reserved = mgr._staging._buffer if mgr._staging.nbytes else None  # nbytes waits for the allocation
+    assert reserved is not None and mgr._staging.nbytes >= 4 * 3 * net.fc1.weight.numel()  # master + 2 moments
+    mgr.reserve(items, opt)  # big enough already: kept
+    assert mgr._staging._buffer is reserved
+    mgr.save("step_1", items, opt, metadata={"step": 1})
+    assert mgr._staging._buffer is reserved
+    mgr.wait()
+    assert torch.equal(read_region(tmp_path / "async/step_1/optimizer/fc1.weight/master"), net.fc1.weight.detach())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_async_save_of_gpu_tensors_stages_into_pinned_memory(tmp_path: Path) -> None:

@@ -147,3 +147,22 @@ def test_batch_size_rampup_and_time_limit(tmp_path: Path) -> None:
                             f"checkpoint.dir={tmp_path / 'timed'}"))  # fmt: skip
     assert timed.exit_reason == "time_limit" and timed.steps == 1
     assert read_metadata(latest_checkpoint(tmp_path / "timed"))["reason"] == "time_limit"
+
+
+def test_async_checkpoints_reserve_their_staging_buffer_after_the_first_step(tmp_path: Path, monkeypatch) -> None:
+    """With async saves the loop allocates the host staging buffer in the background after its first step, so no
+    save allocates it while training waits."""
+    from mcore_parallel.checkpoint.sharded import StagingBuffer
+
+    calls: list[bool] = []
+    allocate = StagingBuffer._allocate
+
+    def spy(self: StagingBuffer, total: int, pin: bool, touch: bool) -> None:
+        calls.append(touch)
+        allocate(self, total, pin, touch)
+
+    monkeypatch.setattr(StagingBuffer, "_allocate", spy)
+    pretrain(config("training.train_iters=4", "checkpoint.save_interval=2", "checkpoint.async_save=true",
+                    f"checkpoint.dir={tmp_path}"))  # fmt: skip
+    assert calls == [True]  # one allocation, the background one; both saves staged into it
+    assert (tmp_path / "step_0000004").is_dir() and (tmp_path / "step_0000002").is_dir()

@@ -177,6 +177,7 @@ def train(run: Run) -> TrainResult:
     iterators = run.train_iterators()
     start_time = time.monotonic()
     window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+    staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
     try:
         while run.step < run.train_iters:
@@ -211,6 +212,10 @@ def train(run: Run) -> TrainResult:
             window["tokens"] += gb * cfg.data.seq_length
             window["samples"] += gb
             if run.checkpoints is not None:
+                if not staging_reserved and cfg.checkpoint.save_interval:
+                    # the optimizer state exists now: the first async save then finds its host buffer allocated
+                    run.checkpoints.reserve(run.items, run.optimizer)
+                    staging_reserved = True
                 run.checkpoints.poll()
             if bar is not None:
                 bar.update(1)

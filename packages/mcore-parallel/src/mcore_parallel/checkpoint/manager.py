@@ -171,6 +171,18 @@ class CheckpointManager:
             stats.blocking_s = time.perf_counter() - start
             self._publish(name, stats, start)
 
+    def reserve(self, model_items: Mapping[str, ShardedTensor], optimizer: Any = None) -> None:
+        """Async managers: start allocating the host staging buffer that saves of these items need, in a background
+        thread, so that the first save of a run blocks no longer than later ones (pinning the host memory of a
+        large training state takes seconds). Collective like :meth:`save` (it plans the same writes); call it once
+        the optimizer state exists (after the first step). A no-op for synchronous managers."""
+        if not self.async_save:
+            return
+        jobs = plan_model_writes(model_items, self.state, False)
+        if optimizer is not None:
+            jobs += plan_optimizer_writes(optimizer, model_items, self.state, False)
+        self._staging.reserve(jobs)
+
     def poll(self) -> bool:
         """Publish a finished async save (collective; cheap). True when nothing is in flight any more."""
         if self._pending is None:

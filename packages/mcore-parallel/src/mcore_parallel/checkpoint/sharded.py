@@ -104,25 +104,66 @@ class StagingBuffer:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
         self._pinned = False
+        self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
 
     @property
     def nbytes(self) -> int:
+        self._join()
         return 0 if self._buffer is None else self._buffer.numel()
 
     def _aligned(self, n: int) -> int:
         return (n + self.ALIGN - 1) // self.ALIGN * self.ALIGN
 
+    def _needs(self, jobs: list[WriteJob]) -> tuple[int, bool]:
+        tensors = [t for job in jobs for _, t in job.chunks]
+        return sum(self._aligned(t.numel() * t.element_size()) for t in tensors), any(t.is_cuda for t in tensors)
+
+    def _fits(self, total: int, pin: bool) -> bool:
+        return self._buffer is not None and self._buffer.numel() >= total and self._pinned == pin
+
+    def _allocate(self, total: int, pin: bool, touch: bool) -> None:
+        self._buffer = None  # release the old buffer before taking the new one
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        if touch and not pin:  # fault every page in now (pinned pages are resident already)
+            buffer.zero_()
+        self._buffer, self._pinned = buffer, pin
+        logger.info("checkpoint staging buffer: %.2f GB of %s host memory", total / 1e9,
+                    "pinned" if pin else "pageable")  # fmt: skip
+
+    def _join(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+            if self._reserve_error is not None:
+                error, self._reserve_error = self._reserve_error, None
+                raise RuntimeError("allocating the checkpoint staging buffer failed") from error
+
+    def reserve(self, jobs: list[WriteJob]) -> None:
+        """Allocate (in a background thread) the buffer a later :meth:`stage` of jobs like these needs, so that the
+        first async save of a run does not pay for it: pinning the host memory of a large training state takes
+        seconds. The next :meth:`stage` waits for the allocation if it is still running."""
+        total, pin = self._needs(jobs)
+        self._join()
+        if self._fits(total, pin):
+            return
+
+        def allocate() -> None:
+            try:
+                self._allocate(total, pin, touch=True)
+            except BaseException as e:  # re-raised by the next stage()
+                self._reserve_error = e
+
+        self._reserving = threading.Thread(target=allocate, name="mcore-ckpt-staging", daemon=True)
+        self._reserving.start()
+
     def stage(self, jobs: list[WriteJob]) -> None:
         """Replace every chunk of ``jobs`` by its copy in the buffer (returns once the copies have landed)."""
-        tensors = [t for job in jobs for _, t in job.chunks]
-        total = sum(self._aligned(t.numel() * t.element_size()) for t in tensors)
-        pin = any(t.is_cuda for t in tensors)
-        if self._buffer is None or self._buffer.numel() < total or self._pinned != pin:
-            self._buffer = None  # release the old buffer before taking the new one
-            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-            self._pinned = pin
-            logger.info("checkpoint staging buffer: %.2f GB of %s host memory", total / 1e9,
-                        "pinned" if pin else "pageable")  # fmt: skip
+        self._join()
+        total, pin = self._needs(jobs)
+        if not self._fits(total, pin):
+            self._allocate(total, pin, touch=False)
+        assert self._buffer is not None
         offset = 0
         for job in jobs:
             for i, (index, t) in enumerate(job.chunks):
