@@ -152,7 +152,7 @@ class GPTModel(nn.Module):
         rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
         for key, layer in self.decoder.layers.items():
             if inference_context is not None:
-                inference_context.layer_number = layer.layer_number  # read by its attention (see InferenceContext)
+                inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
                 hidden = layer(hidden, rotary, inference_context)
             elif int(key) in self._full_recompute and self.training:
                 hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
