@@ -51,11 +51,46 @@ def _tensor_state(model: GPTModel, opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _first_saves(root: Path, state: Any, items: Any, opt: Any, results: dict[str, Any], gb: float) -> None:
+    """The first async save of a fresh manager: blocked time without reserve(), then with it (after the background
+    allocation finished, as it does while a training loop runs its next steps)."""
+    CheckpointManager(root / "warm", state).save("w", items, metadata={"step": 0})  # imports, writer threads
+    _drop_caches(root / "warm")
+    for reserve in (False, True):
+        mgr = CheckpointManager(root / f"first_{int(reserve)}", state, async_save=True)
+        if reserve:
+            t = time.perf_counter()
+            mgr.reserve(items, opt)
+            results["mcore_reserve_call_s"] = time.perf_counter() - t
+            mgr._staging.nbytes  # noqa: B018 - waits for the background allocation
+            results["mcore_reserve_background_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        mgr.save("step_1", items, opt, metadata={"step": 1})
+        key = "mcore_async_blocking_reserved_first_s" if reserve else "mcore_async_blocking_first_s"
+        results[key] = time.perf_counter() - t
+        mgr.wait()
+        results[key.replace("blocking", "total")] = time.perf_counter() - t
+        del mgr
+        _drop_caches(root / f"first_{int(reserve)}")
+        gc.collect()
+    print(
+        f"{gb:.2f} GB, first async save blocked: {results['mcore_async_blocking_first_s']:.2f} s without reserve(), "
+        f"{results['mcore_async_blocking_reserved_first_s']:.2f} s after it (reserve() call "
+        f"{results['mcore_reserve_call_s']:.3f} s, background allocation {results['mcore_reserve_background_s']:.2f} s)",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--first-save-only",
+        action="store_true",
+        help="only the first async save's blocking time, without and with reserve() (short run)",
+    )
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -80,6 +115,12 @@ def main() -> None:
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     items = model.sharded_state_dict()
+    if args.first_save_only:
+        _first_saves(root, state, items, opt, results, gb)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+        return
 
     # mcore: synchronous save, load
     mgr = CheckpointManager(root / "mcore", state)
