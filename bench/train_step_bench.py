@@ -163,9 +163,7 @@ def main() -> None:
             results.append(bench_one(args, mb, peak, device))
         except torch.OutOfMemoryError:
             results.append({"preset": args.preset, "seq": args.seq, "micro_batch": mb, "error": "out of memory"})
-        # the compiled layers of this micro-batch's model are referenced from dynamo's caches: drop them, or the
-        # next micro-batch's peak memory includes this model, its master weights and its moments
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # each row compiles from a clean cache, as a fresh training run does
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
