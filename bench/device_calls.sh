@@ -9,6 +9,7 @@
 #   bash bench/device_calls.sh curves       # one GPU: issue 9, 200-step loss curves, eager vs optimised (~5 min)
 #   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
 #   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
+#   bash bench/device_calls.sh pending      # one GPU: what is left of issues 6, 7, 9 (carry .whl for the HTTP row)
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
 #
@@ -79,6 +80,19 @@ case "${1:-}" in
     python3 bench/train_step_bench.py --optimizer mixed --compile --fused-ce --micro-batch 4 --accum 4 --steps 6 \
       --warmup 3 --json "$OUT/agree-bench.json" 2>&1 | grep -v Warning | tee "$OUT/agree-bench.log"
     ;;
+  pending)
+    # what 2026-11-30's sessions left unmeasured on one GPU (~7 min): the first async save after reserve() in a fresh
+    # process (issue 6), the loop log vs train_step_bench at the same work (issue 9), and the HTTP row of the serve
+    # bench with the current engine (issue 7; needs the server wheels: carry .whl, see the device README)
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    timeout 150 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckf --first-save-only reserved \
+      --json "$OUT/first-reserved.json" 2>&1 | grep -v Warning | tail -3 | tee "$OUT/pending.log"
+    bash "$0" agree >> "$OUT/pending.log" 2>&1
+    timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 64 \
+      --out "$OUT/serve-http.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$OUT/pending.log"
+    ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
     ;;
@@ -95,7 +109,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac
