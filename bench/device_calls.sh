@@ -10,6 +10,7 @@
 #   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
 #   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
 #   bash bench/device_calls.sh pending      # one GPU: what is left of issues 6, 7, 9 (carry .whl for the HTTP row)
+#   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
 #
@@ -93,6 +94,13 @@ case "${1:-}" in
     timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 64 \
       --out "$OUT/serve-http.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$OUT/pending.log"
     ;;
+  pending-x2)
+    # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
+    timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
+      | tee "$OUT/pending-x2.log"
+    scale --measure-peak --cases 1gpu tp2-sp 1gpu-opt tp2-sp-opt --out "$OUT/tp2-overlap.json" 2>&1 \
+      | tee -a "$OUT/pending-x2.log"
+    ;;
   gpu-tests)
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
     ;;
@@ -109,7 +117,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,8 @@ single-tensor collectives support) plus at most one copy to move the split dimen
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -44,6 +46,19 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     out = torch.empty((src.shape[0] // group.size, *src.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, src, group=group.pg)
     return out if dim == 0 else out.movedim(0, dim)
+
+
+def reduce_scatter_start(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, Any]:
+    """Start summing ``x`` over ``group`` and scattering dimension 0; returns (this rank's chunk, a handle whose
+    ``wait()`` makes the chunk ready: the caller computes something else meanwhile). Handle None when no wait is
+    needed (a one-member group)."""
+    if group.size == 1:
+        return x, None
+    if x.shape[0] % group.size:
+        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {group.size}")
+    src = x.contiguous()
+    out = torch.empty((src.shape[0] // group.size, *src.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _reduce_scatter_single(out, src, group=group.pg, async_op=True)
 
 
 def split(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:

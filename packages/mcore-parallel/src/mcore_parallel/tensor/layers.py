@@ -22,11 +22,11 @@ from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.init import InitMethod, init_sharded_, normal_init
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
-    gather_from_sp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
+    sequence_parallel_linear,
 )
 
 __all__ = [
@@ -127,10 +127,9 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("ColumnParallelLinear was built with skip_weight_allocation: pass weight= to forward")
         if self.sequence_parallel:
-            x = gather_from_sp_region(x, self.tp, tensor_parallel_output_grad=True)
+            y = sequence_parallel_linear(x, weight, self.bias, self.tp)
         else:
-            x = copy_to_tp_region(x, self.tp)
-        y = F.linear(x, weight, self.bias)
+            y = F.linear(copy_to_tp_region(x, self.tp), weight, self.bias)
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "scatter_to_sp_region",
     "gather_from_sp_region",
     "reduce_scatter_to_sp_region",
+    "sequence_parallel_linear",
 ]
 
 
@@ -91,6 +92,44 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _comm.all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``linear(all_gather_sequence(x), weight, bias)`` for a column-parallel layer under sequence parallelism, with
+    the backward's reduce-scatter of the input gradient running while the weight gradient is computed (the plain
+    composition of gather and linear waits for both GEMMs, then communicates)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+    ) -> torch.Tensor:
+        full = _comm.all_gather(x, group, 0)
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return torch.nn.functional.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full, weight = ctx.saved_tensors
+        grad_x = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x, handle = _comm.reduce_scatter_start(g.matmul(weight), ctx.group)
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+) -> torch.Tensor:
+    """Column-parallel linear of a sequence-parallel input ``[s / tp, b, h]`` → ``[s, b, out / tp]``; equals
+    ``F.linear(gather_from_sp_region(x, group), weight, bias)`` with the backward communication overlapped."""
+    if group.size == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _eager(_SequenceParallelLinear.apply, x, weight, bias, group)
 
 
 @torch.compiler.disable
