@@ -48,6 +48,16 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out if dim == 0 else out.movedim(0, dim)
 
 
+def all_gather_start(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, Any]:
+    """Start concatenating every rank's ``x`` along dimension 0; returns (the output, a handle whose ``wait()`` makes
+    it ready; None for a one-member group). This rank's own rows may be read before the wait only from ``x``."""
+    if group.size == 1:
+        return x, None
+    src = x.contiguous()
+    out = torch.empty((group.size * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _all_gather_single(out, src, group=group.pg, async_op=True)
+
+
 def reduce_scatter_start(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, Any]:
     """Start summing ``x`` over ``group`` and scattering dimension 0; returns (this rank's chunk, a handle whose
     ``wait()`` makes the chunk ready: the caller computes something else meanwhile). Handle None when no wait is

@@ -96,17 +96,36 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _SequenceParallelLinear(torch.autograd.Function):
     """``linear(all_gather_sequence(x), weight, bias)`` for a column-parallel layer under sequence parallelism, with
-    the backward's reduce-scatter of the input gradient running while the weight gradient is computed (the plain
-    composition of gather and linear waits for both GEMMs, then communicates)."""
+    the communication overlapped: in forward, this rank's own rows are multiplied while the other ranks' rows are
+    gathered; in backward, the input gradient is reduce-scattered while the weight gradient is computed (the plain
+    composition of gather and linear communicates, then computes, and in backward computes both GEMMs first)."""
 
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
     ) -> torch.Tensor:
-        full = _comm.all_gather(x, group, 0)
+        full, handle = _comm.all_gather_start(x, group)
+        y = torch.empty((full.shape[0], *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        # 2-D views: rows of the sequence-major layout, this rank's rows first (while the others' arrive)
+        x2, f2, y2 = x.reshape(-1, x.shape[-1]), full.view(-1, x.shape[-1]), y.view(-1, weight.shape[0])
+        w_t = weight.t()
+
+        def gemm(src: torch.Tensor, dst: torch.Tensor) -> None:
+            if bias is None:
+                torch.mm(src, w_t, out=dst)
+            else:
+                torch.addmm(bias, src, w_t, out=dst)
+
+        lo, hi = group.rank * x2.shape[0], (group.rank + 1) * x2.shape[0]
+        gemm(x2, y2[lo:hi])
+        if handle is not None:
+            handle.wait()
+        for a, b in ((0, lo), (hi, y2.shape[0])):
+            if b > a:
+                gemm(f2[a:b], y2[a:b])
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        return torch.nn.functional.linear(full, weight, bias)
+        return y
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
