@@ -27,6 +27,7 @@ from mcore_parallel.tensor.mappings import (
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
     sequence_parallel_linear,
+    sequence_parallel_row_linear,
 )
 
 __all__ = [
@@ -180,8 +181,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight)
-        y = reduce_scatter_to_sp_region(y, self.tp) if self.sequence_parallel else reduce_from_tp_region(y, self.tp)
+        if self.sequence_parallel:
+            y = sequence_parallel_row_linear(x, self.weight, self.tp)
+        else:
+            y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
@@ -33,6 +34,7 @@ __all__ = [
     "gather_from_sp_region",
     "reduce_scatter_to_sp_region",
     "sequence_parallel_linear",
+    "sequence_parallel_row_linear",
 ]
 
 
@@ -139,6 +141,63 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return grad_x, grad_w, grad_b, None
+
+
+class _SequenceParallelRowLinear(torch.autograd.Function):
+    """``reduce_scatter_sequence(linear(x, weight))`` for a row-parallel layer under sequence parallelism, with the
+    communication overlapped: in forward, the rows bound for each rank are multiplied and reduced to that rank in turn
+    (the next block's GEMM runs while the previous block is reduced); in backward, this rank's rows of the input
+    gradient are multiplied while the other ranks' output gradients are all-gathered. Every row is computed by one
+    GEMM as in the plain composition, so the results are the same."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+        if x.shape[0] % group.size:
+            raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {group.size}")
+        x2 = x.reshape(-1, x.shape[-1])
+        n = x2.shape[0] // group.size
+        parts, handles = [], []
+        for k in range(group.size):  # the same order on every rank: collectives must match
+            part = torch.mm(x2[k * n : (k + 1) * n], weight.t())
+            handles.append(dist.reduce(part, dst=group.ranks[k], group=group.pg, async_op=True))
+            parts.append(part)
+        for h in handles:
+            h.wait()
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return parts[group.rank].view(x.shape[0] // group.size, *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        full, handle = _comm.all_gather_start(g, group)
+        g_own = g.reshape(-1, g.shape[-1])
+        n = g_own.shape[0]
+        lo, hi = group.rank * n, (group.rank + 1) * n
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty_like(x)
+            gx2 = grad_x.view(-1, x.shape[-1])
+            torch.mm(g_own, weight, out=gx2[lo:hi])  # while the other ranks' rows arrive
+        if handle is not None:
+            handle.wait()
+        f2 = full.view(-1, g.shape[-1])
+        if grad_x is not None:
+            for a, b in ((0, lo), (hi, f2.shape[0])):
+                if b > a:
+                    torch.mm(f2[a:b], weight, out=gx2[a:b])
+        grad_w = f2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+    """Row-parallel linear (no bias) of ``[s, b, in / tp]`` → this rank's sequence chunk ``[s / tp, b, out]`` of the
+    sum over ``group``; equals ``reduce_scatter_to_sp_region(F.linear(x, weight), group)`` with the communication
+    overlapped."""
+    if group.size == 1:
+        return torch.nn.functional.linear(x, weight)
+    return _eager(_SequenceParallelRowLinear.apply, x, weight, group)
 
 
 def sequence_parallel_linear(
