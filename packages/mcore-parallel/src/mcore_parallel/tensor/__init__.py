@@ -23,6 +23,8 @@ from mcore_parallel.tensor.mappings import (
     reduce_scatter_to_sp_region,
     scatter_to_sp_region,
     scatter_to_tp_region,
+    sequence_parallel_linear,
+    sequence_parallel_row_linear,
 )
 from mcore_parallel.tensor.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
 
@@ -42,6 +44,8 @@ __all__ = [
     "scatter_to_sp_region",
     "gather_from_sp_region",
     "reduce_scatter_to_sp_region",
+    "sequence_parallel_linear",
+    "sequence_parallel_row_linear",
     "RNGStatesTracker",
     "model_parallel_seed",
     "MODEL_PARALLEL_RNG",
