@@ -177,7 +177,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         lo, hi = group.rank * n, (group.rank + 1) * n
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.empty_like(x)
+            grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x is
             gx2 = grad_x.view(-1, x.shape[-1])
             torch.mm(g_own, weight, out=gx2[lo:hi])  # while the other ranks' rows arrive
         if handle is not None:
