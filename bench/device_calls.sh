@@ -93,6 +93,9 @@ case "${1:-}" in
     bash "$0" agree >> "$OUT/pending.log" 2>&1
     timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 64 \
       --out "$OUT/serve-http.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$OUT/pending.log"
+    # issue 7: decode GEMMs, cuBLAS against a weight-streaming Triton kernel (the table goes to pending.log)
+    timeout 120 python3 bench/gemv_bench.py --rows 1 8 64 --no-inductor 2>&1 | grep -v Warning | tail -20 \
+      | tee -a "$OUT/pending.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
