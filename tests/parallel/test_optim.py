@@ -193,3 +193,25 @@ def test_global_grad_norm_matches_float64() -> None:
     want = torch.cat([t.double().reshape(-1) for t in grads]).norm().item()
     assert abs(global_grad_norm(grads, Group.single()) - want) <= 1e-6 * want
     assert global_grad_norm([], Group.single()) == 0.0
+
+
+def test_zero_count_only_when_asked() -> None:
+    """step(count_zeros=False) skips the pass over the gradients; None follows the config; the count is exact."""
+    from mcore_parallel import ParallelConfig, ParallelState
+    from mcore_parallel.optim import OptimizerConfig, get_optimizer
+
+    state = ParallelState.initialize(ParallelConfig())
+    net = torch.nn.Linear(4, 3)
+    opt = get_optimizer(OptimizerConfig(lr=0.1), [net], state)
+
+    def grads() -> None:
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        net.weight.grad[0] = 0.0  # four zeros
+
+    grads()
+    assert opt.step(count_zeros=False).num_zeros is None
+    grads()
+    assert opt.step().num_zeros == 4  # log_num_zeros_in_grad defaults to True
+    grads()
+    assert opt.step(count_zeros=True).num_zeros == 4

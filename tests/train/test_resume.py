@@ -166,3 +166,24 @@ def test_async_checkpoints_reserve_their_staging_buffer_after_the_first_step(tmp
                     f"checkpoint.dir={tmp_path}"))  # fmt: skip
     assert calls == [True]  # one allocation, the background one; both saves staged into it
     assert (tmp_path / "step_0000004").is_dir() and (tmp_path / "step_0000002").is_dir()
+
+
+def test_zeros_are_counted_only_on_logged_steps(tmp_path: Path, monkeypatch) -> None:
+    """The loop asks the optimizer for the zero count on the steps it logs, and the log carries it."""
+    import json
+
+    import mcore_parallel.optim.optimizer as optimizer_module
+
+    calls: list[int] = []
+    count = optimizer_module._count_zeros
+
+    def spy(*args: object, **kw: object) -> int:
+        calls.append(1)
+        return count(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(optimizer_module, "_count_zeros", spy)
+    pretrain(config("training.train_iters=6", "logging.log_interval=3", f"logging.dir={tmp_path}"))
+    assert len(calls) == 2  # steps 3 and 6
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "num_zeros" in r]
+    assert len(logged) == 2 and all(isinstance(r["num_zeros"], int) for r in logged)

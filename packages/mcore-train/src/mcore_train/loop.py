@@ -197,7 +197,9 @@ def train(run: Run) -> TrainResult:
                     f"the loss is {loss} at step {run.step + 1} (consumed samples {run.consumed_samples}); lower "
                     "optimizer.lr, check the data, or set training.on_nan=skip to drop such steps"
                 )
-            step_result = run.optimizer.step() if finite else None
+            logs_now = (run.step + 1) % lg.log_interval == 0 or run.step + 1 == run.train_iters
+            # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
+            step_result = run.optimizer.step(count_zeros=None if logs_now else False) if finite else None
             if not finite or (step_result is not None and not step_result.success):
                 run.skipped_steps += 1
                 if not finite:

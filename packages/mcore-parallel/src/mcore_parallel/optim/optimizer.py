@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.ddp.ddp import DistributedDataParallel
-from mcore_parallel.optim.clip import clip_grads_, count_zeros, global_grad_norm
+from mcore_parallel.optim.clip import clip_grads_, global_grad_norm
+from mcore_parallel.optim.clip import count_zeros as _count_zeros
 from mcore_parallel.optim.config import OptimizerConfig
 from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mcore_parallel.sharding import ShardedTensor, shard_info
@@ -201,8 +202,14 @@ class MixedPrecisionOptimizer:
                     p.grad = None
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Unscale, check, clip and apply the gradients; copy the new weights to the model."""
+    def step(self, count_zeros: bool | None = None) -> StepResult:
+        """Unscale, check, clip and apply the gradients; copy the new weights to the model.
+
+        ``count_zeros`` (default: ``config.log_num_zeros_in_grad``) counts the exactly-zero gradient elements, a
+        pass over every gradient and a host sync: a training loop asks for it only on the steps it logs.
+        """
+        if count_zeros is None:
+            count_zeros = self.config.log_num_zeros_in_grad
         owned = [(s, self._grad_of(s)) for s in self.slots]
         grads = [g for _, g in owned if g is not None]
         counted = [g for s, g in owned if g is not None and s.counts_in_norm]
@@ -223,9 +230,7 @@ class MixedPrecisionOptimizer:
             norm = global_grad_norm(counted, self.norm_group, self.state.device)
             if self.config.clip_grad > 0:
                 clip_grads_(grads, self.config.clip_grad, norm)
-            zeros = (
-                count_zeros(counted, self.norm_group, self.state.device) if self.config.log_num_zeros_in_grad else None
-            )
+            zeros = _count_zeros(counted, self.norm_group, self.state.device) if count_zeros else None
             for slot, grad in owned:
                 if grad is not None:
                     slot.master.grad = grad.view(slot.master.shape)
