@@ -91,8 +91,9 @@ def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
     return {**latency_row(conc, wall, ttft, tpot), "preemptions": llm.engine.scheduler.num_preemptions}
 
 
-def http_run(llm: Any, conc: int) -> dict[str, Any]:
-    import httpx
+def http_run(llm: Any, conc: int, clients: str = "process") -> dict[str, Any]:
+    """``conc`` streaming clients against uvicorn serving ``llm`` in this process; the clients run in another
+    process (``clients="process"``) or in this one (``"inprocess"``, as measured before 2026-11-30's third session)."""
     import uvicorn
 
     from mcore_infer.async_engine import AsyncEngine
@@ -108,6 +109,35 @@ def http_run(llm: Any, conc: int) -> dict[str, Any]:
     while not server.started:
         time.sleep(0.05)
     ps = prompts(conc, 32768, 99)
+    if clients == "process":  # the clients' own Python work runs beside the server's, not under its GIL
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_http_clients_process, args=(port, ps, queue))
+        proc.start()
+        wall, res = queue.get(timeout=900)
+        proc.join(timeout=60)
+    else:
+        wall, res = asyncio.run(_http_clients(port, ps))
+    server.should_exit = True
+    th.join(timeout=30)
+    ttft = [(f - s) * 1e3 for s, f, _, _ in res]
+    tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
+    via = "http (streaming /v1/completions), clients in " + (
+        "another process" if clients == "process" else "the server's"
+    )
+    return {**latency_row(conc, wall, ttft, tpot), "via": via}
+
+
+def _http_clients_process(port: int, ps: list[list[int]], queue: Any) -> None:
+    queue.put(asyncio.run(_http_clients(port, ps)))
+
+
+async def _http_clients(port: int, ps: list[list[int]]) -> tuple[float, list[tuple[float, float, float, int]]]:
+    """``len(ps)`` concurrent streaming completions (after one warm-up request): wall time and, per request, its
+    start, first-token and end times and the number of events."""
+    import httpx
 
     async def one(client: httpx.AsyncClient, p: list[int]) -> tuple[float, float, float, int]:
         body = {
@@ -130,20 +160,12 @@ def http_run(llm: Any, conc: int) -> dict[str, Any]:
         assert first is not None
         return t0, first, end, n
 
-    async def main() -> tuple[float, list[tuple[float, float, float, int]]]:
-        limits = httpx.Limits(max_connections=conc + 8)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            await one(client, ps[0])  # warm-up
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(one(client, p) for p in ps))
-            return time.perf_counter() - t0, res
-
-    wall, res = asyncio.run(main())
-    server.should_exit = True
-    th.join(timeout=30)
-    ttft = [(f - s) * 1e3 for s, f, _, _ in res]
-    tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
-    return {**latency_row(conc, wall, ttft, tpot), "via": "http (streaming /v1/completions)"}
+    limits = httpx.Limits(max_connections=len(ps) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one(client, ps[0])  # warm-up
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(client, p) for p in ps))
+        return time.perf_counter() - t0, list(res)
 
 
 # ------------------------------------------------------------------------------------------------ HF baseline
@@ -231,6 +253,12 @@ def main() -> None:
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-deadline", type=float, default=150.0)
+    ap.add_argument(
+        "--http-clients",
+        choices=["process", "inprocess"],
+        default="process",
+        help="run the HTTP clients in another process (default) or in the server's",
+    )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here")
     args = ap.parse_args()
     if args.hf_only:
@@ -254,7 +282,7 @@ def main() -> None:
         profile_run(llm, args.profile)
     if args.http_concurrency:
         try:
-            r = http_run(llm, args.http_concurrency)
+            r = http_run(llm, args.http_concurrency, args.http_clients)
             print(json.dumps(r), flush=True)
             results["http"] = r
         except Exception as e:  # keep the engine numbers if the HTTP stack is missing
