@@ -80,6 +80,10 @@ def iter_chunks(
     if text_unit not in ("file", "line"):
         raise ConfigError(f"text_unit must be 'file' or 'line', not {text_unit!r}")
     left = sum(p.stat().st_size for p in files) if tail_parts > 0 else 0
+
+    def limit_now() -> int:
+        return chunk_bytes if tail_parts <= 0 else max(1 << 16, min(chunk_bytes, left // tail_parts))
+
     for path in files:
         kind = "json" if is_jsonl(path) else "text"
         with open_binary(path) as f:
@@ -89,14 +93,13 @@ def iter_chunks(
                 yield Chunk(str(path), kind, 1, [data], len(data))
                 continue
             chunk = Chunk(str(path), kind, 1)
-            limit = chunk_bytes if tail_parts <= 0 else max(1 << 16, min(chunk_bytes, left // tail_parts))
+            limit = limit_now()
             for lineno, line in enumerate(f, 1):
                 chunk.units.append(line)
                 chunk.nbytes += len(line)
                 if chunk.nbytes >= limit:
-                    if tail_parts > 0:
-                        left -= chunk.nbytes
-                        limit = max(1 << 16, min(chunk_bytes, left // tail_parts))
+                    left -= chunk.nbytes
+                    limit = limit_now()
                     yield chunk
                     chunk = Chunk(str(path), kind, lineno + 1)
             if chunk.units:

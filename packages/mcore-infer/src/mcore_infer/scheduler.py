@@ -129,7 +129,7 @@ class Scheduler:
                 break
             if id(seq) in preempted:  # preempted below by an older request
                 continue
-            n = min(len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed, budget)
+            n = min(seq.length - seq.num_computed, budget)
             while not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -197,7 +197,7 @@ def train(run: Run) -> TrainResult:
                     f"the loss is {loss} at step {run.step + 1} (consumed samples {run.consumed_samples}); lower "
                     "optimizer.lr, check the data, or set training.on_nan=skip to drop such steps"
                 )
-            logs_now = (run.step + 1) % lg.log_interval == 0 or run.step + 1 == run.train_iters
+            logs_now = (run.step + 1) % lg.log_interval == 0 or run.step + 1 == run.train_iters  # this step is logged
             # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
             step_result = run.optimizer.step(count_zeros=None if logs_now else False) if finite else None
             if not finite or (step_result is not None and not step_result.success):
@@ -222,7 +222,7 @@ def train(run: Run) -> TrainResult:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-            if run.step % lg.log_interval == 0 or run.step == run.train_iters:
+            if logs_now:
                 elapsed = time.perf_counter() - window["t0"]
                 tok_s = window["tokens"] / elapsed
                 tflops = tok_s * flops_per_token / st.world_size / 1e12

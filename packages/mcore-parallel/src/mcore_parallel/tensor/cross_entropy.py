@@ -19,6 +19,60 @@ from mcore_parallel.tensor import _comm
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+def shard_columns(part: int, rank: int, vocab_size: int) -> tuple[int, int]:
+    """(first global column, columns inside the true vocabulary) of rank ``rank``'s ``part``-column shard."""
+    start = rank * part
+    return start, max(0, min(part, vocab_size - start))
+
+
+def local_targets(target: torch.Tensor, start: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets outside this shard, targets as shard columns with the outside ones at 0)."""
+    outside = (target < start) | (target >= start + part)
+    return outside, (target - start).masked_fill(outside, 0)
+
+
+def shifted_loss(
+    shifted: torch.Tensor,
+    outside: torch.Tensor,
+    local_t: torch.Tensor,
+    valid_cols: int,
+    group: Group,
+    vocab_size: int,
+    label_smoothing: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss from logits minus the global row max (``shifted``, exponentiated in place): one all-reduce
+    SUM of the stacked per-token sums. Returns (loss, log of the normaliser, the normaliser)."""
+    stats = [shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)]
+    if label_smoothing > 0:
+        stats.append(shifted[..., :valid_cols].sum(dim=-1))
+    stats.insert(1, shifted.exp_().sum(dim=-1))
+    stacked = _comm.all_reduce(torch.stack(stats), group)
+    sum_exp = stacked[1]
+    log_z = sum_exp.log()
+    loss = log_z - stacked[0]
+    if label_smoothing > 0:
+        mean_log_prob = stacked[2] / vocab_size - log_z
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
+    return loss, log_z, sum_exp
+
+
+def softmax_to_grad_(
+    softmax: torch.Tensor,
+    outside: torch.Tensor,
+    local_t: torch.Tensor,
+    valid_cols: int,
+    vocab_size: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """The loss gradient w.r.t. the logits, in place of their ``softmax``: minus the (smoothed) one-hot target."""
+    eps = label_smoothing
+    hit = (~outside).to(softmax.dtype)
+    softmax.scatter_add_(-1, local_t.unsqueeze(-1), (-(1.0 - eps) * hit).unsqueeze(-1))
+    if eps > 0 and valid_cols:
+        softmax[..., :valid_cols] -= eps / vocab_size
+    return softmax
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -30,31 +84,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
     ) -> torch.Tensor:
         part = logits.shape[-1]
-        start = group.rank * part
-        valid_cols = max(0, min(part, vocab_size - start))  # columns of this shard inside the true vocabulary
+        start, valid_cols = shard_columns(part, group.rank, vocab_size)
         x = logits.float()
         if valid_cols < part:
             x = x.clone() if x is logits else x
             x[..., valid_cols:] = float("-inf")
         row_max = x.max(dim=-1).values
         _comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
-        shifted = x - row_max.unsqueeze(-1)
+        exp = x - row_max.unsqueeze(-1)  # shifted logits, exponentiated in place below
 
-        outside = (target < start) | (target >= start + part)
-        local_t = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        stats = [predicted]
-        if label_smoothing > 0:
-            stats.append(shifted[..., :valid_cols].sum(dim=-1))
-        exp = shifted.exp_()
-        stats.insert(1, exp.sum(dim=-1))
-        stacked = _comm.all_reduce(torch.stack(stats), group)
-        predicted, sum_exp = stacked[0], stacked[1]
-        log_z = sum_exp.log()
-        loss = log_z - predicted
-        if label_smoothing > 0:
-            mean_log_prob = stacked[2] / vocab_size - log_z
-            loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
+        outside, local_t = local_targets(target, start, part)
+        loss, _, sum_exp = shifted_loss(exp, outside, local_t, valid_cols, group, vocab_size, label_smoothing)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_t, outside)
         ctx.label_smoothing, ctx.vocab_size, ctx.valid_cols, ctx.in_dtype = (
@@ -68,12 +108,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax  # reused in place: the saved softmax is not needed again
-        eps = ctx.label_smoothing
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), (-(1.0 - eps) * hit).unsqueeze(-1))
-        if eps > 0 and ctx.valid_cols:
-            grad[..., : ctx.valid_cols] -= eps / ctx.vocab_size
+        # the saved softmax is not needed again: reused in place
+        grad = softmax_to_grad_(softmax, outside, local_t, ctx.valid_cols, ctx.vocab_size, ctx.label_smoothing)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None
 

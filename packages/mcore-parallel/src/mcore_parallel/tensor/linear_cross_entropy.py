@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
+from mcore_parallel.tensor.cross_entropy import local_targets, shard_columns, shifted_loss, softmax_to_grad_
 
 __all__ = ["linear_vocab_parallel_cross_entropy"]
 
@@ -51,8 +52,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
     ) -> torch.Tensor:
         part = weight.shape[0]
-        start = group.rank * part
-        valid_cols = max(0, min(part, vocab_size - start))
+        start, valid_cols = shard_columns(part, group.rank, vocab_size)
         math_dtype = _math_dtype(hidden.dtype)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t1 = target.reshape(-1)
@@ -65,20 +65,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
             row_max = x.max(dim=-1).values
             _comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
             shifted = x.sub_(row_max.unsqueeze(-1))
-
-            t = t1[lo:hi]
-            outside = (t < start) | (t >= start + part)
-            local_t = (t - start).masked_fill(outside, 0)
-            stats = [shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)]
-            if label_smoothing > 0:
-                stats.append(shifted[:, :valid_cols].sum(dim=-1))
-            stats.insert(1, shifted.exp_().sum(dim=-1))
-            stacked = _comm.all_reduce(torch.stack(stats), group)
-            log_z = stacked[1].log()
-            chunk_loss = log_z - stacked[0]
-            if label_smoothing > 0:
-                mean_log_prob = stacked[2] / vocab_size - log_z
-                chunk_loss = (1.0 - label_smoothing) * chunk_loss - label_smoothing * mean_log_prob
+            outside, local_t = local_targets(t1[lo:hi], start, part)
+            chunk_loss, log_z, _ = shifted_loss(shifted, outside, local_t, valid_cols, group, vocab_size,
+                                                label_smoothing)  # fmt: skip
             loss[lo:hi] = chunk_loss
             lse[lo:hi] = log_z + row_max
         ctx.save_for_backward(hidden, weight, target, lse)
@@ -99,10 +88,8 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         if not (need_hidden or need_weight):
             return None, None, None, None, None, None, None
         group: Group = ctx.group
-        eps: float = ctx.label_smoothing
         part = weight.shape[0]
-        start = group.rank * part
-        valid_cols = max(0, min(part, ctx.vocab_size - start))
+        start, valid_cols = shard_columns(part, group.rank, ctx.vocab_size)
         math_dtype = lse.dtype
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t1 = target.reshape(-1)
@@ -117,14 +104,8 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
             hc = h2[lo:hi]
             grad = _chunk_logits(hc, weight, valid_cols, math_dtype)
             grad.sub_(lse[lo:hi].unsqueeze(-1)).exp_()  # softmax; padding columns are exp(-inf) = 0
-
-            t = t1[lo:hi]
-            outside = (t < start) | (t >= start + part)
-            local_t = (t - start).masked_fill(outside, 0)
-            hit = (~outside).to(math_dtype)
-            grad.scatter_add_(-1, local_t.unsqueeze(-1), (-(1.0 - eps) * hit).unsqueeze(-1))
-            if eps > 0 and valid_cols:
-                grad[:, :valid_cols] -= eps / ctx.vocab_size
+            outside, local_t = local_targets(t1[lo:hi], start, part)
+            softmax_to_grad_(grad, outside, local_t, valid_cols, ctx.vocab_size, ctx.label_smoothing)
             grad.mul_(g1[lo:hi].unsqueeze(-1))
             g = grad.to(hidden.dtype)
 

@@ -96,6 +96,11 @@ class _ReduceScatter(torch.autograd.Function):
         return _comm.all_gather(g, ctx.group, ctx.dim), None, None
 
 
+def _other_rows(lo: int, hi: int, total: int) -> list[tuple[int, int]]:
+    """The non-empty row ranges of ``[0, total)`` outside this rank's own ``[lo, hi)``."""
+    return [(a, b) for a, b in ((0, lo), (hi, total)) if b > a]
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """``linear(all_gather_sequence(x), weight, bias)`` for a column-parallel layer under sequence parallelism, with
     the communication overlapped: in forward, this rank's own rows are multiplied while the other ranks' rows are
@@ -122,9 +127,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
         gemm(x2, y2[lo:hi])
         if handle is not None:
             handle.wait()
-        for a, b in ((0, lo), (hi, y2.shape[0])):
-            if b > a:
-                gemm(f2[a:b], y2[a:b])
+        for a, b in _other_rows(lo, hi, y2.shape[0]):
+            gemm(f2[a:b], y2[a:b])
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return y
@@ -184,9 +188,8 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
             handle.wait()
         f2 = full.view(-1, g.shape[-1])
         if grad_x is not None:
-            for a, b in ((0, lo), (hi, f2.shape[0])):
-                if b > a:
-                    torch.mm(f2[a:b], weight, out=gx2[a:b])
+            for a, b in _other_rows(lo, hi, f2.shape[0]):
+                torch.mm(f2[a:b], weight, out=gx2[a:b])
         grad_w = f2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
