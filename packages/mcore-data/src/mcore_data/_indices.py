@@ -5,16 +5,18 @@ Two orderings share the sample-index code:
 * ``megatron`` reproduces Megatron-LM (core 0.19) exactly: one ``numpy.random.RandomState(seed)`` consumed by the
   document-index shuffle(s) then the shuffle-index shuffle(s), the ``separate_final_epoch`` rule, the
   ``build_sample_idx`` semantics (computed here in vectorised numpy instead of a C++ loop) and the dtypes.
-* ``fast`` (default) shuffles each epoch's documents with ``numpy.random.Generator`` (PCG64) and never gathers
-  document lengths at random: (length, id) pairs are shuffled together as one ``uint64``.
+* ``fast`` (default) gives each epoch's documents a uniformly random order by a bucketed, multi-threaded shuffle
+  (PCG64 generators from one ``SeedSequence``; see :func:`_permute_documents`) and never gathers document lengths
+  at random: (length, id) pairs move together.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ import numpy.typing as npt
 from mcore_data.errors import ConfigError
 
 __all__ = [
+    "ORDERING_VERSIONS",
     "EpochPlan",
     "build_blending_indices",
     "build_document_index",
@@ -34,6 +37,10 @@ __all__ = [
     "plan_epochs",
     "split_ranges",
 ]
+
+# Bumped whenever an ordering's algorithm changes, so an index cache built by another version is never reused
+# (fast 1: one Generator.shuffle of all (length, id) pairs; fast 2: the bucketed parallel shuffle).
+ORDERING_VERSIONS = {"fast": 2, "megatron": 1}
 
 _INT32_MAX = np.iinfo(np.int32).max
 _CHUNK = 1 << 22
@@ -202,28 +209,95 @@ def build_megatron_indices(
     return doc, sample, shuffle
 
 
-def _shuffled_epochs(
-    sizes: npt.NDArray[Any], lo: int, hi: int, num_epochs: int, rng: np.random.Generator
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-    """Each epoch of documents ``lo..hi`` in its own random order, with their lengths.
+_BUCKET = 1 << 15  # documents per bucket of the fast shuffle (256 KB of packed pairs: stays in L2)
+_GROUP_CHUNK = 1 << 16  # labels grouped per chunk: the chunk's lengths (256 KB) stay in cache
+_MAX_BUCKETS = 256  # bucket labels are uint8 (numpy's stable argsort of uint8 is a radix sort)
 
-    (length << 32 | id) pairs are shuffled together as ``uint64`` so no length is ever gathered at random; the
-    results are zero-copy strided int32 views of that one buffer.
+
+def _threads() -> int:
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, min(8, os.cpu_count() or 1))
+
+
+def _permute_documents(
+    sizes: npt.NDArray[Any],
+    lo: int,
+    hi: int,
+    seed: np.random.SeedSequence,
+    doc: npt.NDArray[np.int32],
+    lengths: npt.NDArray[np.int32],
+) -> None:
+    """Write a uniformly random permutation of the documents ``lo..hi`` to ``doc`` and their lengths to ``lengths``.
+
+    Rao-Sandelius: every document draws a uniform bucket label, documents are grouped by label (a stable radix
+    sort of the labels, chunked so the temporaries stay small), then each bucket is shuffled on its own
+    (Fisher-Yates on cache-resident pairs) by its own generator, in parallel threads. Independent uniform labels
+    followed by uniform shuffles within the buckets give a uniform permutation; the result depends only on the
+    seed, never on the number of threads. Compared with one ``Generator.shuffle`` over all documents (random
+    accesses across the whole array, 0.32 s for 10 M on a 2-core VM) this is cache-friendly and parallel.
     """
     n = hi - lo
-    packed = np.empty(n * num_epochs, dtype=np.uint64)
+    buckets = max(1, min(_MAX_BUCKETS, n // _BUCKET))
+    label_seed, *bucket_seeds = seed.spawn(buckets + 1)
+    with ThreadPoolExecutor(min(_threads(), buckets)) as pool:
+        if buckets == 1:
+            starts = np.zeros(1, dtype=np.int64)
+            ends = np.full(1, n, dtype=np.int64)
+            doc[:] = np.arange(lo, hi, dtype=np.int32)
+            lengths[:] = sizes[lo:hi]
+        else:
+            labels = np.random.Generator(np.random.PCG64(label_seed)).integers(0, buckets, n, dtype=np.uint8)
+            chunk_starts = range(0, n, _GROUP_CHUNK)
+            per_chunk = np.empty((len(chunk_starts), buckets), dtype=np.int64)
+
+            def count(c: int) -> None:
+                a = chunk_starts[c]
+                per_chunk[c] = np.bincount(labels[a : a + _GROUP_CHUNK], minlength=buckets)
+
+            list(pool.map(count, range(len(chunk_starts))))
+            totals = per_chunk.sum(axis=0)
+            ends = np.cumsum(totals)
+            starts = ends - totals
+            dst = starts + np.cumsum(per_chunk, axis=0) - per_chunk  # where chunk c's part of bucket k starts
+
+            def group(c: int) -> None:  # a cache-sized chunk: stable radix argsort, then scatter to its buckets
+                a = chunk_starts[c]
+                chunk_labels = labels[a : a + _GROUP_CHUNK]
+                order = np.argsort(chunk_labels, kind="stable")
+                sorted_labels = chunk_labels[order]
+                local_start = np.cumsum(per_chunk[c]) - per_chunk[c]
+                dest = np.arange(len(order)) + (dst[c] - local_start)[sorted_labels]
+                doc[dest] = order.astype(np.int32) + np.int32(lo + a)
+                lengths[dest] = np.asarray(sizes[lo + a : lo + a + len(order)])[order]
+
+            list(pool.map(group, range(len(chunk_starts))))
+            del labels
+
+        def shuffle_bucket(k: int) -> None:
+            a, b = int(starts[k]), int(ends[k])
+            pairs = lengths[a:b].astype(np.uint64)
+            pairs <<= np.uint64(32)
+            pairs |= doc[a:b].astype(np.uint64)  # ids and lengths are non-negative int32: no sign bits to mask
+            np.random.Generator(np.random.PCG64(bucket_seeds[k])).shuffle(pairs)  # releases the GIL
+            doc[a:b] = pairs & np.uint64(0xFFFFFFFF)  # fits int32: the cast is exact
+            pairs >>= np.uint64(32)
+            lengths[a:b] = pairs
+
+        list(pool.map(shuffle_bucket, range(buckets)))
+
+
+def _shuffled_epochs(
+    sizes: npt.NDArray[Any], lo: int, hi: int, num_epochs: int, seeds: list[np.random.SeedSequence]
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Each epoch of documents ``lo..hi`` in its own uniformly random order, with their lengths (contiguous int32)."""
+    n = hi - lo
+    doc = np.empty(n * num_epochs, dtype=np.int32)
+    lengths = np.empty(n * num_epochs, dtype=np.int32)
     for e in range(num_epochs):
-        seg = packed[e * n : (e + 1) * n]
-        for a in range(0, n, _CHUNK):
-            b = min(n, a + _CHUNK)
-            part = np.asarray(sizes[lo + a : lo + b]).astype(np.uint64)
-            part <<= np.uint64(32)
-            part |= np.arange(lo + a, lo + b, dtype=np.uint64)
-            seg[a:b] = part
-        rng.shuffle(seg)
-    halves = packed.view(np.int32)
-    low, high = (halves[0::2], halves[1::2]) if sys.byteorder == "little" else (halves[1::2], halves[0::2])
-    return low, high
+        _permute_documents(sizes, lo, hi, seeds[e], doc[e * n : (e + 1) * n], lengths[e * n : (e + 1) * n])
+    return doc, lengths
 
 
 def build_fast_indices(
@@ -237,10 +311,12 @@ def build_fast_indices(
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
     """The default ordering: every epoch is its own permutation of the documents; samples shuffled as in Megatron.
 
-    The document index returned may be a strided view; it is saved contiguous.
+    Seeds: ``SeedSequence(seed)`` spawns one child per epoch (document permutation) and one for the shuffle index.
     """
-    rng = np.random.Generator(np.random.PCG64(seed))
-    doc, ordered = _shuffled_epochs(sizes, lo, hi, plan.num_epochs, rng)
+    root = np.random.SeedSequence(seed)
+    *epoch_seeds, shuffle_seed = root.spawn(plan.num_epochs + 1)
+    doc, ordered = _shuffled_epochs(sizes, lo, hi, plan.num_epochs, epoch_seeds)
+    rng = np.random.Generator(np.random.PCG64(shuffle_seed))
     num = count_samples(plan.num_epochs * plan.tokens_per_epoch, seq_length, drop_last)
     sample = build_sample_index(sizes, doc, seq_length, num, ordered_lengths=ordered)
     rows = sample.shape[0] - 1

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mcore_data._cache import IndexCache
-from mcore_data._indices import build_fast_indices, build_megatron_indices, plan_epochs
+from mcore_data._indices import ORDERING_VERSIONS, build_fast_indices, build_megatron_indices, plan_epochs
 from mcore_data.errors import ConfigError
 
 __all__ = ["GPTDataset", "GPTDatasetConfig", "LowLevelDataset", "dataset_fingerprint"]
@@ -122,6 +122,7 @@ class GPTDataset:
             "random_seed": config.random_seed,
             "sequence_length": config.sequence_length,
             "ordering": config.ordering,
+            "ordering_version": ORDERING_VERSIONS[config.ordering],
             "add_extra_token_to_sequence": 1,
             "drop_last_partial_sequence": self._drop_last(),
         }
