@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,8 @@ def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespa
            f"logging.log_interval={args.steps // 2}", "logging.progress_bar=false", "training.eval_iters=0",
            "training.generate_at_end=0", f"logging.dir={run_dir}", "scheduler.warmup_iters=1",
            *overrides, *args.extra]  # fmt: skip
+    if args.profile:  # steps 4-5: after compilation, inside the first logging window (the last one is reported)
+        cmd.append("logging.profile_steps=[4,6]")
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"},
@@ -94,6 +97,9 @@ def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespa
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         return {"case": name, "world": world, "error": (proc.stdout + proc.stderr)[-3000:]}
+    if args.profile and (run_dir / "profile-rank0.md").exists():
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_dir / "profile-rank0.md", Path(args.profile) / f"profile-{name}.md")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "tokens_per_s" in r][-1]
     return {
@@ -141,6 +147,12 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["1gpu", "dp2", "dp2-no-overlap", "tp2-sp"], choices=list(CASES))
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile steps 4-5 of each case on rank 0: DIR/profile-<case>.md (kernel time by class)",
+    )
     parser.add_argument("--case-timeout", type=float, default=300)
     parser.add_argument("--measure-peak", action="store_true",
                         help="measure the bf16 matmul rate first and log MFU against it (logging.peak_tflops)")  # fmt: skip

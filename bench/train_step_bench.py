@@ -96,6 +96,27 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
     return config, mixed_step
 
 
+def profile_step(step: Any, path: str) -> dict[str, Any]:
+    """Profile one step: device time per kernel class and the top kernels (``mcore_train.profiling``) → ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mcore_train.profiling import kernel_summary
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - start
+    text, numbers = kernel_summary(prof, wall, 1)
+    with open(path, "w") as f:
+        f.write(text)
+    print(text.split("\n\n| top")[0], flush=True)
+    return numbers
+
+
 def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -109,6 +130,9 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         loss = step()
     _sync(device)
     elapsed = (time.perf_counter() - start) / args.steps
+    profiled = None
+    if args.profile:
+        profiled = profile_step(step, f"{args.profile}-mb{micro_batch}.md")
     tok_s = micro_batch * args.seq * args.accum / elapsed
     tflops = tok_s * training_flops_per_token(config, args.seq) / 1e12
     return {
@@ -127,6 +151,7 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
         "first_loss": first * args.accum,
         "last_loss": loss.item() * args.accum,
+        "profile": profiled,
     }
 
 
@@ -149,6 +174,9 @@ def main() -> None:
         help="micro-batches per optimizer step (mcore-train's loop at global batch 16, mb 4: 4)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile", default=None, help="profile one more step per row: PROFILE-mb<N>.md (kernel time by class)"
+    )
     args = parser.parse_args()
     if args.smoke:
         device, peak = torch.device("cpu"), 1.0

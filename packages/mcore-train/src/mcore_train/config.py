@@ -251,6 +251,22 @@ class LoggingSection:
     """A progress bar with ETA on rank 0."""
     peak_tflops: float | None = None
     """Peak bf16 TFLOP/s per GPU for MFU (default: known for H100/H200/A100)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Profile steps [first, end) with torch.profiler, e.g. [6, 8]: a kernel-time summary per profiled rank,
+    profile-rank<R>.md, in the log directory."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Ranks that profile."""
+    profile_trace: bool = False
+    """Also write the Chrome/Perfetto trace trace-rank<R>.json (large)."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError(f"log_interval={self.log_interval} must be at least 1")
+        steps = self.profile_steps
+        if steps and (len(steps) != 2 or not 1 <= steps[0] < steps[1]):
+            raise ValueError(
+                f"profile_steps={steps} must be [first, end) with 1 <= first < end, e.g. [6, 8] profiles steps 6 and 7"
+            )
 
 
 SECTIONS: dict[str, type] = {

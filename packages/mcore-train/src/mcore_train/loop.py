@@ -25,6 +25,7 @@ from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.pipeline import forward_backward
 from mcore_train.errors import TrainingDiverged
 from mcore_train.metrics import MetricsWriter, memory_stats, peak_tflops_for
+from mcore_train.profiling import StepProfiler
 from mcore_train.trainer import Run, rank_state
 
 __all__ = ["train", "TrainResult", "evaluate", "save_checkpoint"]
@@ -170,6 +171,7 @@ def train(run: Run) -> TrainResult:
                            wandb_project=lg.wandb_project if is_logger else None, config=cfg.to_dict())  # fmt: skip
     flops_per_token = training_flops_per_token(run.model_config, cfg.data.seq_length, tp_size=st.tp.size)
     peak = peak_tflops_for(st.device, lg.peak_tflops)
+    profiler = StepProfiler(lg.profile_steps, log_dir, st.rank, lg.profile_ranks, lg.profile_trace)
     stop = _StopFlag()
     stop.install()
     bar = _progress(run) if is_logger and lg.progress_bar else None
@@ -184,6 +186,7 @@ def train(run: Run) -> TrainResult:
             gb = _global_batch_size(run)
             num_micro = gb // (tr.micro_batch_size * st.dp_size)
             lr = run.scheduler.apply(run.optimizer, run.step)
+            profiler.before_step(run.step + 1)
             run.optimizer.zero_grad()
             local_loss = _run_schedule(run, iterators, num_micro, False)
             over_time = (
@@ -205,6 +208,7 @@ def train(run: Run) -> TrainResult:
                 if not finite:
                     logger.warning("step %d: loss is %s, update skipped", run.step + 1, loss)
             run.step += 1
+            profiler.after_step(run.step)
             run.consumed_samples += gb
             run.consumed_tokens += gb * cfg.data.seq_length
             if finite:
@@ -274,6 +278,7 @@ def train(run: Run) -> TrainResult:
         if cfg.checkpoint.dir is not None and wants_save and run.last_saved_step != run.step:
             save_checkpoint(run, result.exit_reason)
     finally:
+        profiler.close()
         if run.checkpoints is not None:
             run.checkpoints.wait()  # never exit with a save in flight
         stop.restore()

@@ -1,0 +1,137 @@
+"""Profiling a window of training steps (``logging.profile_steps``) with ``torch.profiler``.
+
+For each profiled rank the window's kernels are summed per kernel and per class (GEMM, attention, Triton-fused,
+collectives, optimizer, ...) and written as ``profile-rank<R>.md``; ``logging.profile_trace=true`` also writes the
+Chrome/Perfetto trace ``trace-rank<R>.json``. The summary answers "where does the GPU time of a step go" without
+opening a trace viewer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["KERNEL_CLASSES", "StepProfiler", "classify_kernel", "kernel_summary"]
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CLASSES: list[tuple[str, tuple[str, ...]]] = [  # first match wins (lower-case substrings of kernel names)
+    ("collectives (NCCL)", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton (fused elementwise, norms, loss)", ("triton",)),
+    ("reductions", ("reduce",)),
+    ("copies and fills", ("copy", "memcpy", "memset", "fill", "cat", "index")),
+    ("elementwise (ATen)", ("elementwise", "vectorized")),
+]
+
+
+def classify_kernel(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple[str, dict[str, Any]]:
+    """(markdown, numbers) of the device kernels a finished ``torch.profiler.profile`` recorded, per step.
+
+    Without device kernels (a CPU run) the operators' own CPU time is summed instead."""
+    events = list(prof.key_averages())
+    kernels: dict[str, float] = {}
+    for evt in events:
+        if "CUDA" not in str(getattr(evt, "device_type", "")):
+            continue
+        ms = float(getattr(evt, "self_device_time_total", 0.0)) / 1e3 / steps
+        if ms > 0:
+            kernels[evt.key] = kernels.get(evt.key, 0.0) + ms
+    unit = "kernel"
+    if not kernels:
+        unit = "CPU operator"
+        for evt in events:
+            ms = float(getattr(evt, "self_cpu_time_total", 0.0)) / 1e3 / steps
+            if ms > 0 and evt.key.startswith("aten::"):
+                kernels[evt.key] = kernels.get(evt.key, 0.0) + ms
+    classes: dict[str, float] = {}
+    for name, ms in kernels.items():
+        cls = classify_kernel(name)
+        classes[cls] = classes.get(cls, 0.0) + ms
+    busy = sum(kernels.values())
+    wall_ms = wall_s * 1e3 / steps
+    lines = [
+        f"per step ({steps} profiled): wall {wall_ms:.1f} ms under the profiler, {unit} time {busy:.1f} ms "
+        "(kernels on several streams may overlap: kernel time can exceed the wall)",
+        "",
+        f"| {unit} class | ms per step | share of {unit} time |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {c} | {ms:.2f} | {ms / max(busy, 1e-9):.1%} |" for c, ms in sorted(classes.items(), key=lambda x: -x[1])
+    ]
+    lines += ["", f"| top {unit}s | class | ms per step |", "|---|---|---|"]
+    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:top]:
+        lines.append(f"| `{name[:120]}` | {classify_kernel(name)} | {ms:.3f} |")
+    return "\n".join(lines) + "\n", {"wall_ms": wall_ms, "busy_ms": busy, "unit": unit, "classes_ms": classes}
+
+
+class StepProfiler:
+    """Profiles steps ``[start, end)`` (1-based step numbers as logged) on the chosen ranks.
+
+    Call :meth:`before_step` with the number of the step about to run and :meth:`after_step` once it finished.
+    """
+
+    def __init__(self, steps: list[int], out_dir: str | Path | None, rank: int, ranks: list[int], trace: bool) -> None:
+        if steps and (len(steps) != 2 or not 1 <= steps[0] < steps[1]):
+            raise ValueError(
+                f"logging.profile_steps={steps}: give [first, end) as two step numbers with 1 <= first < end, "
+                "e.g. [6, 8] profiles steps 6 and 7"
+            )
+        self.start, self.end = (steps[0], steps[1]) if steps else (0, 0)
+        self.enabled = bool(steps) and rank in ranks
+        if self.enabled and out_dir is None:
+            raise ValueError("logging.profile_steps needs logging.dir or checkpoint.dir for its output")
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.rank, self.trace = rank, trace
+        self._prof: Any = None
+        self._t0 = 0.0
+
+    def before_step(self, step: int) -> None:
+        if not self.enabled or step != self.start:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> Path | None:
+        """Finish the window after its last step: writes the summary (and the trace) and returns the summary path."""
+        if self._prof is None or step != self.end - 1:
+            return None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        assert self.out_dir is not None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        text, _ = kernel_summary(prof, wall, self.end - self.start)
+        path = self.out_dir / f"profile-rank{self.rank}.md"
+        path.write_text(f"# steps {self.start}..{self.end - 1}, rank {self.rank}\n\n{text}")
+        if self.trace:
+            prof.export_chrome_trace(str(self.out_dir / f"trace-rank{self.rank}.json"))
+        logger.info("profile of steps %d..%d written to %s", self.start, self.end - 1, path)
+        return path
+
+    def close(self) -> None:
+        """Stop a window the run did not finish (it stopped early); nothing is written."""
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None

@@ -1,0 +1,46 @@
+"""``logging.profile_steps``: a profiled window of the training loop and its kernel-time summary."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mcore_train import ConfigError, pretrain
+from mcore_train.profiling import classify_kernel
+from tests.train._util import config
+
+
+def test_profiled_window_writes_a_summary_and_a_trace(tmp_path: Path) -> None:
+    result = pretrain(config("training.train_iters=5", f"logging.dir={tmp_path}", "logging.profile_steps=[2,4]",
+                             "logging.profile_trace=true"))  # fmt: skip
+    assert result.steps == 5
+    text = (tmp_path / "profile-rank0.md").read_text()
+    assert text.startswith("# steps 2..3, rank 0")
+    assert "per step (2 profiled)" in text
+    # the tiny model's linear layers are there, as GEMM time (CPU operators on this machine)
+    row = re.search(r"^\| gemm \| ([0-9.]+) \|", text, re.M)
+    assert row is not None and float(row.group(1)) > 0, text
+    assert (tmp_path / "trace-rank0.json").stat().st_size > 1000
+
+
+def test_a_run_that_stops_before_the_window_ends_writes_nothing(tmp_path: Path) -> None:
+    pretrain(config("training.train_iters=3", f"logging.dir={tmp_path}", "logging.profile_steps=[3,6]"))
+    assert not (tmp_path / "profile-rank0.md").exists()
+
+
+@pytest.mark.parametrize("steps", ["[4]", "[0,2]", "[5,5]"])
+def test_a_bad_window_is_refused_naming_the_field(steps: str) -> None:
+    with pytest.raises(ConfigError, match="profile_steps"):
+        config(f"logging.profile_steps={steps}")
+
+
+def test_kernel_classes() -> None:
+    assert classify_kernel("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert classify_kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "collectives (NCCL)"
+    assert classify_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert classify_kernel("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == (
+        "triton (fused elementwise, norms, loss)"
+    )
+    assert classify_kernel("void multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
