@@ -10,6 +10,7 @@
 #   bash bench/device_calls.sh matrix       # one GPU: issue 9, mb 1/2/4/8 x recompute for gpt2-124m and llama-1b
 #   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
 #   bash bench/device_calls.sh pending      # one GPU: what is left of issues 6, 7, 9 (carry .whl for the HTTP row)
+#   bash bench/device_calls.sh profile-x2   # nvidia-h200-x2: where a step's GPU time goes (issues 5 and 9)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -97,6 +98,12 @@ case "${1:-}" in
     timeout 120 python3 bench/gemv_bench.py --rows 1 8 64 --no-inductor 2>&1 | grep -v Warning | tail -20 \
       | tee -a "$OUT/pending.log"
     ;;
+  profile-x2)
+    # nvidia-h200-x2 (~7 min): kernel-time profiles of the best one-GPU and tp2 + SP cases (issues 5 and 9) and the
+    # attention-backend / micro-batch variants of the compiled one-GPU case
+    scale --profile "$OUT/prof" --cases 1gpu-compile tp2-sp-compile 1gpu-compile-cudnn 1gpu-compile-flash \
+      1gpu-compile-mb8 --out "$OUT/profile-x2.json" 2>&1 | tee "$OUT/profile-x2.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
@@ -120,7 +127,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

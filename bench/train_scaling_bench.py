@@ -56,6 +56,19 @@ for _name, _layout in {
 CASES.update(
     {
         "1gpu-compile": (1, [*_MB4, _COMPILE]),
+        "1gpu-compile-cudnn": (1, [*_MB4, _COMPILE, "model.attention_backend=cudnn"]),
+        "1gpu-compile-flash": (1, [*_MB4, _COMPILE, "model.attention_backend=flash"]),
+        "1gpu-compile-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE]),
+        "tp2-sp-compile": (
+            2,
+            [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "training.micro_batch_size=8",
+                "training.global_batch_size=32",
+                _COMPILE,
+            ],
+        ),
         "1gpu-fused-ce": (1, [*_MB4, _FUSED_CE]),
         "1gpu-opt": (1, [*_MB4, _COMPILE, _FUSED_CE]),
         "1gpu-opt-mb2": (1, ["training.micro_batch_size=2", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
