@@ -90,7 +90,7 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
             loss = ddp(tokens, labels=labels).mean() / args.accum
             loss.backward()
         ddp.finish_grad_sync()
-        mp_opt.step()
+        mp_opt.step(count_zeros=False)  # as mcore-train's loop on the steps it does not log
         return loss.detach()
 
     return config, mixed_step
