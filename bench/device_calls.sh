@@ -104,6 +104,18 @@ case "${1:-}" in
     scale --profile "$OUT/prof" --cases 1gpu-compile tp2-sp-compile 1gpu-compile-cudnn 1gpu-compile-flash \
       1gpu-compile-mb8 --out "$OUT/profile-x2.json" 2>&1 | tee "$OUT/profile-x2.log"
     ;;
+  nccl-x2)
+    # nvidia-h200-x2 (~6 min): tp2 + SP with NCCL's protocol forced (the profile showed the collectives exposed, at
+    # ~155 GB/s), profiled; then the loop-vs-bench agreement (issue 9) after the bench stopped counting zeros
+    for proto in Simple LL128; do
+      NCCL_PROTO=$proto scale --profile "$OUT/prof-$proto" --cases tp2-sp-compile --out "$OUT/tp2-$proto.json" 2>&1 \
+        | tail -3 >> "$OUT/nccl-x2.log"
+    done
+    scale --measure-peak --cases 1gpu-opt --out "$OUT/agree-loop.json" 2>&1 | tail -3 >> "$OUT/nccl-x2.log"
+    python3 bench/train_step_bench.py --optimizer mixed --compile --fused-ce --micro-batch 4 --accum 4 --steps 6 \
+      --warmup 3 --json "$OUT/agree-bench.json" 2>&1 | grep -v Warning | tail -4 >> "$OUT/nccl-x2.log"
+    cat "$OUT/nccl-x2.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
@@ -127,7 +139,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -44,3 +44,10 @@ def test_kernel_classes() -> None:
         "triton (fused elementwise, norms, loss)"
     )
     assert classify_kernel("void multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+
+
+def test_annotations_that_repeat_their_kernels_time_are_not_counted() -> None:
+    from mcore_train.profiling import _is_annotation
+
+    assert _is_annotation("nccl:_all_gather_base") and _is_annotation("Optimizer.step#AdamW.step")
+    assert not _is_annotation("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)")

@@ -36,6 +36,11 @@ def classify_kernel(name: str) -> str:
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
 
 
+def _is_annotation(name: str) -> bool:
+    """Ranges that carry their kernels' device time again (``nccl:all_gather``, ``Optimizer.step#AdamW.step``)."""
+    return name.startswith("nccl:") or "#" in name
+
+
 def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple[str, dict[str, Any]]:
     """(markdown, numbers) of the device kernels a finished ``torch.profiler.profile`` recorded, per step.
 
@@ -43,7 +48,7 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
     events = list(prof.key_averages())
     kernels: dict[str, float] = {}
     for evt in events:
-        if "CUDA" not in str(getattr(evt, "device_type", "")):
+        if "CUDA" not in str(getattr(evt, "device_type", "")) or _is_annotation(evt.key):
             continue
         ms = float(getattr(evt, "self_device_time_total", 0.0)) / 1e3 / steps
         if ms > 0:
