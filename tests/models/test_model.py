@@ -146,3 +146,30 @@ def test_attention_backends_agree_on_gpu(backend: str) -> None:
         )
     torch.testing.assert_close(out[backend][0], out["math"][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out[backend][1], out["math"][1], rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_compiled_loss_equals_the_eager_loss(dtype: torch.dtype) -> None:
+    """``compile_layers`` also compiles the one-rank training loss: same per-token loss and gradients (vocabulary
+    padded: 250 real columns of 256)."""
+    cfg = llama(vocab_size=250, make_vocab_size_divisible_by=128, params_dtype="float32")
+    torch.manual_seed(0)
+    eager = GPTModel(cfg).to(dtype).train()
+    compiled = GPTModel(cfg).to(dtype).train()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    compiled.compile_layers()
+    assert compiled._compiled_loss is not None
+    tokens = torch.randint(0, 250, (2, 12))
+    labels = torch.randint(0, 250, (2, 12))
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens, labels=labels)
+        loss.float().mean().backward()
+        losses.append(loss.detach())
+    assert losses[0].dtype == losses[1].dtype == torch.float32 and losses[0].shape == (2, 12)
+    tol = 1e-5 if dtype == torch.float64 else 2e-2  # the loss math runs in float32 on both paths
+    torch.testing.assert_close(losses[1], losses[0], atol=tol, rtol=tol)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=tol * 10, rtol=tol * 10, msg=name)
