@@ -116,6 +116,15 @@ case "${1:-}" in
       --warmup 3 --json "$OUT/agree-bench.json" 2>&1 | grep -v Warning | tail -4 >> "$OUT/nccl-x2.log"
     cat "$OUT/nccl-x2.log"
     ;;
+  diag-x2)
+    # nvidia-h200-x2 (~5 min): how the GPUs are linked, NCCL bandwidth alone and beside GEMMs, then profiles with the
+    # GPU timeline (collectives hidden behind compute or not) of tp2 + SP and of one GPU with the compiled loss
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+    timeout 120 torchrun --standalone --nproc-per-node=2 bench/nccl_bench.py --json "$OUT/nccl.json" 2>&1 \
+      | grep -v Warning | tail -14 | tee "$OUT/diag.log"
+    scale --profile "$OUT/prof" --cases tp2-sp-compile 1gpu-compile 1gpu-compile-mb8 --out "$OUT/diag.json" 2>&1 \
+      | tail -6 | tee -a "$OUT/diag.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
@@ -139,7 +148,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

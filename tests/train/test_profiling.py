@@ -51,3 +51,16 @@ def test_annotations_that_repeat_their_kernels_time_are_not_counted() -> None:
 
     assert _is_annotation("nccl:_all_gather_base") and _is_annotation("Optimizer.step#AdamW.step")
     assert not _is_annotation("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+
+
+def test_timeline_busy_idle_and_hidden_collectives() -> None:
+    from mcore_train.profiling import timeline
+
+    spans = [(0.0, 10.0, False), (5.0, 12.0, False), (20.0, 30.0, False), (8.0, 16.0, True), (25.0, 40.0, True)]
+    t = timeline(spans)
+    assert t["window"] == 40.0
+    assert t["busy"] == 16.0 + 20.0  # [0, 16) and [20, 40)
+    assert t["idle"] == 4.0
+    assert t["comm"] == 8.0 + 15.0
+    assert t["comm_hidden"] == 4.0 + 5.0  # [8, 12) and [25, 30)
+    assert timeline([])["busy"] == 0.0

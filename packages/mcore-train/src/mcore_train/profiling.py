@@ -8,6 +8,7 @@ opening a trace viewer.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from pathlib import Path
@@ -41,6 +42,57 @@ def _is_annotation(name: str) -> bool:
     return name.startswith("nccl:") or "#" in name
 
 
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def timeline(spans: list[tuple[float, float, bool]]) -> dict[str, float]:
+    """Busy time, idle time and collective overlap of kernel spans ``(start, end, is_collective)`` (any one unit).
+
+    ``busy``: the union of all spans; ``idle``: the rest of the window from the first start to the last end;
+    ``comm``: summed collective durations; ``comm_hidden``: the part of them that ran while a compute kernel ran.
+    """
+    if not spans:
+        return {"window": 0.0, "busy": 0.0, "idle": 0.0, "comm": 0.0, "comm_hidden": 0.0}
+    everything = _merge([(a, b) for a, b, _ in spans])
+    compute = _merge([(a, b) for a, b, comm in spans if not comm])
+    starts = [a for a, _ in compute]
+    hidden = 0.0
+    for a, b, comm in spans:
+        if not comm:
+            continue
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(compute) and compute[i][0] < b:
+            hidden += max(0.0, min(b, compute[i][1]) - max(a, compute[i][0]))
+            i += 1
+    window = everything[-1][1] - everything[0][0]
+    busy = sum(b - a for a, b in everything)
+    return {
+        "window": window,
+        "busy": busy,
+        "idle": window - busy,
+        "comm": sum(b - a for a, b, comm in spans if comm),
+        "comm_hidden": hidden,
+    }
+
+
+def _kernel_spans(prof: Any) -> list[tuple[float, float, bool]]:
+    spans = []
+    for evt in prof.events():
+        if "CUDA" not in str(getattr(evt, "device_type", "")) or getattr(evt, "is_user_annotation", False):
+            continue
+        if _is_annotation(evt.name):
+            continue
+        spans.append((float(evt.time_range.start), float(evt.time_range.end), "nccl" in evt.name.lower()))
+    return spans
+
+
 def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple[str, dict[str, Any]]:
     """(markdown, numbers) of the device kernels a finished ``torch.profiler.profile`` recorded, per step.
 
@@ -66,9 +118,13 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
         classes[cls] = classes.get(cls, 0.0) + ms
     busy = sum(kernels.values())
     wall_ms = wall_s * 1e3 / steps
+    tl = {k: v / 1e3 / steps for k, v in timeline(_kernel_spans(prof)).items()}  # µs in the profile
     lines = [
         f"per step ({steps} profiled): wall {wall_ms:.1f} ms under the profiler, {unit} time {busy:.1f} ms "
         "(kernels on several streams may overlap: kernel time can exceed the wall)",
+        f"GPU timeline per step: busy {tl['busy']:.1f} ms (union of kernels), idle {tl['idle']:.1f} ms between the "
+        f"first and last kernel; collectives {tl['comm']:.1f} ms, of which {tl['comm_hidden']:.1f} ms ran alongside "
+        "compute kernels",
         "",
         f"| {unit} class | ms per step | share of {unit} time |",
         "|---|---|---|",
@@ -79,7 +135,8 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
     lines += ["", f"| top {unit}s | class | ms per step |", "|---|---|---|"]
     for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:top]:
         lines.append(f"| `{name[:120]}` | {classify_kernel(name)} | {ms:.3f} |")
-    return "\n".join(lines) + "\n", {"wall_ms": wall_ms, "busy_ms": busy, "unit": unit, "classes_ms": classes}
+    numbers = {"wall_ms": wall_ms, "busy_ms": busy, "unit": unit, "classes_ms": classes, "timeline_ms": tl}
+    return "\n".join(lines) + "\n", numbers
 
 
 class StepProfiler:
