@@ -125,6 +125,14 @@ case "${1:-}" in
     scale --profile "$OUT/prof" --cases tp2-sp-compile 1gpu-compile 1gpu-compile-mb8 --out "$OUT/diag.json" 2>&1 \
       | tail -6 | tee -a "$OUT/diag.log"
     ;;
+  final)
+    # one GPU (~6 min): issue 9's best cases after the compiled loss, at global batch 16 and 64, without and with
+    # inductor's coordinate-descent tuning of its Triton kernels
+    scale --measure-peak --steps 8 --cases 1gpu-compile-mb4-gbs64 1gpu-compile-mb8-gbs64 1gpu-compile \
+      --out "$OUT/final.json" 2>&1 | tail -6 | tee "$OUT/final.log"
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 scale --measure-peak --steps 8 --case-timeout 240 \
+      --cases 1gpu-compile-mb8-gbs64 1gpu-compile --out "$OUT/final-cdt.json" 2>&1 | tail -5 | tee -a "$OUT/final.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
@@ -148,7 +156,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|final|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -59,6 +59,10 @@ CASES.update(
         "1gpu-compile-cudnn": (1, [*_MB4, _COMPILE, "model.attention_backend=cudnn"]),
         "1gpu-compile-flash": (1, [*_MB4, _COMPILE, "model.attention_backend=flash"]),
         "1gpu-compile-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE]),
+        # a pretraining-sized batch (64 x 4096 = 262k tokens a step; real runs use 1-4M): the optimizer step and the
+        # per-step host syncs are paid once per 8 (or 16) micro-batches instead of once per 2 (or 4)
+        "1gpu-compile-mb4-gbs64": (1, ["training.micro_batch_size=4", "training.global_batch_size=64", _COMPILE]),
+        "1gpu-compile-mb8-gbs64": (1, ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE]),
         "tp2-sp-compile": (
             2,
             [
