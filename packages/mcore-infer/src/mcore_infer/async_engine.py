@@ -23,6 +23,11 @@ __all__ = ["AsyncEngine"]
 log = logging.getLogger(__name__)
 
 
+def _deliver(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -76,16 +81,31 @@ class AsyncEngine:
                 for loop, q in list(self._queues.values()):
                     loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine stopped: {e!r}"))
                 return
+            # one hand-over per event loop and step (not one per request: each wakes the loop through a pipe write)
+            by_loop: dict[
+                asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]
+            ] = {}
             for out in outputs:
                 entry = self._queues.get(out.request_id)
                 if entry is not None:
-                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                    by_loop.setdefault(entry[0], []).append((entry[1], out))
+            for loop, items in by_loop.items():
+                loop.call_soon_threadsafe(_deliver, items)
 
     # -------------------------------------------------------------------------------------------- requests
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (deltas each step when ``stream``; always a last one with ``finished``)."""
+        async for batch in self.generate_batches(prompt_ids, params, request_id, stream):
+            for out in batch:
+                yield out
+
+    async def generate_batches(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Like :meth:`generate`, but each item is every output that arrived since the caller last asked (a server
+        under load writes them to its client at once instead of one write per token)."""
         if self._error is not None or not self._accepting:
             raise (
                 EngineDeadError("the engine is not accepting requests")
@@ -100,12 +120,21 @@ class AsyncEngine:
             self.engine.add_request(prompt_ids, params, request_id=rid, stream=stream)
             self._wake.set()
             while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
+                batch = [await q.get()]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                outs: list[RequestOutput] = []
+                error: BaseException | None = None
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    outs.append(item)
+                finished = any(o.finished for o in outs)
+                if outs:
+                    yield outs  # what came before a failure still reaches the caller, in order
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:

@@ -167,26 +167,40 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
                 jobs.append((pi * n + i, ids, p))
         return jobs
 
-    async def merged(jobs: list[tuple[int, list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merged(
+        jobs: list[tuple[int, list[int], SamplingParams]],
+    ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Every job's streamed outputs, in batches of what arrived since the last one (one client write each)."""
+        if len(jobs) == 1:  # the usual n=1 request: straight from the engine, no extra task and queue
+            idx, ids, p = jobs[0]
+            async for outs in engine.generate_batches(ids, p, stream=True):
+                yield [(idx, o) for o in outs]
+            return
         q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
         async def pump(idx: int, ids: list[int], p: SamplingParams) -> None:
             try:
-                async for out in engine.generate(ids, p, stream=True):
-                    await q.put((idx, out))
+                async for outs in engine.generate_batches(ids, p, stream=True):
+                    for o in outs:
+                        q.put_nowait((idx, o))
             except Exception as e:
-                await q.put((idx, e))
+                q.put_nowait((idx, e))
 
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
         left = len(jobs)
         try:
             while left:
-                idx, item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    left -= 1
-                yield idx, item
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                batch: list[tuple[int, RequestOutput]] = []
+                for idx, item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        left -= 1
+                    batch.append((idx, item))
+                yield batch
         finally:
             for t in tasks:
                 t.cancel()
@@ -283,23 +297,26 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
                 completion_tokens = 0
                 started: set[int] = set()
                 try:
-                    async for idx, out in merged(jobs):
-                        pi = idx // n
-                        text = out.new_text
-                        if params.echo and idx not in started:
-                            text = prompt_text(pi) + text
-                        lp = None
-                        if params.logprobs is not None:
-                            echo_ids = prompts[pi] if params.echo and idx not in started else None
-                            lp = completion_logprobs(out, echo_ids, 0)
-                        started.add(idx)
-                        if out.finished:
-                            completion_tokens += out.num_output_tokens
-                        choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
-                        if out.finished and out.stop_reason is not None:
-                            choice["stop_reason"] = out.stop_reason
-                        chunk = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
-                        yield sse({**chunk, "choices": [choice]})
+                    async for batch in merged(jobs):
+                        events_now = []
+                        for idx, out in batch:
+                            pi = idx // n
+                            text = out.new_text
+                            if params.echo and idx not in started:
+                                text = prompt_text(pi) + text
+                            lp = None
+                            if params.logprobs is not None:
+                                echo_ids = prompts[pi] if params.echo and idx not in started else None
+                                lp = completion_logprobs(out, echo_ids, 0)
+                            started.add(idx)
+                            if out.finished:
+                                completion_tokens += out.num_output_tokens
+                            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                            if out.finished and out.stop_reason is not None:
+                                choice["stop_reason"] = out.stop_reason
+                            chunk = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
+                            events_now.append(sse({**chunk, "choices": [choice]}))
+                        yield "".join(events_now)  # every event that is ready, in one write
                     if include_usage:
                         chunk = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
                         yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
@@ -376,13 +393,16 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
                     for idx, _, _ in jobs:
                         delta = {"role": "assistant", "content": ""}
                         yield sse({**base, "choices": [{"index": idx, "delta": delta, "finish_reason": None}]})
-                    async for idx, out in merged(jobs):
-                        lp = chat_logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
-                        if out.finished:
-                            completion_tokens += out.num_output_tokens
-                        delta = {"content": out.new_text} if out.new_text else {}
-                        choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
-                        yield sse({**base, "choices": [choice]})
+                    async for batch in merged(jobs):
+                        events_now = []
+                        for idx, out in batch:
+                            lp = chat_logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
+                            if out.finished:
+                                completion_tokens += out.num_output_tokens
+                            delta = {"content": out.new_text} if out.new_text else {}
+                            choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+                            events_now.append(sse({**base, "choices": [choice]}))
+                        yield "".join(events_now)  # every event that is ready, in one write
                     if include_usage:
                         yield sse({**base, "choices": [], "usage": usage(len(ids), completion_tokens)})
                 except Exception as e:
