@@ -73,6 +73,17 @@ CASES.update(
                 _COMPILE,
             ],
         ),
+        "tp2-sp-compile-symm": (
+            2,
+            [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "training.micro_batch_size=8",
+                "training.global_batch_size=32",
+                _COMPILE,
+                "parallel.tp_comm=symmetric_memory",
+            ],
+        ),
         "1gpu-fused-ce": (1, [*_MB4, _FUSED_CE]),
         "1gpu-opt": (1, [*_MB4, _COMPILE, _FUSED_CE]),
         "1gpu-opt-mb2": (1, ["training.micro_batch_size=2", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),

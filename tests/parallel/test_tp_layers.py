@@ -200,3 +200,41 @@ def _divisibility(tp: int) -> None:
 
 def test_divisibility_error_names_the_sizes() -> None:
     run_distributed(_divisibility, 4, 4)
+
+
+def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    """The sequence-parallel linears through the symmetric-memory fused ops. On CPU the ops are PyTorch's own
+    reference implementations of them (all-gather / reduce-scatter then matmul, over gloo): what is tested is this
+    package's use of them (shapes, gather and scatter dimensions, the backward formulas)."""
+    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
+
+    state = _state(tp, True)
+    calls = {"gather": 0, "scatter": 0}
+    if device == "cpu":
+        from torch.distributed import _symmetric_memory as symm
+
+        def gather(*a: object, **k: object) -> object:
+            calls["gather"] += 1
+            return symm._fused_all_gather_matmul_fallback(*a, **k)  # type: ignore[arg-type]
+
+        def scatter(*a: object) -> object:
+            calls["scatter"] += 1
+            return symm._fused_matmul_reduce_scatter_fallback(*a)  # type: ignore[arg-type]
+
+        mappings._fused_ops = lambda: (gather, scatter)  # type: ignore[assignment]
+    enable_symmetric_memory(state.tp)
+    try:
+        if kind == "column":
+            _column(tp, True, dtype, False, device)
+        else:
+            _row(tp, True, dtype, True, device)
+    finally:
+        disable_symmetric_memory(state.tp)
+    if device == "cpu":
+        assert calls == {"gather": 1, "scatter": 1}, calls  # forward one op, backward the other
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: int) -> None:
+    run_distributed(_symmetric, tp, kind, tp, torch.float32)

@@ -29,3 +29,14 @@ def test_tp_layers_nccl(tp: int, sp: bool, dtype: torch.dtype) -> None:
     run_distributed(t._embedding, tp, tp, sp, dtype, "cuda", backend="nccl")
     for smoothing in (0.0, 0.1):
         run_distributed(t._cross_entropy, tp, tp, dtype, smoothing, "cuda", backend="nccl")
+
+
+@needs_gpus
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_sequence_parallel_linears_through_symmetric_memory(tp: int, dtype: torch.dtype) -> None:
+    """``parallel.tp_comm=symmetric_memory``: PyTorch's fused all-gather-matmul / matmul-reduce-scatter ops on the
+    GPUs' symmetric buffers give the float64 reference's outputs and gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for kind in ("column", "row"):
+        run_distributed(t._symmetric, tp, kind, tp, dtype, "cuda", backend="nccl")

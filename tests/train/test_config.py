@@ -98,3 +98,28 @@ def test_lr_schedules(style: str) -> None:
 def test_example_yaml_files_load(path: Path) -> None:
     cfg = load_config(path=path)
     assert cfg.recipe is not None and cfg.model.num_layers > 0
+
+
+def test_tp_comm_choices_are_checked() -> None:
+    with pytest.raises(ConfigError, match="tp_comm='ring' must be nccl or symmetric_memory"):
+        config("parallel.tp_comm=ring")
+    with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
+        config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
+
+
+def _setup_error() -> str:
+    from mcore_train.trainer import setup
+
+    try:
+        setup(config("parallel.tp_comm=symmetric_memory", "parallel.tp=2", "parallel.sequence_parallel=true",
+                     "training.device=cpu"))  # fmt: skip
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_symmetric_memory_refuses_a_cpu_run() -> None:
+    from mcore_parallel.testing import run_distributed
+
+    for message in run_distributed(_setup_error, 2):
+        assert "symmetric_memory needs CUDA GPUs (this run is on cpu)" in message, message

@@ -66,9 +66,20 @@ class ParallelSection:
     """Gradient bucket size in elements."""
     backend: str | None = None
     """torch.distributed backend; default nccl with CUDA, else gloo."""
+    tp_comm: str = "nccl"
+    """How sequence-parallel linears exchange the sequence: nccl (collectives overlapped with the GEMMs) or
+    symmetric_memory (PyTorch's fused all-gather-matmul / matmul-reduce-scatter over peer-to-peer copies between the
+    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.tp_comm not in ("nccl", "symmetric_memory"):
+            problems.append(f"tp_comm={self.tp_comm!r} must be nccl or symmetric_memory")
+        elif self.tp_comm == "symmetric_memory" and (self.tp < 2 or not self.sequence_parallel):
+            problems.append(
+                f"tp_comm=symmetric_memory applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
+                "sequence_parallel=true, or use tp_comm=nccl"
+            )
         if self.cp != 1:
             problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
         if self.ep != 1:

@@ -22,9 +22,10 @@ from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load
 from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
-from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed
+from mcore_parallel.tensor import RNGStatesTracker, enable_symmetric_memory, model_parallel_seed
 from mcore_train.config import TrainConfig
 from mcore_train.data import MicroBatchIterator, RunData, build_run_data
+from mcore_train.errors import ConfigError
 from mcore_train.scheduler import LRScheduler
 
 __all__ = ["Run", "setup", "build_model_chunks", "compile_layers", "rank_state", "restore_rank_state"]
@@ -153,6 +154,15 @@ def setup(config: TrainConfig) -> Run:
         device=config.training.device,
     )
     config.check_layout(state.world_size)
+    if config.parallel.tp_comm == "symmetric_memory":
+        if state.device.type != "cuda":
+            raise ConfigError(
+                [
+                    f"parallel.tp_comm=symmetric_memory needs CUDA GPUs (this run is on {state.device.type}); "
+                    "use parallel.tp_comm=nccl"
+                ]
+            )
+        enable_symmetric_memory(state.tp)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip
@@ -190,8 +200,6 @@ def _resume(run: Run, path: Path) -> None:
                  "cross_entropy_fusion", "attention_backend", "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
                  and getattr(saved, f.name) != getattr(run.model_config, f.name)]  # fmt: skip
         if diffs:
-            from mcore_train.errors import ConfigError
-
             raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "
                                f"{getattr(run.model_config, d)!r}" for d in diffs],
                               header=f"the model in {path} differs from the configured one")  # fmt: skip

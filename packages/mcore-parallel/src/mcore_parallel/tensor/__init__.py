@@ -17,6 +17,8 @@ from mcore_parallel.tensor.layers import (
 from mcore_parallel.tensor.linear_cross_entropy import linear_vocab_parallel_cross_entropy
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
+    disable_symmetric_memory,
+    enable_symmetric_memory,
     gather_from_sp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -46,6 +48,8 @@ __all__ = [
     "reduce_scatter_to_sp_region",
     "sequence_parallel_linear",
     "sequence_parallel_row_linear",
+    "enable_symmetric_memory",
+    "disable_symmetric_memory",
     "RNGStatesTracker",
     "model_parallel_seed",
     "MODEL_PARALLEL_RNG",

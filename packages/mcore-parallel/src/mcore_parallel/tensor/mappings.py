@@ -35,6 +35,8 @@ __all__ = [
     "reduce_scatter_to_sp_region",
     "sequence_parallel_linear",
     "sequence_parallel_row_linear",
+    "enable_symmetric_memory",
+    "disable_symmetric_memory",
 ]
 
 
@@ -194,12 +196,111 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+_SYMMETRIC_GROUPS: set[str] = set()
+
+
+def enable_symmetric_memory(group: Group) -> None:
+    """Route ``group``'s sequence-parallel linears through PyTorch's symmetric-memory fused ops.
+
+    ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` ("async TP") exchange the
+    sequence chunks with peer-to-peer copies between the GPUs' symmetric buffers, micro-pipelined with the GEMM, so the
+    exchange runs on the copy engines instead of competing with the GEMM's persistent kernels for SMs (with NCCL
+    kernels, 2x H200 profiles showed the collectives serialised behind the GEMMs). CUDA GPUs of one host (NVLink or
+    PCIe peer access) only; the results equal the NCCL path's up to summation order.
+    """
+    if group.size == 1:
+        return
+    if group.pg is None:
+        raise ValueError(f"the {group.kind} group has no process group: symmetric memory needs torch.distributed")
+    from torch.distributed import _symmetric_memory
+
+    _symmetric_memory.enable_symm_mem_for_group(group.pg.group_name)
+    _SYMMETRIC_GROUPS.add(group.pg.group_name)
+
+
+def disable_symmetric_memory(group: Group) -> None:
+    """Back to the NCCL path for ``group``'s sequence-parallel linears."""
+    if group.pg is not None:
+        _SYMMETRIC_GROUPS.discard(group.pg.group_name)
+
+
+def _symmetric_name(group: Group) -> str | None:
+    if not _SYMMETRIC_GROUPS or group.pg is None:
+        return None
+    name = str(group.pg.group_name)
+    return name if name in _SYMMETRIC_GROUPS else None
+
+
+def _fused_ops() -> tuple[Any, Any]:
+    """(all-gather then matmul, matmul then reduce-scatter): the ``symm_mem`` ops (a seam for CPU tests)."""
+    return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
+
+
+class _SymmetricColumnLinear(torch.autograd.Function):
+    """``linear(all_gather_sequence(x), weight, bias)`` through the fused symmetric-memory ops (see
+    :func:`enable_symmetric_memory`); backward reduce-scatters the input gradient the same way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str, size: int
+    ) -> torch.Tensor:
+        gather_mm, _ = _fused_ops()
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # sequence-major rows: gathering rows gathers the sequence
+        full, (y,) = gather_mm(x2, [weight.t()], 0, name, return_A=True)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(full, weight)
+        ctx.name, ctx.has_bias, ctx.x_shape = name, bias is not None, x.shape
+        return y.view(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full, weight = ctx.saved_tensors
+        _, mm_scatter = _fused_ops()
+        g2 = g.reshape(-1, g.shape[-1]).contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mm_scatter(g2, weight, "sum", 0, ctx.name).view(ctx.x_shape)
+        grad_w = g2.t().matmul(full) if ctx.needs_input_grad[1] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SymmetricRowLinear(torch.autograd.Function):
+    """``reduce_scatter_sequence(linear(x, weight))`` through the fused symmetric-memory ops; backward all-gathers
+    the output gradient while multiplying it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, name: str, size: int) -> torch.Tensor:
+        if x.shape[0] % size:
+            raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
+        _, mm_scatter = _fused_ops()
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = mm_scatter(x2, weight.t(), "sum", 0, name)
+        ctx.save_for_backward(x2, weight)
+        ctx.name, ctx.x_shape = name, x.shape
+        return y.view(x.shape[0] // size, *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight = ctx.saved_tensors
+        gather_mm, _ = _fused_ops()
+        g2 = g.reshape(-1, g.shape[-1]).contiguous()
+        full, (grad_x2,) = gather_mm(g2, [weight], 0, ctx.name, return_A=True)
+        grad_x = grad_x2.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = full.t().matmul(x2) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
 def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
     """Row-parallel linear (no bias) of ``[s, b, in / tp]`` → this rank's sequence chunk ``[s / tp, b, out]`` of the
     sum over ``group``; equals ``reduce_scatter_to_sp_region(F.linear(x, weight), group)`` with the communication
     overlapped."""
     if group.size == 1:
         return torch.nn.functional.linear(x, weight)
+    name = _symmetric_name(group)
+    if name is not None:
+        return _eager(_SymmetricRowLinear.apply, x, weight, name, group.size)
     return _eager(_SequenceParallelRowLinear.apply, x, weight, group)
 
 
@@ -210,6 +311,9 @@ def sequence_parallel_linear(
     ``F.linear(gather_from_sp_region(x, group), weight, bias)`` with the backward communication overlapped."""
     if group.size == 1:
         return torch.nn.functional.linear(x, weight, bias)
+    name = _symmetric_name(group)
+    if name is not None:
+        return _eager(_SymmetricColumnLinear.apply, x, weight, bias, name, group.size)
     return _eager(_SequenceParallelLinear.apply, x, weight, bias, group)
 
 
