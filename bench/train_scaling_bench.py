@@ -63,6 +63,11 @@ CASES.update(
         # per-step host syncs are paid once per 8 (or 16) micro-batches instead of once per 2 (or 4)
         "1gpu-compile-mb4-gbs64": (1, ["training.micro_batch_size=4", "training.global_batch_size=64", _COMPILE]),
         "1gpu-compile-mb8-gbs64": (1, ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE]),
+        "1gpu-compile-swiglu": (1, [*_MB4, _COMPILE, "model.swiglu_backward=triton"]),
+        "1gpu-compile-mb8-gbs64-swiglu": (
+            1,
+            ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE, "model.swiglu_backward=triton"],
+        ),
         "tp2-sp-compile": (
             2,
             [

@@ -96,6 +96,9 @@ class TransformerConfig:
     attention_backend: str = "auto"
     """Kernel of ``F.scaled_dot_product_attention``: auto (PyTorch's choice), flash, cudnn, efficient or math. The
     same math; the choice only changes speed (measure it: head dim and GPU decide which kernel is fastest)."""
+    swiglu_backward: str = "torch"
+    """Backward of the SwiGLU activation: torch (PyTorch's, fused by torch.compile) or triton (one pass over the
+    elements on CUDA, ``mcore_models.transformer.swiglu``). The same math; only speed differs."""
     cross_entropy_fusion: bool = False
     """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
     logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
@@ -179,6 +182,7 @@ class TransformerConfig:
             ("recompute", RECOMPUTE),
             ("params_dtype", tuple(DTYPES)),
             ("attention_backend", ATTENTION_BACKENDS),
+            ("swiglu_backward", ("torch", "triton")),
         ):
             if getattr(self, name) not in allowed:
                 p.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")

@@ -14,6 +14,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
 if TYPE_CHECKING:
@@ -53,7 +54,11 @@ class MLP(nn.Module):
             seed=ctx.seed_for(f"{prefix}.linear_fc1.weight"),
             **common,
         )
-        self.act = activation_fn(config.activation)
+        self.act = (
+            swiglu
+            if config.activation == "swiglu" and config.swiglu_backward == "triton"
+            else activation_fn(config.activation)
+        )
         out_init = (
             scaled_normal_init(config.init_method_std, config.num_layers)
             if config.scaled_output_init
