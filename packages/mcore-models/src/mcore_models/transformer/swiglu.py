@@ -46,7 +46,7 @@ def _kernel() -> Any:
             ) from e
 
         @triton.jit  # type: ignore[misc]
-        def swiglu_bwd(X, G, DX, n_rows, ffn, BLOCK: tl.constexpr):  # fmt: skip
+        def swiglu_bwd(X, G, DX, n_rows, ffn, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
             row = tl.program_id(0)
             cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             mask = cols < ffn
