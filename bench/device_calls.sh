@@ -11,7 +11,7 @@
 #   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
 #   bash bench/device_calls.sh pending      # one GPU: what is left of issues 6, 7, 9 (carry .whl for the HTTP row)
 #   bash bench/device_calls.sh profile-x2   # nvidia-h200-x2: where a step's GPU time goes (issues 5 and 9)
-#   bash bench/device_calls.sh next         # one GPU: SwiGLU backward kernel, attention layouts (issue 9), not run yet
+#   bash bench/device_calls.sh next         # one GPU: SwiGLU backward, attention layouts (issue 9), fused RoPE (7); not run
 #   bash bench/device_calls.sh next-x2      # nvidia-h200-x2: tp2 + SP through symmetric memory (issue 5), not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
@@ -143,6 +143,11 @@ case "${1:-}" in
       | grep -v Warning | tail -14 | tee -a "$OUT/next.log"
     scale --measure-peak --cases 1gpu-compile 1gpu-compile-swiglu 1gpu-compile-mb8-gbs64 1gpu-compile-mb8-gbs64-swiglu \
       --out "$OUT/next.json" 2>&1 | tail -7 | tee -a "$OUT/next.log"
+    # issue 7: RoPE inside the paged-attention and KV-write kernels (GPU tests first), batch 1 and 64
+    timeout 200 python3 -m pytest -q tests/infer/test_gpu.py tests/infer/test_fused_rope.py -p no:cacheprovider 2>&1 \
+      | tail -3 | tee -a "$OUT/next.log"
+    timeout 240 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --concurrency 1,64 --http-concurrency 0 \
+      --out "$OUT/serve-fused-rope.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/next.log"
     ;;
   next-x2)
     # nvidia-h200-x2 (~6 min), prepared in the fourth session and not run yet: the symmetric-memory sequence-parallel

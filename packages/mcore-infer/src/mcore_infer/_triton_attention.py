@@ -43,6 +43,21 @@ def _kernel() -> Any:
         raise MissingDependencyError("triton", "gpu") from e
 
     @triton.jit  # type: ignore[misc]
+    def _rotate(x, row, mask, cos_row, sin_row, d, ROT: tl.constexpr):  # type: ignore[no-untyped-def]
+        """``x * cos + rotate_half(x) * sin`` over dims ``< ROT`` of ``x`` (loaded from ``row + d``), rounded to
+        ``x``'s dtype as the unfused path rounds its rotated tensors; dims ``>= ROT`` pass through."""
+        half: tl.constexpr = ROT // 2
+        in_rot = d < ROT
+        partner = tl.where(in_rot, (d + half) % ROT, d)
+        x_p = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+        cos = tl.load(cos_row + d, mask=in_rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_row + d, mask=in_rot, other=0.0).to(tl.float32)
+        sign = tl.where(d < half, -1.0, 1.0)
+        return (x.to(tl.float32) * cos + sign * x_p * sin).to(x.dtype)
+
+    globals()["_rotate"] = _rotate  # Triton resolves a kernel's callees among its module's globals
+
+    @triton.jit  # type: ignore[misc]
     def attend(  # type: ignore[no-untyped-def]
         Q,
         K,
@@ -54,9 +69,13 @@ def _kernel() -> Any:
         BT,
         TSEQ,
         TCTX,
+        COS,
+        SIN,
         scale,
         stride_qt,
+        stride_qg,
         stride_qh,
+        stride_ct,
         stride_kb,
         stride_ks,
         stride_kg,
@@ -70,6 +89,7 @@ def _kernel() -> Any:
         BLOCK: tl.constexpr,
         SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
+        ROT: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -80,7 +100,10 @@ def _kernel() -> Any:
         d = tl.arange(0, D)
         hmask = h < HPG
         heads = g * HPG + h
-        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        q_row = Q + t * stride_qt + g * stride_qg + h[:, None] * stride_qh
+        q = tl.load(q_row + d[None, :], mask=hmask[:, None], other=0.0)
+        if ROT > 0:  # RoPE (rotate-half over the first ROT dims) applied here instead of in a kernel of its own
+            q = _rotate(q, q_row, hmask[:, None], COS + t * stride_ct, SIN + t * stride_ct, d, ROT)
         m_i = tl.full([HPG_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([HPG_PAD], tl.float32)
         acc = tl.zeros([HPG_PAD, D], tl.float32)
@@ -150,21 +173,28 @@ def _kernel() -> Any:
         K,
         V,
         SLOTS,
+        COS,
+        SIN,
         stride_kt,
         stride_kg,
         stride_vt,
         stride_vg,
         stride_slot,
+        stride_ct,
         GD_PAD: tl.constexpr,
         G: tl.constexpr,
         D: tl.constexpr,
+        ROT: tl.constexpr,
     ):
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t).to(tl.int64)
         i = tl.arange(0, GD_PAD)
         mask = i < G * D
         g, d = i // D, i % D
-        k = tl.load(Kin + t * stride_kt + g * stride_kg + d, mask=mask)
+        k_row = Kin + t * stride_kt + g * stride_kg
+        k = tl.load(k_row + d, mask=mask)
+        if ROT > 0:
+            k = _rotate(k, k_row, mask, COS + t * stride_ct, SIN + t * stride_ct, d, ROT)
         v = tl.load(Vin + t * stride_vt + g * stride_vg + d, mask=mask)
         tl.store(K + slot * stride_slot + i, k.to(K.dtype.element_ty), mask=mask)
         tl.store(V + slot * stride_slot + i, v.to(V.dtype.element_ty), mask=mask)
@@ -186,6 +216,18 @@ def num_splits(tokens: int, groups: int, max_blocks: int, sms: int = 132) -> int
     return min(16, _pow2(max_blocks), _pow2(-(-2 * sms // programs)))
 
 
+def _rotary_rows(rotary: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: int) -> tuple[Any, Any, int, int]:
+    """(cos, sin) as ``[T, rot]`` rows, their row stride and ``rot`` (0 without RoPE)."""
+    if rotary is None:
+        return None, None, 0, 0
+    cos, sin = (x.reshape(t, x.shape[-1]) for x in rotary)  # [T, 1, 1, rot] (one batch row per token) -> [T, rot]
+    rot = cos.shape[-1]
+    if rot > d or rot % 2:
+        raise ValueError(f"rotary dims {rot} must be even and at most the head dim {d}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, cos.stride(0), rot
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -195,23 +237,36 @@ def paged_attention_triton(
     token_ctx: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``q`` ``[T, heads, d]``; caches ``[blocks, block_size, groups, d]``; ``block_tables`` ``[S, max_blocks]``;
-    ``token_seq``/``token_ctx`` ``[T]`` (row of the block table, keys to attend). Returns ``[T, heads, d]``.
+    """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
+    a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
+    ``block_tables`` ``[S, max_blocks]``; ``token_seq``/``token_ctx`` ``[T]`` (row of the block table, keys to
+    attend). Returns ``[T, heads, d]``.
 
     ``splits`` (a power of two; default :func:`num_splits`) divides each token's blocks among that many programs,
-    whose partial softmax states a second kernel combines: small decode batches then keep every SM busy."""
-    t, heads, d = q.shape
+    whose partial softmax states a second kernel combines: small decode batches then keep every SM busy.
+    ``rotary`` (cos, sin of each token's position, ``[T, 1, 1, rot]``) rotates the queries as they are loaded."""
     _, block_size, groups, _ = k_cache.shape
-    hpg = heads // groups
-    out = torch.empty_like(q)
+    if q.dim() == 4:
+        t, _, hpg, d = q.shape
+        stride_qg, stride_qh = q.stride(1), q.stride(2)
+    else:
+        t, heads_, d = q.shape
+        hpg = heads_ // groups
+        stride_qg, stride_qh = hpg * q.stride(1), q.stride(1)
+    heads = hpg * groups
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+        stride_qg, stride_qh = (q.stride(1), q.stride(2)) if q.dim() == 4 else (hpg * q.stride(1), q.stride(1))
+    out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     if t == 0:
         return out
     if splits is None:
         splits = num_splits(t, groups, block_tables.shape[1], _sm_count(q.device))
     if splits & (splits - 1):
         raise ValueError(f"splits={splits}: must be a power of two")
-    q = q.contiguous()
+    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d)
     attend, combine, _ = _kernel()
     if splits > 1:
         pm = torch.empty(t, heads, splits, device=q.device, dtype=torch.float32)
@@ -230,9 +285,13 @@ def paged_attention_triton(
         block_tables,
         token_seq,
         token_ctx,
+        cos if cos is not None else out,  # unused without RoPE
+        sin if sin is not None else out,
         scale,
         q.stride(0),
-        q.stride(1),
+        stride_qg,
+        stride_qh,
+        stride_ct,
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -246,6 +305,7 @@ def paged_attention_triton(
         BLOCK=block_size,
         SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32,
+        ROT=rot,
     )
     if splits > 1:
         combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits)
@@ -253,15 +313,22 @@ def paged_attention_triton(
 
 
 def store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write ``k``/``v`` ``[T, groups, d]`` (any strides of the last two dims' rows) at cache ``slots`` ``[T]`` of
-    ``[blocks, block_size, groups, d]`` caches: one kernel for both (instead of an ``index_copy_`` for each)."""
+    ``[blocks, block_size, groups, d]`` caches: one kernel for both (instead of an ``index_copy_`` for each).
+    ``rotary`` (cos, sin ``[T, 1, 1, rot]``) rotates the keys on the way in."""
     t, groups, d = k.shape
     if t == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("store_kv_triton needs unit-stride head dims and contiguous caches")
+    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d)
     _, _, store = _kernel()
     store[(t,)](
         k,
@@ -269,14 +336,18 @@ def store_kv_triton(
         k_cache,
         v_cache,
         slots,
+        cos if cos is not None else k,  # unused without RoPE
+        sin if sin is not None else k,
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
         groups * d,
+        stride_ct,
         GD_PAD=_pow2(groups * d),
         G=groups,
         D=d,
+        ROT=rot,
     )
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
 from mcore_infer.kv_cache import KVCache
+from mcore_models.transformer.rope import apply_rotary
 
 __all__ = ["PagedAttentionContext", "Segment"]
 
@@ -46,6 +47,7 @@ class PagedAttentionContext:
         backend: str = "plain",
         segments: list[Segment] | None = None,
         block_tables_host: list[list[int]] | None = None,
+        fuse_rotary: bool = False,
     ) -> None:
         if backend not in ("plain", "triton"):
             raise ValueError(f"attention backend {backend!r}: use 'plain' or 'triton'")
@@ -59,24 +61,37 @@ class PagedAttentionContext:
         self.backend = backend
         self.segments = segments or []
         self.block_tables_host = block_tables_host or []
+        # read by the model's attention: hand over unrotated q/k and the rotary tables (the kernels rotate)
+        self.fuses_rotary = fuse_rotary and backend == "triton"
 
     @torch.compiler.disable
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, 1, heads, d]``, ``k``/``v`` ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``.
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``q`` ``[T, 1, heads, d]`` (or grouped ``[T, 1, groups, heads / groups, d]``), ``k``/``v``
+        ``[T, 1, groups, d]`` → ``[T, 1, heads * d]``. ``rotary`` (cos, sin): q and k are not rotated yet.
 
         Never traced by ``torch.compile`` (``EngineConfig.compile``): compiled layers run their code before and
         after this call, which depends on per-step host data (segments, block tables) and writes the cache."""
         i = self.layer_number - self.first_layer  # set by GPTModel.forward before each layer
         k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
-        t, _, heads, d = q.shape
+        t, d = q.shape[0], q.shape[-1]
+        heads = q.shape[2] * q.shape[3] if q.dim() == 5 else q.shape[2]
         groups = k.shape[2]
         scale = 1.0 / (d**0.5)
         if self.backend == "triton":
-            store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping)
+            store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
             out = paged_attention_triton(
-                q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq, self.token_ctx, scale
+                q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq, self.token_ctx, scale, rotary=rotary
             )
             return out.view(t, 1, heads * d)
+        q = q.reshape(t, 1, heads, d)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         k_cache.view(-1, groups, d).index_copy_(0, self.slot_mapping, k[:, 0].to(k_cache.dtype))
         v_cache.view(-1, groups, d).index_copy_(0, self.slot_mapping, v[:, 0].to(v_cache.dtype))
         return plain_paged_attention(q[:, 0], k_cache, v_cache, self.segments, self.block_tables_host).view(

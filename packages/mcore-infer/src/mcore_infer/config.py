@@ -37,6 +37,10 @@ class EngineConfig:
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
     SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before."""
+    fuse_rope: bool = False
+    """Apply RoPE inside the Triton KV-write and paged-attention kernels (they read q, k and v straight from the QKV
+    projection's output), instead of in kernels of their own: two fewer kernels per layer and step. Triton backend
+    only; the same results up to rounding."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0

@@ -184,6 +184,7 @@ class ModelRunner:
             backend=self.backend,
             segments=batch.segments,
             block_tables_host=batch.block_tables,
+            fuse_rotary=self.config.fuse_rope,
         )
         out = self.model(ids[None], positions[None], gather_logits=True, inference_context=ctx)
         return out[0]
@@ -221,6 +222,7 @@ class ModelRunner:
                     st["tctx"][:b],
                     None,
                     backend="triton",
+                    fuse_rotary=self.config.fuse_rope,
                 )
                 args = (st["ids"][:b][None], st["pos"][:b][None])
                 stream = torch.cuda.Stream(self.device)

@@ -47,12 +47,21 @@ class InferenceContext(Protocol):
     ``GPTModel.forward`` sets ``layer_number`` before calling each layer, and ``attention`` reads it at call time:
     the layer number never appears inside a layer's own code, so ``torch.compile`` shares one compiled layer across
     all layers of a shape instead of specialising (and recompiling) on each layer's number.
+
+    A context with a true ``fuses_rotary`` attribute applies RoPE itself: it receives the unrotated queries grouped
+    as ``[s, 1, groups, heads / groups, d]``, the unrotated keys and ``rotary=(cos, sin)``.
     """
 
     logits_index: torch.Tensor | None
     layer_number: int
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor: ...
 
 
 class SDPACoreAttention(nn.Module):
@@ -140,6 +149,11 @@ class SelfAttention(nn.Module):
         per_group = self.heads // self.groups
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
         v = qkv[:, :, :, per_group + 1]
+        fused_rope = rotary is not None and self.q_layernorm is None
+        if inference_context is not None and fused_rope and getattr(inference_context, "fuses_rotary", False):
+            # the context's kernels read q/k/v in place and rotate q and k as they load them
+            q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
+            return self.linear_proj(inference_context.attention(q_grouped, k, v, rotary=rotary))
         if rotary is not None and self.q_layernorm is None:
             # queries and keys of every group rotated together: one set of elementwise kernels instead of two
             cos, sin = rotary
