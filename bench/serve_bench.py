@@ -63,6 +63,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         compile=args.compile,
         lookahead=args.lookahead,
         fuse_rope=args.fuse_rope,
+        fuse_residual=args.fuse_residual,
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")
@@ -250,6 +251,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
     ap.add_argument("--lookahead", action="store_true", help="EngineConfig.lookahead: overlap host and GPU steps")
     ap.add_argument("--fuse-rope", action="store_true", help="EngineConfig.fuse_rope: RoPE inside the Triton kernels")
+    ap.add_argument("--fuse-residual", action="store_true", help="EngineConfig.fuse_residual: add + norm across layers")
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)

@@ -186,6 +186,33 @@ def test_compiled_layers_give_the_same_tokens() -> None:
     assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) <= 2
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deferred_residual_adds_give_the_same_tokens(compiled: bool) -> None:
+    """EngineConfig.fuse_residual: each layer's last residual add moves into the next layer (fused with its norm
+    when compiled); greedy tokens unchanged, and the layers really returned their residual unsummed."""
+    from mcore_models.transformer.layer import TransformerLayer
+
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    eager = tiny_model(num_layers=4)
+    expected = [reference_greedy(eager, p, 10) for p in prompts]
+    torch._dynamo.reset()
+    deferred = []
+    real = TransformerLayer.forward
+
+    def spy(self, *a, **k):  # type: ignore[no-untyped-def]
+        deferred.append(k.get("defer_residual", False))
+        return real(self, *a, **k)
+
+    TransformerLayer.forward = spy  # type: ignore[method-assign]
+    try:
+        llm = _llm(tiny_model(num_layers=4), compile=compiled, fuse_residual=True)
+        res = llm.generate(prompts, GREEDY)
+    finally:
+        TransformerLayer.forward = real  # type: ignore[method-assign]
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert deferred and all(deferred)
+
+
 def test_lookahead_steps_give_identical_outputs(model) -> None:
     """EngineConfig.lookahead launches each steady decode step from the previous step's tokens on the device before
     the host reads them; every output (greedy, seeded sampling with penalties and logprobs, stop strings, stop

@@ -41,6 +41,10 @@ class EngineConfig:
     """Apply RoPE inside the Triton KV-write and paged-attention kernels (they read q, k and v straight from the QKV
     projection's output), instead of in kernels of their own: two fewer kernels per layer and step. Triton backend
     only; the same results up to rounding."""
+    fuse_residual: bool = False
+    """Each layer's last residual add is done by the next layer, where its first norm reads the sum: with
+    ``compile``, the add and the norm are one kernel (one kernel fewer per layer and step). Same results up to
+    rounding."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0

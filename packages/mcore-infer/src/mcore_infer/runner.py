@@ -80,6 +80,7 @@ class ModelRunner:
             raise ValueError("serving needs the whole model on each TP rank (pipeline stages are not supported)")
         self.model = model.eval()
         self.config = config
+        model.defer_residual_adds = config.fuse_residual
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")

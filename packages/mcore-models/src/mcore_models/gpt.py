@@ -102,6 +102,8 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
         self._full_recompute = self._recompute_set(config)
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
+        # inference engines: each layer's last residual add is done by the next layer, fused with its first norm
+        self.defer_residual_adds = False
 
     def _recompute_set(self, config: TransformerConfig) -> set[int]:
         if config.recompute != "full":
@@ -158,14 +160,20 @@ class GPTModel(nn.Module):
             s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
             pos = self._positions(position_ids, s, hidden.device)
         rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
+        pending: torch.Tensor | None = None  # a residual not added yet (defer_residual_adds)
         for key, layer in self.decoder.layers.items():
             if inference_context is not None:
                 inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
-                hidden = layer(hidden, rotary, inference_context)
+                if self.defer_residual_adds:
+                    hidden, pending = layer(hidden, rotary, inference_context, residual=pending, defer_residual=True)
+                else:
+                    hidden = layer(hidden, rotary, inference_context)
             elif int(key) in self._full_recompute and self.training:
                 hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
             else:
                 hidden = layer(hidden, rotary)
+        if pending is not None:
+            hidden = hidden + pending
         if not self.post_process:
             return hidden
         assert self.decoder.final_layernorm is not None

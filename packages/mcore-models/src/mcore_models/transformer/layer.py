@@ -44,10 +44,25 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,
+        defer_residual: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output ``x + attn + mlp``.
+
+        Inference can move each layer's last residual add into the next layer (``GPTModel.defer_residual_adds``):
+        ``defer_residual=True`` returns ``(mlp output, residual)`` unsummed, and the next call adds them through
+        ``residual=`` where its first norm reads them, so a compiled layer computes the add and the norm in one
+        kernel (one kernel fewer per layer and decode step)."""
+        if residual is not None:
+            x = x + residual
         if inference_context is None:
             attn = self.self_attention(self.input_layernorm(x), rotary)
         else:  # inference: attention over the engine's KV cache (see InferenceContext)
             attn = self.self_attention(self.input_layernorm(x), rotary, inference_context)
         x = self._dropout_add(attn, x)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        out = self.mlp(self.pre_mlp_layernorm(x))
+        if defer_residual:
+            if self.training:
+                raise RuntimeError("defer_residual is for inference (no dropout on the deferred add)")
+            return out, x
+        return self._dropout_add(out, x)
