@@ -146,8 +146,9 @@ case "${1:-}" in
     # issue 7: RoPE inside the paged-attention and KV-write kernels (GPU tests first), batch 1 and 64
     timeout 200 python3 -m pytest -q tests/infer/test_gpu.py tests/infer/test_fused_rope.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee -a "$OUT/next.log"
-    timeout 240 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --concurrency 1,64 \
-      --http-concurrency 0 --out "$OUT/serve-fused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/next.log"
+    timeout 240 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
+      --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-fused.json" 2>&1 | grep -v Warning | tail -4 \
+      | tee -a "$OUT/next.log"
     ;;
   next-x2)
     # nvidia-h200-x2 (~6 min), prepared in the fourth session and not run yet: the symmetric-memory sequence-parallel

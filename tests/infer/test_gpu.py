@@ -139,12 +139,13 @@ def test_lookahead_with_cuda_graphs_matches_recompute() -> None:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_rope_engine_matches_recompute(compiled: bool, residual: bool) -> None:
     """EngineConfig.fuse_rope: RoPE inside the KV-write and attention kernels (q/k/v read in place from the QKV
-    output), in CUDA graphs, with and without compiled layers and deferred residual adds: greedy tokens unchanged."""
+    output), in CUDA graphs, with and without compiled layers, deferred residual adds and the KV write inside the
+    attention kernel: greedy tokens unchanged."""
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model().cuda()
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
-                       compile=compiled, fuse_residual=residual)  # fmt: skip
+                       compile=compiled, fuse_residual=residual, fuse_kv_write=residual)  # fmt: skip
     llm = LLM(model=tiny_model().cuda(), config=cfg)
     assert llm.runner.backend == "triton" and llm.runner.graphs
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))

@@ -71,11 +71,18 @@ def _kernel() -> Any:
         TCTX,
         COS,
         SIN,
+        KIN,
+        VIN,
+        SLOTS,
         scale,
         stride_qt,
         stride_qg,
         stride_qh,
         stride_ct,
+        stride_kin_t,
+        stride_kin_g,
+        stride_vin_t,
+        stride_vin_g,
         stride_kb,
         stride_ks,
         stride_kg,
@@ -90,6 +97,7 @@ def _kernel() -> Any:
         SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
         ROT: tl.constexpr,
+        NEW_KV: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -107,8 +115,26 @@ def _kernel() -> Any:
         m_i = tl.full([HPG_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([HPG_PAD], tl.float32)
         acc = tl.zeros([HPG_PAD, D], tl.float32)
+        cached = ctx  # keys read from the cache
+        if NEW_KV:  # decode: this token's own key/value come from the inputs; split 0 also writes them to the cache
+            kin_row = KIN + t * stride_kin_t + g * stride_kin_g
+            k_new = tl.load(kin_row + d)
+            if ROT > 0:
+                k_new = _rotate(k_new, kin_row, d < D, COS + t * stride_ct, SIN + t * stride_ct, d, ROT)
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = tl.load(VIN + t * stride_vin_t + g * stride_vin_g + d).to(V.dtype.element_ty)
+            owner = split == 0
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            tl.store(K + slot * stride_ks + g * stride_kg + d, k_new, mask=owner & (d < D))
+            tl.store(V + slot * stride_ks + g * stride_kg + d, v_new, mask=owner & (d < D))
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            has_new = owner & (ctx > 0)
+            m_i = tl.where(has_new, s_new, m_i)
+            l_i = tl.where(has_new, 1.0, l_i)
+            acc = tl.where(has_new, tl.zeros([HPG_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :], acc)
+            cached = ctx - 1
         offs = tl.arange(0, BLOCK)
-        num_blocks = (ctx + BLOCK - 1) // BLOCK
+        num_blocks = (cached + BLOCK - 1) // BLOCK
         per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
         first = split * per_split
         last = tl.minimum(num_blocks, first + per_split)
@@ -122,7 +148,7 @@ def _kernel() -> Any:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where((start + offs)[None, :] < ctx, s, float("-inf"))
+            s = tl.where((start + offs)[None, :] < cached, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
@@ -238,6 +264,7 @@ def paged_attention_triton(
     scale: float,
     splits: int | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -246,7 +273,11 @@ def paged_attention_triton(
 
     ``splits`` (a power of two; default :func:`num_splits`) divides each token's blocks among that many programs,
     whose partial softmax states a second kernel combines: small decode batches then keep every SM busy.
-    ``rotary`` (cos, sin of each token's position, ``[T, 1, 1, rot]``) rotates the queries as they are loaded."""
+    ``rotary`` (cos, sin of each token's position, ``[T, 1, 1, rot]``) rotates the queries as they are loaded.
+
+    ``new_kv`` (keys, values ``[T, groups, d]``, cache slots ``[T]``), for decode steps only (each token the one new
+    token of its request): the tokens' own keys/values are taken from there (rotated with ``rotary``) and written to
+    the cache by the same kernel, instead of a :func:`store_kv_triton` call first."""
     _, block_size, groups, _ = k_cache.shape
     if q.dim() == 4:
         t, _, hpg, d = q.shape
@@ -267,6 +298,12 @@ def paged_attention_triton(
     if splits & (splits - 1):
         raise ValueError(f"splits={splits}: must be a power of two")
     cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d)
+    if new_kv is not None:
+        k_in, v_in, slots = new_kv
+        if k_in.stride(-1) != 1 or v_in.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("new_kv needs unit-stride head dims and contiguous caches")
+    else:
+        k_in = v_in = slots = out  # unused
     attend, combine, _ = _kernel()
     if splits > 1:
         pm = torch.empty(t, heads, splits, device=q.device, dtype=torch.float32)
@@ -287,11 +324,18 @@ def paged_attention_triton(
         token_ctx,
         cos if cos is not None else out,  # unused without RoPE
         sin if sin is not None else out,
+        k_in,
+        v_in,
+        slots,
         scale,
         q.stride(0),
         stride_qg,
         stride_qh,
         stride_ct,
+        k_in.stride(0),
+        k_in.stride(1),
+        v_in.stride(0),
+        v_in.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -306,6 +350,7 @@ def paged_attention_triton(
         SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32,
         ROT=rot,
+        NEW_KV=new_kv is not None,
     )
     if splits > 1:
         combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits)

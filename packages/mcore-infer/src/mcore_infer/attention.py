@@ -48,6 +48,7 @@ class PagedAttentionContext:
         segments: list[Segment] | None = None,
         block_tables_host: list[list[int]] | None = None,
         fuse_rotary: bool = False,
+        fuse_kv_write: bool = False,
     ) -> None:
         if backend not in ("plain", "triton"):
             raise ValueError(f"attention backend {backend!r}: use 'plain' or 'triton'")
@@ -63,6 +64,8 @@ class PagedAttentionContext:
         self.block_tables_host = block_tables_host or []
         # read by the model's attention: hand over unrotated q/k and the rotary tables (the kernels rotate)
         self.fuses_rotary = fuse_rotary and backend == "triton"
+        # decode steps only (each token the one new token of its request): the attention kernel writes the KV too
+        self.fuse_kv_write = fuse_kv_write and backend == "triton"
 
     @torch.compiler.disable
     def attention(
@@ -84,10 +87,13 @@ class PagedAttentionContext:
         groups = k.shape[2]
         scale = 1.0 / (d**0.5)
         if self.backend == "triton":
-            store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
-            out = paged_attention_triton(
-                q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq, self.token_ctx, scale, rotary=rotary
-            )
+            new_kv = None
+            if self.fuse_kv_write:
+                new_kv = (k[:, 0], v[:, 0], self.slot_mapping)
+            else:
+                store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
+            out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
+                                         self.token_ctx, scale, rotary=rotary, new_kv=new_kv)  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

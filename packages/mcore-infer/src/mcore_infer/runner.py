@@ -186,6 +186,7 @@ class ModelRunner:
             segments=batch.segments,
             block_tables_host=batch.block_tables,
             fuse_rotary=self.config.fuse_rope,
+            fuse_kv_write=self.config.fuse_kv_write and batch.decode_only,
         )
         out = self.model(ids[None], positions[None], gather_logits=True, inference_context=ctx)
         return out[0]
@@ -224,6 +225,7 @@ class ModelRunner:
                     None,
                     backend="triton",
                     fuse_rotary=self.config.fuse_rope,
+                    fuse_kv_write=self.config.fuse_kv_write,  # decode graphs: one new token per request
                 )
                 args = (st["ids"][:b][None], st["pos"][:b][None])
                 stream = torch.cuda.Stream(self.device)
