@@ -41,7 +41,7 @@ def _kernel() -> Any:
             import triton.language as tl
         except ImportError as e:
             raise ImportError(
-                "model.swiglu_backward=triton needs Triton on CUDA (it comes with PyTorch's CUDA wheels); "
+                "model.swiglu_backward=triton needs Triton on CUDA (pip install mcore-models[gpu]; it comes with PyTorch's CUDA wheels); "
                 "use swiglu_backward=torch"
             ) from e
 
