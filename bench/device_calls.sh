@@ -11,7 +11,8 @@
 #   bash bench/device_calls.sh agree        # one GPU: issue 9, loop log vs train_step_bench at the same work
 #   bash bench/device_calls.sh pending      # one GPU: what is left of issues 6, 7, 9 (carry .whl for the HTTP row)
 #   bash bench/device_calls.sh profile-x2   # nvidia-h200-x2: where a step's GPU time goes (issues 5 and 9)
-#   bash bench/device_calls.sh next         # one GPU: SwiGLU backward, attention layouts (issue 9), fused RoPE (7); not run
+#   bash bench/device_calls.sh next         # one GPU: SwiGLU backward, attention layouts (issue 9); not run yet
+#   bash bench/device_calls.sh next-serve   # one GPU: the decode fusions (issue 7); not run yet
 #   bash bench/device_calls.sh next-x2      # nvidia-h200-x2: tp2 + SP through symmetric memory (issue 5), not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
@@ -136,19 +137,22 @@ case "${1:-}" in
       --cases 1gpu-compile-mb8-gbs64 1gpu-compile --out "$OUT/final-cdt.json" 2>&1 | tail -5 | tee -a "$OUT/final.log"
     ;;
   next)
-    # one GPU (~7 min), prepared in the fourth session and not run yet (issue 9): the one-pass SwiGLU backward
-    # (test, then the loop with and without it), and SDPA backends x q/k/v memory layouts at llama-1b's shape
+    # one GPU (~7 min), prepared in the fourth session and not run yet (issue 9): the one-pass SwiGLU backward and
+    # contiguous SDPA inputs (tests, then the loop with each), and SDPA backends x q/k/v memory layouts
     timeout 120 python3 -m pytest -q tests/models/test_swiglu.py -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/next.log"
     timeout 120 python3 bench/attention_bench.py --batch 4 --seq 4096 --json "$OUT/attention.json" 2>&1 \
       | grep -v Warning | tail -14 | tee -a "$OUT/next.log"
-    scale --measure-peak --cases 1gpu-compile 1gpu-compile-swiglu 1gpu-compile-mb8-gbs64 1gpu-compile-mb8-gbs64-swiglu \
-      --out "$OUT/next.json" 2>&1 | tail -7 | tee -a "$OUT/next.log"
-    # issue 7: RoPE inside the paged-attention and KV-write kernels (GPU tests first), batch 1 and 64
+    scale --measure-peak --cases 1gpu-compile 1gpu-compile-swiglu 1gpu-compile-contig 1gpu-compile-mb8-gbs64 \
+      1gpu-compile-mb8-gbs64-swiglu --out "$OUT/next.json" 2>&1 | tail -8 | tee -a "$OUT/next.log"
+    ;;
+  next-serve)
+    # one GPU (~5 min), prepared in the fourth session and not run yet (issue 7): the decode fusions (GPU tests
+    # first), then batch 1 and 64 with all of them (HF static-cache baseline in the same call)
     timeout 200 python3 -m pytest -q tests/infer/test_gpu.py tests/infer/test_fused_rope.py -p no:cacheprovider 2>&1 \
-      | tail -3 | tee -a "$OUT/next.log"
-    timeout 240 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
-      --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-fused.json" 2>&1 | grep -v Warning | tail -4 \
-      | tee -a "$OUT/next.log"
+      | tail -3 | tee "$OUT/next-serve.log"
+    timeout 300 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write --hf \
+      --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-fused.json" 2>&1 | grep -v Warning | tail -6 \
+      | tee -a "$OUT/next-serve.log"
     ;;
   next-x2)
     # nvidia-h200-x2 (~6 min), prepared in the fourth session and not run yet: the symmetric-memory sequence-parallel
@@ -181,7 +185,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|final|next|next-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|call1|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -64,6 +64,7 @@ CASES.update(
         "1gpu-compile-mb4-gbs64": (1, ["training.micro_batch_size=4", "training.global_batch_size=64", _COMPILE]),
         "1gpu-compile-mb8-gbs64": (1, ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE]),
         "1gpu-compile-swiglu": (1, [*_MB4, _COMPILE, "model.swiglu_backward=triton"]),
+        "1gpu-compile-contig": (1, [*_MB4, _COMPILE, "model.attention_contiguous=true"]),
         "1gpu-compile-mb8-gbs64-swiglu": (
             1,
             ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE, "model.swiglu_backward=triton"],

@@ -173,3 +173,19 @@ def test_compiled_loss_equals_the_eager_loss(dtype: torch.dtype) -> None:
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         assert b.grad is not None, name
         torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=tol * 10, rtol=tol * 10, msg=name)
+
+
+def test_contiguous_attention_inputs_change_nothing() -> None:
+    torch.manual_seed(5)
+    a = GPTModel(llama()).double().train()
+    b = GPTModel(llama(attention_contiguous=True)).double().train()
+    b.load_state_dict(a.state_dict())
+    tokens = torch.randint(0, 100, (2, 10))
+    losses = []
+    for m in (a, b):
+        loss = m(tokens, labels=tokens)
+        loss.mean().backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-12, msg=name)

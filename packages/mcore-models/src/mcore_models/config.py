@@ -96,6 +96,10 @@ class TransformerConfig:
     attention_backend: str = "auto"
     """Kernel of ``F.scaled_dot_product_attention``: auto (PyTorch's choice), flash, cudnn, efficient or math. The
     same math; the choice only changes speed (measure it: head dim and GPU decide which kernel is fastest)."""
+    attention_contiguous: bool = False
+    """Hand SDPA contiguous ``[batch, heads, sequence, head_dim]`` queries, keys and values instead of views of the
+    sequence-first activations (with compiled layers the copy is part of the RoPE kernel). The same math; only the
+    attention kernels' speed may differ (``bench/attention_bench.py`` measures the layouts)."""
     swiglu_backward: str = "torch"
     """Backward of the SwiGLU activation: torch (PyTorch's, fused by torch.compile) or triton (one pass over the
     elements on CUDA, ``mcore_models.transformer.swiglu``). The same math; only speed differs."""

@@ -197,7 +197,7 @@ def _resume(run: Run, path: Path) -> None:
     if saved_model is not None:
         saved = TransformerConfig.from_dict(saved_model)
         diffs = [f.name for f in dataclasses.fields(saved) if f.name not in ("recompute", "recompute_num_layers",
-                 "cross_entropy_fusion", "attention_backend", "swiglu_backward", "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
+                 "cross_entropy_fusion", "attention_backend", "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
                  and getattr(saved, f.name) != getattr(run.model_config, f.name)]  # fmt: skip
         if diffs:
             raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "

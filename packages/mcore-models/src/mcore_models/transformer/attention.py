@@ -77,10 +77,13 @@ class SDPACoreAttention(nn.Module):
         self.backends = _SDPA_BACKENDS[config.attention_backend]
         # torch's memory-efficient kernel takes no grouped keys/values (enable_gqa): they are repeated for it
         self.native_gqa = _TORCH_GQA and config.attention_backend != "efficient"
+        self.contiguous = config.attention_contiguous
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if self.contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         p = self.dropout if self.training else 0.0
         kwargs: dict[str, Any] = {}
         if k.shape[1] != heads:
