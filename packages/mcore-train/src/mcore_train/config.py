@@ -62,6 +62,9 @@ class ParallelSection:
     """Layers on the last pipeline stage."""
     overlap_grad_reduce: bool = True
     """Overlap gradient all-reduce / reduce-scatter with backward."""
+    gradient_accumulation_fusion: bool = False
+    """Linear layers add weight gradients straight into the float32 main_grad from their GEMM (no bf16 gradient
+    and no separate add per micro-batch)."""
     bucket_size: int | None = 40_000_000
     """Gradient bucket size in elements."""
     backend: str | None = None

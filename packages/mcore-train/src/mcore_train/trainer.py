@@ -171,6 +171,7 @@ def setup(config: TrainConfig) -> Run:
         bucket_size=config.parallel.bucket_size,
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
+        gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
     )
     ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]
     sync_shared_embedding_weights(ddp, state)

@@ -46,6 +46,11 @@ class DDPConfig:
     """Launch each bucket's collective from the backward hook; ``False``: reduce everything in finish_grad_sync."""
     use_distributed_optimizer: bool = False
     """Reduce-scatter instead of all-reduce (pads buckets to a multiple of dp and puts params in a flat buffer)."""
+    gradient_accumulation_fusion: bool = False
+    """Linear layers add their weight gradients straight into ``main_grad`` from the weight-gradient GEMM (float32
+    output on CUDA, ``aten::addmm.dtype_out``) instead of writing a bf16 gradient that a hook then adds: one pass over
+    every weight gradient fewer per micro-batch. Marks the parameters; the layers of ``mcore_parallel.tensor`` honour
+    it for weights they own."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -73,6 +78,9 @@ class DistributedDataParallel(nn.Module):
         ]
         self._buffer_of = {p: buf for buf in self.grad_buffers for p in buf.params}
         self._sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
+        if self.config.gradient_accumulation_fusion:
+            for p in params:
+                p.fuse_wgrad_accumulation = True  # type: ignore[attr-defined]
         self.is_last_microbatch = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if state.rank == 0:
@@ -112,7 +120,10 @@ class DistributedDataParallel(nn.Module):
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
         if param.grad is not None:
-            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+            if getattr(param, "grad_added_to_main_grad", False):  # the layer's GEMM already added it (fusion)
+                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            else:
+                param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
             param.grad = None
         if self.is_last_microbatch and self.config.overlap_grad_reduce:
             buf = self._buffer_of[param]  # type: ignore[index]

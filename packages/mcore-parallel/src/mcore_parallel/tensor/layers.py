@@ -22,7 +22,9 @@ from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.init import InitMethod, init_sharded_, normal_init
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
+    fuses_wgrad,
     gather_from_tp_region,
+    linear,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
@@ -127,10 +129,13 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear was built with skip_weight_allocation: pass weight= to forward")
+        # weight-gradient accumulation into main_grad (DDP's gradient_accumulation_fusion) only for an owned weight:
+        # a weight passed in (the tied output layer) gets gradients from elsewhere too
+        fuse = self.training and self.weight is not None and weight is self.weight and fuses_wgrad(self.weight)
         if self.sequence_parallel:
-            y = sequence_parallel_linear(x, weight, self.bias, self.tp)
+            y = sequence_parallel_linear(x, weight, self.bias, self.tp, fuse)
         else:
-            y = F.linear(copy_to_tp_region(x, self.tp), weight, self.bias)
+            y = linear(copy_to_tp_region(x, self.tp), weight, self.bias, fuse)
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -181,10 +186,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
+        fuse = self.training and fuses_wgrad(self.weight)
         if self.sequence_parallel:
-            y = sequence_parallel_row_linear(x, self.weight, self.tp)
+            y = sequence_parallel_row_linear(x, self.weight, self.tp, fuse)
         else:
-            y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+            y = reduce_from_tp_region(linear(x, self.weight, None, fuse), self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -103,6 +103,57 @@ def _other_rows(lo: int, hi: int, total: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((0, lo), (hi, total)) if b > a]
 
 
+def fuses_wgrad(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s gradient goes straight into its ``main_grad`` (``DDPConfig.gradient_accumulation_fusion``)."""
+    return bool(getattr(weight, "fuse_wgrad_accumulation", False)) and hasattr(weight, "main_grad")
+
+
+def weight_grad(weight: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """``g2ᵀ x2``, the gradient of ``weight`` in ``y = x Wᵀ`` (2-D views). With ``fuse`` it is added into
+    ``weight.main_grad`` by the GEMM itself (float32 accumulation of bf16/fp16 inputs on CUDA) and an uninitialised
+    placeholder is returned so that autograd's accumulation hooks still run; the DDP hook sees
+    ``grad_added_to_main_grad`` and drops it."""
+    if not fuse:
+        return g2.t().matmul(x2)
+    main = weight.main_grad  # type: ignore[attr-defined]
+    if main.is_cuda and g2.dtype in (torch.bfloat16, torch.float16) and main.dtype == torch.float32:
+        torch.ops.aten.addmm.dtype_out(main, g2.t(), x2, torch.float32, out=main)
+    elif g2.dtype == main.dtype:
+        main.addmm_(g2.t(), x2)
+    else:  # reduced precision on the CPU: the same GEMM as the unfused path, then the float32 add
+        main.add_(g2.t().matmul(x2))
+    weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+    return torch.empty_like(weight)
+
+
+class _LinearMainGrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient is accumulated into ``weight.main_grad`` (see
+    :func:`weight_grad`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(weight, g2, x.reshape(-1, x.shape[-1]), True) if ctx.needs_input_grad[1] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fuse_wgrad: bool) -> torch.Tensor:
+    """``F.linear``; with ``fuse_wgrad`` (training, a weight the layer owns) through :class:`_LinearMainGrad`,
+    outside ``torch.compile`` graphs."""
+    if fuse_wgrad and torch.is_grad_enabled():
+        return _eager(_LinearMainGrad.apply, x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """``linear(all_gather_sequence(x), weight, bias)`` for a column-parallel layer under sequence parallelism, with
     the communication overlapped: in forward, this rank's own rows are multiplied while the other ranks' rows are
@@ -111,7 +162,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, fuse: bool
     ) -> torch.Tensor:
         full, handle = _comm.all_gather_start(x, group)
         y = torch.empty((full.shape[0], *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
@@ -132,7 +183,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         for a, b in _other_rows(lo, hi, y2.shape[0]):
             gemm(f2[a:b], y2[a:b])
         ctx.save_for_backward(full, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.fuse = group, bias is not None, fuse
         return y
 
     @staticmethod
@@ -142,11 +193,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x, handle = _comm.reduce_scatter_start(g.matmul(weight), ctx.group)
         g2 = g.reshape(-1, g.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1])) if ctx.needs_input_grad[1] else None
+        full2 = full.reshape(-1, full.shape[-1])
+        grad_w = weight_grad(weight, g2, full2, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _SequenceParallelRowLinear(torch.autograd.Function):
@@ -157,7 +209,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
     GEMM as in the plain composition, so the results are the same."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Group, fuse: bool) -> torch.Tensor:
         if x.shape[0] % group.size:
             raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {group.size}")
         x2 = x.reshape(-1, x.shape[-1])
@@ -170,7 +222,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         for h in handles:
             h.wait()
         ctx.save_for_backward(x, weight)
-        ctx.group = group
+        ctx.group, ctx.fuse = group, fuse
         return parts[group.rank].view(x.shape[0] // group.size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -192,8 +244,8 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         if grad_x is not None:
             for a, b in _other_rows(lo, hi, f2.shape[0]):
                 torch.mm(f2[a:b], weight, out=gx2[a:b])
-        grad_w = f2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        grad_w = weight_grad(weight, f2, x.reshape(-1, x.shape[-1]), ctx.fuse) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
 
 
 _SYMMETRIC_GROUPS: set[str] = set()
@@ -242,7 +294,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str, size: int
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str, size: int, fuse: bool
     ) -> torch.Tensor:
         gather_mm, _ = _fused_ops()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # sequence-major rows: gathering rows gathers the sequence
@@ -250,7 +302,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(full, weight)
-        ctx.name, ctx.has_bias, ctx.x_shape = name, bias is not None, x.shape
+        ctx.name, ctx.has_bias, ctx.x_shape, ctx.fuse = name, bias is not None, x.shape, fuse
         return y.view(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -261,9 +313,9 @@ class _SymmetricColumnLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = mm_scatter(g2, weight, "sum", 0, ctx.name).view(ctx.x_shape)
-        grad_w = g2.t().matmul(full) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(weight, g2, full, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _SymmetricRowLinear(torch.autograd.Function):
@@ -271,14 +323,14 @@ class _SymmetricRowLinear(torch.autograd.Function):
     the output gradient while multiplying it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, name: str, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, name: str, size: int, fuse: bool) -> torch.Tensor:
         if x.shape[0] % size:
             raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
         _, mm_scatter = _fused_ops()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = mm_scatter(x2, weight.t(), "sum", 0, name)
         ctx.save_for_backward(x2, weight)
-        ctx.name, ctx.x_shape = name, x.shape
+        ctx.name, ctx.x_shape, ctx.fuse = name, x.shape, fuse
         return y.view(x.shape[0] // size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -288,33 +340,35 @@ class _SymmetricRowLinear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         full, (grad_x2,) = gather_mm(g2, [weight], 0, ctx.name, return_A=True)
         grad_x = grad_x2.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = full.t().matmul(x2) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        grad_w = weight_grad(weight, full, x2, ctx.fuse) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
 
 
-def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+def sequence_parallel_row_linear(
+    x: torch.Tensor, weight: torch.Tensor, group: Group, fuse_wgrad: bool = False
+) -> torch.Tensor:
     """Row-parallel linear (no bias) of ``[s, b, in / tp]`` → this rank's sequence chunk ``[s / tp, b, out]`` of the
     sum over ``group``; equals ``reduce_scatter_to_sp_region(F.linear(x, weight), group)`` with the communication
     overlapped."""
     if group.size == 1:
-        return torch.nn.functional.linear(x, weight)
+        return linear(x, weight, None, fuse_wgrad)
     name = _symmetric_name(group)
     if name is not None:
-        return _eager(_SymmetricRowLinear.apply, x, weight, name, group.size)
-    return _eager(_SequenceParallelRowLinear.apply, x, weight, group)
+        return _eager(_SymmetricRowLinear.apply, x, weight, name, group.size, fuse_wgrad)
+    return _eager(_SequenceParallelRowLinear.apply, x, weight, group, fuse_wgrad)
 
 
 def sequence_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, fuse_wgrad: bool = False
 ) -> torch.Tensor:
     """Column-parallel linear of a sequence-parallel input ``[s / tp, b, h]`` → ``[s, b, out / tp]``; equals
     ``F.linear(gather_from_sp_region(x, group), weight, bias)`` with the backward communication overlapped."""
     if group.size == 1:
-        return torch.nn.functional.linear(x, weight, bias)
+        return linear(x, weight, bias, fuse_wgrad)
     name = _symmetric_name(group)
     if name is not None:
-        return _eager(_SymmetricColumnLinear.apply, x, weight, bias, name, group.size)
-    return _eager(_SequenceParallelLinear.apply, x, weight, bias, group)
+        return _eager(_SymmetricColumnLinear.apply, x, weight, bias, name, group.size, fuse_wgrad)
+    return _eager(_SequenceParallelLinear.apply, x, weight, bias, group, fuse_wgrad)
 
 
 @torch.compiler.disable
