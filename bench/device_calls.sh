@@ -137,13 +137,16 @@ case "${1:-}" in
       --cases 1gpu-compile-mb8-gbs64 1gpu-compile --out "$OUT/final-cdt.json" 2>&1 | tail -5 | tee -a "$OUT/final.log"
     ;;
   next)
-    # one GPU (~7 min), prepared in the fourth session and not run yet (issue 9): the one-pass SwiGLU backward and
-    # contiguous SDPA inputs (tests, then the loop with each), and SDPA backends x q/k/v memory layouts
-    timeout 120 python3 -m pytest -q tests/models/test_swiglu.py -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/next.log"
-    timeout 120 python3 bench/attention_bench.py --batch 4 --seq 4096 --json "$OUT/attention.json" 2>&1 \
+    # one GPU (~8 min), prepared in the fourth session and not run yet (issue 9): the one-pass SwiGLU backward, the
+    # gradient-accumulation fusion and contiguous SDPA inputs (tests, then the loop with each and with all three at
+    # micro-batch 8 / global batch 64, and all three at micro-batch 4 for the memory target), and SDPA layouts
+    timeout 120 python3 -m pytest -q tests/models/test_swiglu.py tests/parallel/test_gpu_wgrad.py -p no:cacheprovider \
+      2>&1 | tail -3 | tee "$OUT/next.log"
+    timeout 100 python3 bench/attention_bench.py --batch 4 --seq 4096 --json "$OUT/attention.json" 2>&1 \
       | grep -v Warning | tail -14 | tee -a "$OUT/next.log"
-    scale --measure-peak --cases 1gpu-compile 1gpu-compile-swiglu 1gpu-compile-contig 1gpu-compile-mb8-gbs64 \
-      1gpu-compile-mb8-gbs64-swiglu --out "$OUT/next.json" 2>&1 | tail -8 | tee -a "$OUT/next.log"
+    scale --measure-peak --steps 8 --cases 1gpu-compile-mb8-gbs64 1gpu-compile-mb8-gbs64-swiglu \
+      1gpu-compile-mb8-gbs64-gaf 1gpu-compile-mb8-gbs64-contig 1gpu-compile-mb8-gbs64-all 1gpu-compile-all \
+      --out "$OUT/next.json" 2>&1 | tail -9 | tee -a "$OUT/next.log"
     ;;
   next-serve)
     # one GPU (~5 min), prepared in the fourth session and not run yet (issue 7): the decode fusions (GPU tests

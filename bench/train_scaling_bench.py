@@ -69,6 +69,45 @@ CASES.update(
             1,
             ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE, "model.swiglu_backward=triton"],
         ),
+        "1gpu-compile-mb8-gbs64-gaf": (
+            1,
+            [
+                "training.micro_batch_size=8",
+                "training.global_batch_size=64",
+                _COMPILE,
+                "parallel.gradient_accumulation_fusion=true",
+            ],
+        ),
+        "1gpu-compile-mb8-gbs64-contig": (
+            1,
+            [
+                "training.micro_batch_size=8",
+                "training.global_batch_size=64",
+                _COMPILE,
+                "model.attention_contiguous=true",
+            ],
+        ),
+        "1gpu-compile-mb8-gbs64-all": (
+            1,
+            [
+                "training.micro_batch_size=8",
+                "training.global_batch_size=64",
+                _COMPILE,
+                "model.swiglu_backward=triton",
+                "parallel.gradient_accumulation_fusion=true",
+                "model.attention_contiguous=true",
+            ],
+        ),
+        "1gpu-compile-all": (
+            1,
+            [
+                *_MB4,
+                _COMPILE,
+                "model.swiglu_backward=triton",
+                "parallel.gradient_accumulation_fusion=true",
+                "model.attention_contiguous=true",
+            ],
+        ),
         "tp2-sp-compile": (
             2,
             [
