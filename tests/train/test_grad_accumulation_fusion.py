@@ -56,8 +56,13 @@ def _losses_and_fused_calls(overrides: list[str]) -> tuple[list[float], int]:
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["model.share_embeddings_and_output_weights=true"], ["training.micro_batch_size=1"]],
-    ids=["untied", "tied", "accumulate-8"],
+    [
+        [],
+        ["model.share_embeddings_and_output_weights=true"],
+        ["training.micro_batch_size=1"],
+        ["training.compile=layers", "training.device=cpu"],
+    ],
+    ids=["untied", "tied", "accumulate-8", "compiled-layers"],
 )
 def test_training_is_unchanged(extra: list[str]) -> None:
     base = ["training.train_iters=4", *extra]
