@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _timing import cuda_seconds
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -30,17 +30,6 @@ def make(layout: str, b: int, s: int, n: int, d: int, device: str, dtype: torch.
     shape = {"b": b, "s": s, "h": n, "d": d}
     t = torch.randn([shape[c] for c in layout], device=device, dtype=dtype, requires_grad=True)
     return t.permute(*[layout.index(c) for c in "bhsd"])
-
-
-def timed(fn: Any, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def main() -> None:
@@ -80,7 +69,7 @@ def main() -> None:
                     out.backward(grad)
 
                 try:
-                    sec = timed(step, args.iters)
+                    sec = cuda_seconds(step, args.iters)
                     row = {
                         "backend": backend,
                         "layout": layout,

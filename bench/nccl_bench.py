@@ -15,22 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
-
-
-def timed(fn, iters: int) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+from _timing import cuda_seconds
 
 
 def main() -> None:
@@ -56,7 +44,7 @@ def main() -> None:
             "all_reduce": (lambda x=x: dist.all_reduce(x), 2 * (n - 1) / n, elems * 2),
         }
         for name, (fn, factor, nbytes) in ops.items():
-            alone = timed(fn, args.iters)
+            alone = cuda_seconds(fn, args.iters, before=dist.barrier)
 
             def with_gemm(fn=fn) -> None:  # type: ignore[no-untyped-def]
                 side.wait_stream(torch.cuda.current_stream())
@@ -66,8 +54,8 @@ def main() -> None:
                 fn()
                 torch.cuda.current_stream().wait_stream(side)
 
-            busy = timed(with_gemm, max(3, args.iters // 4))
-            gemm_only = timed(lambda: [a @ a for _ in range(4)], max(3, args.iters // 4))
+            busy = cuda_seconds(with_gemm, max(3, args.iters // 4), before=dist.barrier)
+            gemm_only = cuda_seconds(lambda: [a @ a for _ in range(4)], max(3, args.iters // 4), before=dist.barrier)
             row = {
                 "op": name,
                 "mb_per_rank": mb,

@@ -40,6 +40,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
 # One-GPU optimisation ladder (issue 9): each lever on top of the eager baseline, then together, then per micro-batch.
 _MB4 = ["training.micro_batch_size=4", "training.global_batch_size=16"]
 _COMPILE, _FUSED_CE = "training.compile=layers", "model.cross_entropy_fusion=true"
+_MB8_GBS64 = ["training.micro_batch_size=8", "training.global_batch_size=64"]
+# levers of the fourth session, not yet measured: SwiGLU backward kernel, gradient-accumulation fusion, contiguous SDPA
+_SWIGLU, _GAF = "model.swiglu_backward=triton", "parallel.gradient_accumulation_fusion=true"
+_CONTIG = "model.attention_contiguous=true"
 # Eight GPUs (issue 10): data-parallel scaling with the distributed optimizer and overlapped gradient reduce, and
 # llama3-8b layouts (run with --preset llama3-8b --recipe llama3-8b).
 _DIST = ["optimizer.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]
@@ -62,52 +66,14 @@ CASES.update(
         # a pretraining-sized batch (64 x 4096 = 262k tokens a step; real runs use 1-4M): the optimizer step and the
         # per-step host syncs are paid once per 8 (or 16) micro-batches instead of once per 2 (or 4)
         "1gpu-compile-mb4-gbs64": (1, ["training.micro_batch_size=4", "training.global_batch_size=64", _COMPILE]),
-        "1gpu-compile-mb8-gbs64": (1, ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE]),
-        "1gpu-compile-swiglu": (1, [*_MB4, _COMPILE, "model.swiglu_backward=triton"]),
-        "1gpu-compile-contig": (1, [*_MB4, _COMPILE, "model.attention_contiguous=true"]),
-        "1gpu-compile-mb8-gbs64-swiglu": (
-            1,
-            ["training.micro_batch_size=8", "training.global_batch_size=64", _COMPILE, "model.swiglu_backward=triton"],
-        ),
-        "1gpu-compile-mb8-gbs64-gaf": (
-            1,
-            [
-                "training.micro_batch_size=8",
-                "training.global_batch_size=64",
-                _COMPILE,
-                "parallel.gradient_accumulation_fusion=true",
-            ],
-        ),
-        "1gpu-compile-mb8-gbs64-contig": (
-            1,
-            [
-                "training.micro_batch_size=8",
-                "training.global_batch_size=64",
-                _COMPILE,
-                "model.attention_contiguous=true",
-            ],
-        ),
-        "1gpu-compile-mb8-gbs64-all": (
-            1,
-            [
-                "training.micro_batch_size=8",
-                "training.global_batch_size=64",
-                _COMPILE,
-                "model.swiglu_backward=triton",
-                "parallel.gradient_accumulation_fusion=true",
-                "model.attention_contiguous=true",
-            ],
-        ),
-        "1gpu-compile-all": (
-            1,
-            [
-                *_MB4,
-                _COMPILE,
-                "model.swiglu_backward=triton",
-                "parallel.gradient_accumulation_fusion=true",
-                "model.attention_contiguous=true",
-            ],
-        ),
+        "1gpu-compile-mb8-gbs64": (1, [*_MB8_GBS64, _COMPILE]),
+        "1gpu-compile-swiglu": (1, [*_MB4, _COMPILE, _SWIGLU]),
+        "1gpu-compile-contig": (1, [*_MB4, _COMPILE, _CONTIG]),
+        "1gpu-compile-mb8-gbs64-swiglu": (1, [*_MB8_GBS64, _COMPILE, _SWIGLU]),
+        "1gpu-compile-mb8-gbs64-gaf": (1, [*_MB8_GBS64, _COMPILE, _GAF]),
+        "1gpu-compile-mb8-gbs64-contig": (1, [*_MB8_GBS64, _COMPILE, _CONTIG]),
+        "1gpu-compile-mb8-gbs64-all": (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
+        "1gpu-compile-all": (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
         "tp2-sp-compile": (
             2,
             [

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from _timing import cuda_seconds
 
 from mcore_models import GPTModel, preset, training_flops_per_token
 
@@ -33,14 +34,7 @@ from mcore_models import GPTModel, preset, training_flops_per_token
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+    return 2 * n**3 / cuda_seconds(lambda: a @ b, iters) / 1e12
 
 
 def _sync(device: torch.device) -> None:

@@ -160,6 +160,14 @@ def test_compiled_loss_equals_the_eager_loss(dtype: torch.dtype) -> None:
     torch._dynamo.reset()
     compiled.compile_layers()
     assert compiled._compiled_loss is not None
+    loss_calls = []
+    compiled_loss = compiled._compiled_loss
+
+    def counted(*a: torch.Tensor | int) -> torch.Tensor:
+        loss_calls.append(1)
+        return compiled_loss(*a)
+
+    compiled._compiled_loss = counted
     tokens = torch.randint(0, 250, (2, 12))
     labels = torch.randint(0, 250, (2, 12))
     losses = []
@@ -168,6 +176,7 @@ def test_compiled_loss_equals_the_eager_loss(dtype: torch.dtype) -> None:
         loss.float().mean().backward()
         losses.append(loss.detach())
     assert losses[0].dtype == losses[1].dtype == torch.float32 and losses[0].shape == (2, 12)
+    assert loss_calls == [1]  # the compiled model's loss went through the compiled function
     tol = 1e-5 if dtype == torch.float64 else 2e-2  # the loss math runs in float32 on both paths
     torch.testing.assert_close(losses[1], losses[0], atol=tol, rtol=tol)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
@@ -175,7 +184,17 @@ def test_compiled_loss_equals_the_eager_loss(dtype: torch.dtype) -> None:
         torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=tol * 10, rtol=tol * 10, msg=name)
 
 
-def test_contiguous_attention_inputs_change_nothing() -> None:
+def test_contiguous_attention_inputs_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_models.transformer import attention as attention_module
+
+    seen: list[bool] = []
+    sdpa = attention_module.F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        seen.append(q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", spy)
     torch.manual_seed(5)
     a = GPTModel(llama()).double().train()
     b = GPTModel(llama(attention_contiguous=True)).double().train()
@@ -186,6 +205,7 @@ def test_contiguous_attention_inputs_change_nothing() -> None:
         loss = m(tokens, labels=tokens)
         loss.mean().backward()
         losses.append(loss.detach())
+    assert seen == [False, False, True, True]  # views by default, contiguous tensors with the option (2 layers)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-12, msg=name)

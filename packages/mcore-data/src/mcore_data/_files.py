@@ -16,6 +16,14 @@ __all__ = ["FileLock", "check_outputs", "temporary_path"]
 logger = logging.getLogger(__name__)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def check_outputs(paths: Sequence[str | os.PathLike[str]], overwrite: bool) -> None:
     """Raise :class:`OutputExistsError` listing every path in ``paths`` that exists, unless ``overwrite``."""
     existing = [str(p) for p in paths if os.path.exists(p)]

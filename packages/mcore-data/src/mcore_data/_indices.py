@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from mcore_data._files import usable_cores
 from mcore_data.errors import ConfigError
 
 __all__ = [
@@ -215,10 +215,7 @@ _MAX_BUCKETS = 256  # bucket labels are uint8 (numpy's stable argsort of uint8 i
 
 
 def _threads() -> int:
-    try:
-        return max(1, min(8, len(os.sched_getaffinity(0))))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(8, usable_cores()))
 
 
 def _permute_documents(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from mcore_data._files import check_outputs
+from mcore_data._files import check_outputs, usable_cores
 from mcore_data.errors import ConfigError, InputFormatError
 from mcore_data.indexed import IndexedDatasetWriter, optimal_dtype
 from mcore_data.inputs import Chunk, expand_inputs, iter_chunks, parse_unit
@@ -80,14 +80,7 @@ class PreprocessConfig:
     def main_tokenizes(self) -> bool:
         if self.main_process != "auto":
             return self.main_process == "tokenizer"
-        return self.workers >= _usable_cores()
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return self.workers >= usable_cores()
 
 
 @dataclass

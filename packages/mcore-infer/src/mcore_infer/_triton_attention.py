@@ -242,16 +242,24 @@ def num_splits(tokens: int, groups: int, max_blocks: int, sms: int = 132) -> int
     return min(16, _pow2(max_blocks), _pow2(-(-2 * sms // programs)))
 
 
-def _rotary_rows(rotary: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: int) -> tuple[Any, Any, int, int]:
-    """(cos, sin) as ``[T, rot]`` rows, their row stride and ``rot`` (0 without RoPE)."""
+def _rotary_rows(
+    rotary: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: int, unused: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cos, sin) as ``[T, rot]`` rows, their row stride and ``rot``; without RoPE ``unused`` stands in for both
+    (the kernels never read it when ``rot`` is 0)."""
     if rotary is None:
-        return None, None, 0, 0
+        return unused, unused, 0, 0
     cos, sin = (x.reshape(t, x.shape[-1]) for x in rotary)  # [T, 1, 1, rot] (one batch row per token) -> [T, rot]
     rot = cos.shape[-1]
     if rot > d or rot % 2:
         raise ValueError(f"rotary dims {rot} must be even and at most the head dim {d}")
     cos, sin = cos.contiguous(), sin.contiguous()
     return cos, sin, cos.stride(0), rot
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{what} needs unit-stride head dims and contiguous caches")
 
 
 def paged_attention_triton(
@@ -279,6 +287,8 @@ def paged_attention_triton(
     token of its request): the tokens' own keys/values are taken from there (rotated with ``rotary``) and written to
     the cache by the same kernel, instead of a :func:`store_kv_triton` call first."""
     _, block_size, groups, _ = k_cache.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if q.dim() == 4:
         t, _, hpg, d = q.shape
         stride_qg, stride_qh = q.stride(1), q.stride(2)
@@ -287,9 +297,6 @@ def paged_attention_triton(
         hpg = heads_ // groups
         stride_qg, stride_qh = hpg * q.stride(1), q.stride(1)
     heads = hpg * groups
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-        stride_qg, stride_qh = (q.stride(1), q.stride(2)) if q.dim() == 4 else (hpg * q.stride(1), q.stride(1))
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     if t == 0:
         return out
@@ -297,11 +304,10 @@ def paged_attention_triton(
         splits = num_splits(t, groups, block_tables.shape[1], _sm_count(q.device))
     if splits & (splits - 1):
         raise ValueError(f"splits={splits}: must be a power of two")
-    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d)
+    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d, out)
     if new_kv is not None:
         k_in, v_in, slots = new_kv
-        if k_in.stride(-1) != 1 or v_in.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("new_kv needs unit-stride head dims and contiguous caches")
+        _check_kv(k_in, v_in, k_cache, v_cache, "new_kv")
     else:
         k_in = v_in = slots = out  # unused
     attend, combine, _ = _kernel()
@@ -322,8 +328,8 @@ def paged_attention_triton(
         block_tables,
         token_seq,
         token_ctx,
-        cos if cos is not None else out,  # unused without RoPE
-        sin if sin is not None else out,
+        cos,
+        sin,
         k_in,
         v_in,
         slots,
@@ -371,9 +377,8 @@ def store_kv_triton(
     t, groups, d = k.shape
     if t == 0:
         return
-    if k.stride(2) != 1 or v.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("store_kv_triton needs unit-stride head dims and contiguous caches")
-    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d)
+    _check_kv(k, v, k_cache, v_cache, "store_kv_triton")
+    cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d, k)
     _, _, store = _kernel()
     store[(t,)](
         k,
@@ -381,8 +386,8 @@ def store_kv_triton(
         k_cache,
         v_cache,
         slots,
-        cos if cos is not None else k,  # unused without RoPE
-        sin if sin is not None else k,
+        cos,
+        sin,
         k.stride(0),
         k.stride(1),
         v.stride(0),

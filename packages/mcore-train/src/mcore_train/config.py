@@ -25,6 +25,7 @@ from mcore_parallel import ParallelConfig
 from mcore_parallel.optim import OptimizerConfig
 from mcore_train._typed import build, convert, suggest, to_plain
 from mcore_train.errors import ConfigError
+from mcore_train.profiling import window_problem
 
 __all__ = [
     "TrainConfig",
@@ -276,11 +277,9 @@ class LoggingSection:
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"log_interval={self.log_interval} must be at least 1")
-        steps = self.profile_steps
-        if steps and (len(steps) != 2 or not 1 <= steps[0] < steps[1]):
-            raise ValueError(
-                f"profile_steps={steps} must be [first, end) with 1 <= first < end, e.g. [6, 8] profiles steps 6 and 7"
-            )
+        problem = window_problem(self.profile_steps)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 SECTIONS: dict[str, type] = {

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["KERNEL_CLASSES", "StepProfiler", "classify_kernel", "kernel_summary"]
+__all__ = ["KERNEL_CLASSES", "StepProfiler", "classify_kernel", "kernel_summary", "timeline", "window_problem"]
 
 logger = logging.getLogger(__name__)
 
+COLLECTIVES = "collectives (NCCL)"
 KERNEL_CLASSES: list[tuple[str, tuple[str, ...]]] = [  # first match wins (lower-case substrings of kernel names)
-    ("collectives (NCCL)", ("nccl",)),
+    (COLLECTIVES, ("nccl",)),
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
@@ -30,6 +31,13 @@ KERNEL_CLASSES: list[tuple[str, tuple[str, ...]]] = [  # first match wins (lower
     ("copies and fills", ("copy", "memcpy", "memset", "fill", "cat", "index")),
     ("elementwise (ATen)", ("elementwise", "vectorized")),
 ]
+
+
+def window_problem(steps: list[int]) -> str | None:
+    """What is wrong with a ``logging.profile_steps`` window (``None`` when it is empty or valid)."""
+    if steps and (len(steps) != 2 or not 1 <= steps[0] < steps[1]):
+        return f"profile_steps={steps} must be [first, end) with 1 <= first < end, e.g. [6, 8] profiles steps 6 and 7"
+    return None
 
 
 def classify_kernel(name: str) -> str:
@@ -82,15 +90,18 @@ def timeline(spans: list[tuple[float, float, bool]]) -> dict[str, float]:
     }
 
 
+def _is_kernel(evt: Any, name: str) -> bool:
+    """A device kernel's own record (not a CPU op, nor a range that repeats its kernels' time)."""
+    on_device = "CUDA" in str(getattr(evt, "device_type", ""))
+    return on_device and not getattr(evt, "is_user_annotation", False) and not _is_annotation(name)
+
+
 def _kernel_spans(prof: Any) -> list[tuple[float, float, bool]]:
-    spans = []
-    for evt in prof.events():
-        if "CUDA" not in str(getattr(evt, "device_type", "")) or getattr(evt, "is_user_annotation", False):
-            continue
-        if _is_annotation(evt.name):
-            continue
-        spans.append((float(evt.time_range.start), float(evt.time_range.end), "nccl" in evt.name.lower()))
-    return spans
+    return [
+        (float(evt.time_range.start), float(evt.time_range.end), classify_kernel(evt.name) == COLLECTIVES)
+        for evt in prof.events()
+        if _is_kernel(evt, evt.name)
+    ]
 
 
 def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple[str, dict[str, Any]]:
@@ -100,7 +111,7 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
     events = list(prof.key_averages())
     kernels: dict[str, float] = {}
     for evt in events:
-        if "CUDA" not in str(getattr(evt, "device_type", "")) or _is_annotation(evt.key):
+        if not _is_kernel(evt, evt.key):
             continue
         ms = float(getattr(evt, "self_device_time_total", 0.0)) / 1e3 / steps
         if ms > 0:
@@ -146,11 +157,9 @@ class StepProfiler:
     """
 
     def __init__(self, steps: list[int], out_dir: str | Path | None, rank: int, ranks: list[int], trace: bool) -> None:
-        if steps and (len(steps) != 2 or not 1 <= steps[0] < steps[1]):
-            raise ValueError(
-                f"logging.profile_steps={steps}: give [first, end) as two step numbers with 1 <= first < end, "
-                "e.g. [6, 8] profiles steps 6 and 7"
-            )
+        problem = window_problem(steps)
+        if problem is not None:
+            raise ValueError(f"logging.{problem}")
         self.start, self.end = (steps[0], steps[1]) if steps else (0, 0)
         self.enabled = bool(steps) and rank in ranks
         if self.enabled and out_dir is None:
