@@ -165,6 +165,14 @@ case "${1:-}" in
     scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile tp2-sp-compile tp2-sp-compile-symm \
       --out "$OUT/next-x2.json" 2>&1 | tail -6 | tee -a "$OUT/next-x2.log"
     ;;
+  s5-x2)
+    # nvidia-h200-x2 (~5 min), fifth session: where the GPU idles (profiles with the idle-gap tables) for one GPU and
+    # tp2 + SP through symmetric memory, both with every one-GPU lever (issues 5 and 9), and larger batches
+    scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile-all tp2-sp-compile-symm-all \
+      1gpu-compile-mb8-gbs64-all --out "$OUT/s5-x2.json" 2>&1 | tail -5 | tee "$OUT/s5-x2.log"
+    scale --measure-peak --cases tp2-sp-compile-symm-all-gbs128 1gpu-compile-mb16-gbs64-all \
+      --out "$OUT/s5-x2-big.json" 2>&1 | tail -4 | tee -a "$OUT/s5-x2.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \

@@ -95,6 +95,10 @@ CASES.update(
                 "parallel.tp_comm=symmetric_memory",
             ],
         ),
+        "1gpu-compile-mb16-gbs64-all": (
+            1,
+            ["training.micro_batch_size=16", "training.global_batch_size=64", _COMPILE, _SWIGLU, _GAF, _CONTIG],
+        ),
         "1gpu-fused-ce": (1, [*_MB4, _FUSED_CE]),
         "1gpu-opt": (1, [*_MB4, _COMPILE, _FUSED_CE]),
         "1gpu-opt-mb2": (1, ["training.micro_batch_size=2", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
@@ -114,6 +118,12 @@ CASES.update(
         ),
     }
 )
+# tp2 + SP through symmetric memory with the one-GPU levers (compare with 1gpu-compile-all / -mb8-gbs64-all)
+_TP2_SYMM = ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE, "parallel.tp_comm=symmetric_memory"]
+CASES["tp2-sp-compile-symm-all"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
+                                        _SWIGLU, _GAF, _CONTIG])  # fmt: skip
+CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
+                                               "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
 
 def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -64,3 +64,48 @@ def test_timeline_busy_idle_and_hidden_collectives() -> None:
     assert t["comm"] == 8.0 + 15.0
     assert t["comm_hidden"] == 4.0 + 5.0  # [8, 12) and [25, 30)
     assert timeline([])["busy"] == 0.0
+
+
+def test_idle_gaps_by_size_and_by_the_kernels_around_them() -> None:
+    from mcore_train.profiling import idle_gaps
+
+    kernels = [
+        (0.0, 10.0, "gemm"),
+        (2.0, 12.0, "copy"),  # overlaps: no gap, and the later end names the span
+        (14.0, 20.0, "norm"),  # 2 µs after copy
+        (120.0, 130.0, "gemm"),  # 100 µs after norm
+        (130.0, 140.0, "norm"),  # back to back: no gap
+        (1140.0, 1150.0, "gemm"),  # 1000 µs after norm
+        (1153.0, 1160.0, "copy"),  # 3 µs after gemm
+    ]
+    g = idle_gaps(kernels)
+    assert g["buckets"]["< 5 µs"] == (2, 5.0)
+    assert g["buckets"]["5-50 µs"] == (0, 0.0)
+    assert g["buckets"]["50-500 µs"] == (1, 100.0)
+    assert g["buckets"][">= 500 µs"] == (1, 1000.0)
+    assert g["pairs"][0] == ("norm", "gemm", 2, 1100.0)
+    assert ("copy", "norm", 1, 2.0) in g["pairs"] and ("gemm", "copy", 1, 3.0) in g["pairs"]
+    assert idle_gaps([])["pairs"] == []
+
+
+def test_host_waits_count_blocking_cuda_calls_by_caller() -> None:
+    from types import SimpleNamespace as NS
+
+    from mcore_train.profiling import host_waits
+
+    item = NS(name="aten::_local_scalar_dense")
+
+    def evt(name: str, a: float, b: float, parent: object = None) -> NS:
+        return NS(name=name, time_range=NS(start=a, end=b), cpu_parent=parent)
+
+    prof = NS(events=lambda: [
+        evt("cudaStreamSynchronize", 0, 40, item),
+        evt("cudaStreamSynchronize", 100, 110, item),
+        evt("cudaMemcpyAsync", 0, 500, item),  # does not block
+        evt("cudaDeviceSynchronize", 0, 7),
+        evt("cudaLaunchKernel", 0, 900, item),
+    ])  # fmt: skip
+    assert host_waits(prof) == {
+        "aten::_local_scalar_dense > cudaStreamSynchronize": 50.0,
+        "(top level) > cudaDeviceSynchronize": 7.0,
+    }

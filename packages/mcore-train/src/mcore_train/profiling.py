@@ -9,6 +9,7 @@ opening a trace viewer.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -16,7 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["KERNEL_CLASSES", "StepProfiler", "classify_kernel", "kernel_summary", "timeline", "window_problem"]
+__all__ = [
+    "KERNEL_CLASSES",
+    "StepProfiler",
+    "classify_kernel",
+    "idle_gaps",
+    "kernel_summary",
+    "timeline",
+    "window_problem",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +99,68 @@ def timeline(spans: list[tuple[float, float, bool]]) -> dict[str, float]:
     }
 
 
+GAP_BUCKETS_US = (5.0, 50.0, 500.0)
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12) -> dict[str, Any]:
+    """Where the GPU sat idle: the gaps between the merged kernel spans ``(start, end, name)`` (µs).
+
+    Returns ``buckets`` (gap size class → [count, total µs]: many tiny gaps point at launch overhead, a few long ones
+    at host synchronisation or waiting on data) and ``pairs``: the ``top`` (last kernel before, first kernel after)
+    pairs by total idle time, each ``(before, after, count, total µs)``, which say where in the step the GPU waited.
+    """
+    labels = [f"< {GAP_BUCKETS_US[0]:g} µs"]
+    labels += [f"{a:g}-{b:g} µs" for a, b in itertools.pairwise(GAP_BUCKETS_US)]
+    labels.append(f">= {GAP_BUCKETS_US[-1]:g} µs")
+    buckets: dict[str, list[float]] = {k: [0, 0.0] for k in labels}
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end, last = None, ""
+    for a, b, name in sorted(kernels):
+        if end is not None and a > end:
+            gap = a - end
+            bucket = labels[bisect.bisect_right(GAP_BUCKETS_US, gap)]
+            buckets[bucket][0] += 1
+            buckets[bucket][1] += gap
+            entry = pairs.setdefault((last, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += gap
+        if end is None or b >= end:
+            end, last = b, name
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "buckets": {k: (int(v[0]), v[1]) for k, v in buckets.items()},
+        "pairs": [(before, after, int(c), total) for (before, after), (c, total) in ranked],
+    }
+
+
+_SYNC_CALLS = ("synchronize", "cudamemcpy")
+
+
+def host_waits(prof: Any) -> dict[str, float]:
+    """µs the host spent in blocking CUDA runtime calls (stream/event/device synchronisation, synchronous copies),
+    keyed by ``caller > call`` (the nearest operator above the call): the places that drain the GPU's queue."""
+    waits: dict[str, float] = {}
+    for evt in prof.events():
+        name = str(evt.name)
+        low = name.lower()
+        if not any(k in low for k in _SYNC_CALLS) or "async" in low:
+            continue
+        parent = getattr(evt, "cpu_parent", None)
+        caller = str(parent.name) if parent is not None else "(top level)"
+        key = f"{caller} > {name}"
+        waits[key] = waits.get(key, 0.0) + float(evt.time_range.end - evt.time_range.start)
+    return waits
+
+
 def _is_kernel(evt: Any, name: str) -> bool:
     """A device kernel's own record (not a CPU op, nor a range that repeats its kernels' time)."""
     on_device = "CUDA" in str(getattr(evt, "device_type", ""))
     return on_device and not getattr(evt, "is_user_annotation", False) and not _is_annotation(name)
 
 
-def _kernel_spans(prof: Any) -> list[tuple[float, float, bool]]:
+def _kernels(prof: Any) -> list[tuple[float, float, str]]:
     return [
-        (float(evt.time_range.start), float(evt.time_range.end), classify_kernel(evt.name) == COLLECTIVES)
+        (float(evt.time_range.start), float(evt.time_range.end), str(evt.name))
         for evt in prof.events()
         if _is_kernel(evt, evt.name)
     ]
@@ -129,7 +191,11 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
         classes[cls] = classes.get(cls, 0.0) + ms
     busy = sum(kernels.values())
     wall_ms = wall_s * 1e3 / steps
-    tl = {k: v / 1e3 / steps for k, v in timeline(_kernel_spans(prof)).items()}  # µs in the profile
+    spans = _kernels(prof)
+    tl = {
+        k: v / 1e3 / steps
+        for k, v in timeline([(a, b, classify_kernel(n) == COLLECTIVES) for a, b, n in spans]).items()
+    }
     lines = [
         f"per step ({steps} profiled): wall {wall_ms:.1f} ms under the profiler, {unit} time {busy:.1f} ms "
         "(kernels on several streams may overlap: kernel time can exceed the wall)",
@@ -146,6 +212,19 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
     lines += ["", f"| top {unit}s | class | ms per step |", "|---|---|---|"]
     for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:top]:
         lines.append(f"| `{name[:120]}` | {classify_kernel(name)} | {ms:.3f} |")
+    if spans:
+        gaps = idle_gaps(spans)
+        lines += ["", "| idle gaps between kernels | count per step | ms per step |", "|---|---|---|"]
+        lines += [f"| {k} | {c / steps:.1f} | {t / 1e3 / steps:.2f} |" for k, (c, t) in gaps["buckets"].items()]
+        lines += ["", "| idle after kernel | before kernel | gaps per step | ms per step |", "|---|---|---|---|"]
+        lines += [
+            f"| `{a[:70]}` | `{b[:70]}` | {c / steps:.1f} | {t / 1e3 / steps:.2f} |" for a, b, c, t in gaps["pairs"]
+        ]
+        waits = host_waits(prof)
+        if waits:
+            lines += ["", "| host blocked in (caller > CUDA call) | ms per step |", "|---|---|"]
+            ranked = sorted(waits.items(), key=lambda x: -x[1])[:10]
+            lines += [f"| `{k[:110]}` | {t / 1e3 / steps:.2f} |" for k, t in ranked]
     numbers = {"wall_ms": wall_ms, "busy_ms": busy, "unit": unit, "classes_ms": classes, "timeline_ms": tl}
     return "\n".join(lines) + "\n", numbers
 
