@@ -173,6 +173,17 @@ case "${1:-}" in
     scale --measure-peak --cases tp2-sp-compile-symm-all-gbs128 1gpu-compile-mb16-gbs64-all \
       --out "$OUT/s5-x2-big.json" 2>&1 | tail -4 | tee -a "$OUT/s5-x2.log"
     ;;
+  s5-serve)
+    # one GPU (~5 min), fifth session (issue 7): the norm fused into the decode GEMVs (tests, kernel timing), then
+    # batch 1 and 64 with every decode fusion (HF static-cache baseline in the same call)
+    timeout 150 python3 -m pytest -q tests/models/test_norm_linear.py tests/infer/test_gpu.py -k "norm" \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/s5-serve.log"
+    timeout 90 python3 bench/gemv_bench.py --norm-linear --rows 1 4 16 --json "$OUT/norm-linear.json" 2>&1 \
+      | grep -v Warning | tail -9 | tee -a "$OUT/s5-serve.log"
+    timeout 300 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
+      --fuse-norm-linear --hf --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 \
+      | grep -v Warning | tail -4 | tee -a "$OUT/s5-serve.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \

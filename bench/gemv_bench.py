@@ -115,13 +115,56 @@ def check(device: str, dtype: torch.dtype) -> None:
     print(f"triton_linear matches F.linear on {device} ({dtype})")
 
 
+def norm_linear_rows(rows: list[int]) -> list[dict[str, Any]]:
+    """µs per call (CUDA graph) of residual add + RMSNorm + linear (+ SwiGLU) at decode shapes: the unfused ops
+    (each compiled by inductor, as in a compiled layer) against the one ``norm_linear`` kernel."""
+    from mcore_models.transformer.norm_linear import norm_linear
+
+    def unfused(x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
+        h = x + r
+        y = F.linear(F.rms_norm(h, g.shape, g, 1e-5), w)
+        if swiglu:
+            a, b = y.chunk(2, dim=-1)
+            y = F.silu(a) * b
+        return y + h[..., :1]  # h is used, like the residual stream
+
+    compiled = torch.compile(unfused, dynamic=False)
+    out = []
+    for name, swiglu in (("qkv", False), ("fc1", True), ("lm_head", False)):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for m in rows:
+            x, r = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            y_ref = unfused(x, r, g, w, swiglu)
+            y, h = norm_linear(x, r, g, 1e-5, w, swiglu)
+            err = ((y + h[..., :1]).float() - y_ref.float()).abs().max().item()
+            row = {
+                "shape": name + (" + swiglu" if swiglu else ""),
+                "rows": m,
+                "unfused_us": time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: compiled(x, r, g, w, s)),
+                "fused_us": time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: norm_linear(x, r, g, 1e-5, w, s)),
+                "max_abs_diff": err,
+            }
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--check", action="store_true", help="only compare the Triton kernel with F.linear")
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--norm-linear", action="store_true", help="only time the fused norm + linear kernel")
     args = ap.parse_args()
+    if args.norm_linear:
+        rows = norm_linear_rows([m for m in args.rows if m <= 16])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        return
     if args.check or not torch.cuda.is_available():
         check("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
         if torch.cuda.is_available():

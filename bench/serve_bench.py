@@ -65,6 +65,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         fuse_rope=args.fuse_rope,
         fuse_residual=args.fuse_residual,
         fuse_kv_write=args.fuse_kv_write,
+        fuse_norm_linear=args.fuse_norm_linear,
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")
@@ -254,6 +255,7 @@ def main() -> None:
     ap.add_argument("--fuse-rope", action="store_true", help="EngineConfig.fuse_rope: RoPE inside the Triton kernels")
     ap.add_argument("--fuse-residual", action="store_true", help="EngineConfig.fuse_residual: add + norm across layers")
     ap.add_argument("--fuse-kv-write", action="store_true", help="EngineConfig.fuse_kv_write: KV write in attention")
+    ap.add_argument("--fuse-norm-linear", action="store_true", help="EngineConfig.fuse_norm_linear: norm in GEMV")
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)

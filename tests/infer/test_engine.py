@@ -270,3 +270,40 @@ def test_requests_joining_and_aborting_with_lookahead(model, lookahead: bool) ->
     assert llm.runner.blocks.num_free == llm.runner.blocks.capacity
     if lookahead:
         assert eng.num_lookahead_steps > 0
+
+
+@pytest.mark.parametrize(
+    ("compiled", "residual"), [(False, False), (True, True)], ids=["eager", "compiled-fuse_residual"]
+)
+def test_norms_fused_into_the_projections_give_the_same_tokens(compiled: bool, residual: bool) -> None:
+    """EngineConfig.fuse_norm_linear: steps of at most 16 tokens run each norm inside the projection after it (with
+    the residual add and SwiGLU), prefill chunks above 16 tokens do not; greedy tokens unchanged. On the CPU the op
+    computes with PyTorch ops (the Triton kernel is checked in tests/models/test_norm_linear.py): this checks the
+    layer wiring (residual stream, attention from the fused QKV, SwiGLU, the fused output layer)."""
+    from mcore_models.transformer import norm_linear as nl
+
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
+    torch._dynamo.reset()
+    rows: list[int] = []
+    real = nl.norm_linear_reference
+
+    def spy(x, *a):  # type: ignore[no-untyped-def]
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *a)
+
+    nl.norm_linear_reference = spy  # type: ignore[assignment]
+    try:
+        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_residual=residual, fuse_norm_linear=True)
+        res = llm.generate(prompts, GREEDY)
+    finally:
+        nl.norm_linear_reference = real  # type: ignore[assignment]
+    assert [r.outputs[0].token_ids for r in res] == expected
+    # 2 norms per layer + the final norm, on every step of at most 16 tokens: decode steps (1-4 rows) ran fused
+    assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 7 == 0
+
+
+def test_fuse_norm_linear_refuses_a_layernorm_model() -> None:
+    model = tiny_model(normalization="layernorm")
+    with pytest.raises(ValueError, match="fuse_norm_linear.*normalization='layernorm'"):
+        _llm(model, fuse_norm_linear=True)

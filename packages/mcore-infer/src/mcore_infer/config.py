@@ -49,6 +49,10 @@ class EngineConfig:
     """Each layer's last residual add is done by the next layer, where its first norm reads the sum: with
     ``compile``, the add and the norm are one kernel (one kernel fewer per layer and step). Same results up to
     rounding."""
+    fuse_norm_linear: bool = False
+    """Steps of at most 16 tokens (small decode batches) run each RMSNorm inside the projection after it, with the
+    residual add before it and SwiGLU after the up projection (one Triton kernel instead of three per norm; see
+    ``GPTModel.fuse_norm_linear``). RMSNorm models with bias-free projections; the same results up to rounding."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0

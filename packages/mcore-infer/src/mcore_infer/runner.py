@@ -81,6 +81,10 @@ class ModelRunner:
         self.model = model.eval()
         self.config = config
         model.defer_residual_adds = config.fuse_residual
+        try:
+            model.fuse_norm_linear(config.fuse_norm_linear)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.fuse_norm_linear=True: {e}; set it to False for this model") from e
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")

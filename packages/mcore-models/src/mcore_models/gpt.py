@@ -21,6 +21,8 @@ from mcore_models.embedding import LanguageModelEmbedding
 from mcore_models.spec import LayerSpec, default_spec
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.norm import RMSNorm
+from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
 from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
@@ -104,6 +106,7 @@ class GPTModel(nn.Module):
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
         # inference engines: each layer's last residual add is done by the next layer, fused with its first norm
         self.defer_residual_adds = False
+        self._norm_linear_head = False  # set by fuse_norm_linear
 
     def _recompute_set(self, config: TransformerConfig) -> set[int]:
         if config.recompute != "full":
@@ -124,6 +127,43 @@ class GPTModel(nn.Module):
             # the unfused loss on one tensor-parallel rank: one fused pass over the bf16 logits each way instead of
             # ~8 eager float32 passes (and no float32 softmax kept for backward)
             self._compiled_loss = torch.compile(_token_cross_entropy, dynamic=False)
+
+    def fuse_norm_linear(self, enable: bool = True) -> None:
+        """Inference steps of at most :data:`~mcore_models.transformer.norm_linear.MAX_ROWS` tokens (small decode
+        batches) run every RMSNorm inside the projection after it (with the residual add before it and SwiGLU after
+        the up projection): one Triton kernel instead of three per norm (see
+        :mod:`mcore_models.transformer.norm_linear`). Needs RMSNorm and bias-free QKV, up and output projections
+        without sequence parallelism; the results equal the unfused layers up to rounding."""
+        if enable:
+            problems = []
+            if self.config.normalization != "rmsnorm":
+                problems.append(f"normalization={self.config.normalization!r} (needs rmsnorm)")
+            layer: Any
+            for layer in self.decoder.layers.values():
+                for name, lin in (
+                    ("linear_qkv", layer.self_attention.linear_qkv),
+                    ("linear_fc1", layer.mlp.linear_fc1),
+                ):
+                    if getattr(lin, "bias", None) is not None or getattr(lin, "sequence_parallel", False):
+                        problems.append(f"{name} has a bias or is sequence-parallel")
+                    if getattr(lin, "gather_output", False) or getattr(lin, "weight", None) is None:
+                        problems.append(f"{name} is not a plain column-parallel layer")
+                if not isinstance(layer.input_layernorm, RMSNorm) or not isinstance(layer.pre_mlp_layernorm, RMSNorm):
+                    problems.append("a layer's norms are not RMSNorm modules")
+                break  # every layer is built from the same spec
+            if problems:
+                raise ValueError(f"fuse_norm_linear cannot fuse this model: {'; '.join(sorted(set(problems)))}")
+        for layer in self.decoder.layers.values():
+            layer.fuse_norm_linear = enable
+        head = self.output_layer if self.post_process else None
+        self._norm_linear_head = bool(
+            enable
+            and head is not None
+            and head.bias is None
+            and not head.gather_output
+            and not head.sequence_parallel
+            and isinstance(self.decoder.final_layernorm, RMSNorm)
+        )
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
@@ -172,6 +212,22 @@ class GPTModel(nn.Module):
                 hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
             else:
                 hidden = layer(hidden, rotary)
+        if inference_context is not None and self._norm_linear_head and hidden.shape[0] * hidden.shape[1] <= MAX_ROWS:
+            # the last residual add, the final norm and the output layer in one kernel (rows are independent:
+            # selecting the logits rows first changes nothing)
+            index = inference_context.logits_index
+            if index is not None:
+                hidden = hidden.index_select(0, index)
+                pending = pending.index_select(0, index) if pending is not None else None
+            norm = self.decoder.final_layernorm
+            assert isinstance(norm, RMSNorm)
+            w = self.output_layer.weight
+            if w is None:  # tied to the embedding
+                w = self.embedding.word_embeddings.weight
+            logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w)
+            if gather_logits:
+                logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]
+            return logits.transpose(0, 1)
         if pending is not None:
             hidden = hidden + pending
         if not self.post_process:

@@ -146,8 +146,11 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         inference_context: InferenceContext | None = None,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        """``qkv``: the QKV projection of ``x`` computed already (a fused norm + projection); ``x`` is then unused."""
+        if qkv is None:
+            qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -32,6 +33,9 @@ class TransformerLayer(nn.Module):
         )
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
         self.mlp = spec.mlp(config, ctx, spec, f"{prefix}.mlp")
+        # inference: steps of at most MAX_ROWS tokens run each norm fused with the projection after it (and the
+        # residual add before it, and SwiGLU after the up projection); see GPTModel.fuse_norm_linear
+        self.fuse_norm_linear = False
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.hidden_dropout > 0 and self.training:
@@ -53,6 +57,8 @@ class TransformerLayer(nn.Module):
         ``defer_residual=True`` returns ``(mlp output, residual)`` unsummed, and the next call adds them through
         ``residual=`` where its first norm reads them, so a compiled layer computes the add and the norm in one
         kernel (one kernel fewer per layer and decode step)."""
+        if inference_context is not None and self.fuse_norm_linear and x.shape[0] * x.shape[1] <= MAX_ROWS:
+            return self._norm_linear_forward(x, rotary, inference_context, residual, defer_residual)
         if residual is not None:
             x = x + residual
         if inference_context is None:
@@ -66,3 +72,24 @@ class TransformerLayer(nn.Module):
                 raise RuntimeError("defer_residual is for inference (no dropout on the deferred add)")
             return out, x
         return self._dropout_add(out, x)
+
+    def _norm_linear_forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        inference_context: InferenceContext,
+        residual: torch.Tensor | None,
+        defer_residual: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The inference forward with both norms inside the projections after them (:func:`norm_linear`): the
+        QKV projection adds the residual and normalises, the up projection adds the attention output and (SwiGLU)
+        applies the activation. Same results as :meth:`forward` up to rounding."""
+        ln1: Any = self.input_layernorm
+        ln2: Any = self.pre_mlp_layernorm
+        attention: Any = self.self_attention
+        mlp: Any = self.mlp
+        qkv, h = norm_linear(x, residual, ln1.weight, ln1.eps, attention.linear_qkv.weight)
+        attn = attention(h, rotary, inference_context, qkv=qkv)
+        act, h = norm_linear(attn, h, ln2.weight, ln2.eps, mlp.linear_fc1.weight, swiglu=mlp.is_swiglu)
+        out = mlp.linear_fc2(act if mlp.is_swiglu else mlp.act(act))
+        return (out, h) if defer_residual else h + out

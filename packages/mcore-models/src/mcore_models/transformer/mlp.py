@@ -54,6 +54,7 @@ class MLP(nn.Module):
             seed=ctx.seed_for(f"{prefix}.linear_fc1.weight"),
             **common,
         )
+        self.is_swiglu = config.activation == "swiglu"
         self.act = (
             swiglu
             if config.activation == "swiglu" and config.swiglu_backward == "triton"
