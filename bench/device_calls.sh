@@ -184,6 +184,16 @@ case "${1:-}" in
       --fuse-norm-linear --hf --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 \
       | grep -v Warning | tail -4 | tee -a "$OUT/s5-serve.log"
     ;;
+  s5-serve2)
+    # one GPU (~3 min): the one-pass norm_linear kernel (kernel tests, timing), then batch 1 and 64 with it
+    timeout 60 python3 -m pytest -q tests/models/test_norm_linear.py -p no:cacheprovider 2>&1 | tail -1 \
+      | tee "$OUT/s5-serve2.log"
+    timeout 60 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear2.json" 2>&1 \
+      | grep '^{' | tee -a "$OUT/s5-serve2.log"
+    timeout 120 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
+      --fuse-norm-linear --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm2.json" 2>&1 \
+      | grep -v Warning | tail -3 | tee -a "$OUT/s5-serve2.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \
