@@ -33,9 +33,10 @@ def test_reference_backward_is_autograd() -> None:
     torch.testing.assert_close(sw.swiglu(x), F.silu(x[..., :7]) * x[..., 7:])
 
 
-def test_model_with_the_option_trains_like_the_default() -> None:
+def test_model_with_the_option_trains_like_the_autograd_backward() -> None:
+    assert llama().swiglu_backward == "triton"  # the default
     torch.manual_seed(1)
-    a = GPTModel(llama()).double().train()
+    a = GPTModel(llama(swiglu_backward="torch")).double().train()
     b = GPTModel(llama(swiglu_backward="triton")).double().train()
     b.load_state_dict(a.state_dict())
     tokens = torch.randint(0, 100, (2, 10))
@@ -56,7 +57,7 @@ def test_compiled_layers_use_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sw, "swiglu_backward_reference", counted)
     torch._dynamo.reset()
     torch.manual_seed(2)
-    a = GPTModel(llama(params_dtype="float32")).train()
+    a = GPTModel(llama(params_dtype="float32", swiglu_backward="torch")).train()
     b = GPTModel(llama(params_dtype="float32", swiglu_backward="triton")).train()
     b.load_state_dict(a.state_dict())
     b.compile_layers()

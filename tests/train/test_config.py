@@ -101,10 +101,40 @@ def test_example_yaml_files_load(path: Path) -> None:
 
 
 def test_tp_comm_choices_are_checked() -> None:
-    with pytest.raises(ConfigError, match="tp_comm='ring' must be nccl or symmetric_memory"):
+    with pytest.raises(ConfigError, match="tp_comm='ring' must be auto, nccl or symmetric_memory"):
         config("parallel.tp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
         config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
+
+
+def test_tp_comm_auto_picks_symmetric_memory_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from mcore_train.trainer import resolve_tp_comm
+
+    peer = {(0, 1): True, (1, 0): True, (0, 2): False}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer.get((a, b), True))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def state(rank: int, tp_ranks: tuple[int, ...], device: str = "cuda") -> NS:
+        local = rank % 4
+        dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
+        return NS(rank=rank, local_rank=local, device=dev, tp=NS(size=len(tp_ranks), ranks=tp_ranks))
+
+    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "symmetric_memory"
+    assert resolve_tp_comm("auto", True, state(5, (4, 5))) == "symmetric_memory"  # second host, its own GPUs 0, 1
+    assert resolve_tp_comm("auto", False, state(0, (0, 1))) == "nccl"  # no sequence parallelism
+    assert resolve_tp_comm("auto", True, state(0, (0,))) == "nccl"  # tp = 1
+    assert resolve_tp_comm("auto", True, state(0, (0, 1), "cpu")) == "nccl"
+    assert resolve_tp_comm("auto", True, state(3, (3, 4))) == "nccl"  # spans two hosts
+    assert resolve_tp_comm("auto", True, state(0, (0, 2))) == "nccl"  # no peer access
+    assert resolve_tp_comm("nccl", True, state(0, (0, 1))) == "nccl"  # an explicit choice is kept
+    assert resolve_tp_comm("symmetric_memory", True, state(0, (0, 1))) == "symmetric_memory"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per host
+    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "nccl"
 
 
 def _setup_error() -> str:

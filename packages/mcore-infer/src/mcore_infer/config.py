@@ -37,15 +37,15 @@ class EngineConfig:
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
     SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before."""
-    fuse_rope: bool = False
+    fuse_rope: bool = True
     """Apply RoPE inside the Triton KV-write and paged-attention kernels (they read q, k and v straight from the QKV
     projection's output), instead of in kernels of their own: two fewer kernels per layer and step. Triton backend
     only; the same results up to rounding."""
-    fuse_kv_write: bool = False
+    fuse_kv_write: bool = True
     """In decode steps (one new token per request), the paged-attention kernel takes each token's own key and value
     from its inputs and writes them to the cache itself, instead of a KV-write kernel first (one kernel fewer per
     layer and step). Triton backend only; the same results up to rounding."""
-    fuse_residual: bool = False
+    fuse_residual: bool = True
     """Each layer's last residual add is done by the next layer, where its first norm reads the sum: with
     ``compile``, the add and the norm are one kernel (one kernel fewer per layer and step). Same results up to
     rounding."""

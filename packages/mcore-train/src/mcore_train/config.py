@@ -70,15 +70,17 @@ class ParallelSection:
     """Gradient bucket size in elements."""
     backend: str | None = None
     """torch.distributed backend; default nccl with CUDA, else gloo."""
-    tp_comm: str = "nccl"
-    """How sequence-parallel linears exchange the sequence: nccl (collectives overlapped with the GEMMs) or
+    tp_comm: str = "auto"
+    """How sequence-parallel linears exchange the sequence: nccl (collectives overlapped with the GEMMs),
     symmetric_memory (PyTorch's fused all-gather-matmul / matmul-reduce-scatter over peer-to-peer copies between the
-    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel)."""
+    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel; +5% tokens/s at tp2 + SP on 2x H200) or auto
+    (symmetric_memory where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
+    on this host with peer access to this GPU; else nccl)."""
 
     def __post_init__(self) -> None:
         problems = []
-        if self.tp_comm not in ("nccl", "symmetric_memory"):
-            problems.append(f"tp_comm={self.tp_comm!r} must be nccl or symmetric_memory")
+        if self.tp_comm not in ("auto", "nccl", "symmetric_memory"):
+            problems.append(f"tp_comm={self.tp_comm!r} must be auto, nccl or symmetric_memory")
         elif self.tp_comm == "symmetric_memory" and (self.tp < 2 or not self.sequence_parallel):
             problems.append(
                 f"tp_comm=symmetric_memory applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,36 @@ class Run:
         mbs = self.config.training.micro_batch_size
         return MicroBatchIterator(dataset, self.batch_config, mbs, self.state.dp.rank, self.state.dp_size, start,
                                   self.state.device)  # fmt: skip
+
+
+def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
+    """``parallel.tp_comm`` for this run: ``auto`` becomes ``symmetric_memory`` when the sequence-parallel linears
+    can use it (CUDA, tp > 1 with sequence parallelism, every tensor-parallel rank on this host with peer access to
+    this GPU; ranks are placed on hosts as torchrun does: ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU =
+    local rank), else ``nccl``."""
+    if tp_comm != "auto":
+        return tp_comm
+    tp = state.tp
+    if tp.size < 2 or not sequence_parallel or state.device.type != "cuda":
+        return "nccl"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    first = state.rank - state.local_rank
+    if local_world < tp.size or any(not first <= r < first + local_world for r in tp.ranks):
+        logger.info("parallel.tp_comm=auto: the tensor-parallel group spans hosts, using nccl")
+        return "nccl"
+    me = state.device.index if state.device.index is not None else state.local_rank
+    peers = [r - first for r in tp.ranks if r != state.rank]
+    if any(d >= torch.cuda.device_count() for d in peers) or not all(
+        torch.cuda.can_device_access_peer(me, d) for d in peers
+    ):
+        logger.info("parallel.tp_comm=auto: no peer access between the tensor-parallel GPUs, using nccl")
+        return "nccl"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return "nccl"
+    logger.info("parallel.tp_comm=auto: sequence-parallel linears through symmetric memory")
+    return "symmetric_memory"
 
 
 def build_model_chunks(
@@ -154,7 +185,8 @@ def setup(config: TrainConfig) -> Run:
         device=config.training.device,
     )
     config.check_layout(state.world_size)
-    if config.parallel.tp_comm == "symmetric_memory":
+    tp_comm = resolve_tp_comm(config.parallel.tp_comm, config.parallel.sequence_parallel, state)
+    if tp_comm == "symmetric_memory":
         if state.device.type != "cuda":
             raise ConfigError(
                 [
