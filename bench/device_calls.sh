@@ -14,6 +14,9 @@
 #   bash bench/device_calls.sh next         # one GPU: SwiGLU backward, attention layouts (issue 9); not run yet
 #   bash bench/device_calls.sh next-serve   # one GPU: the decode fusions (issue 7); not run yet
 #   bash bench/device_calls.sh next-x2      # nvidia-h200-x2: tp2 + SP through symmetric memory (issue 5), not run yet
+#   bash bench/device_calls.sh s5-x2        # nvidia-h200-x2: idle-gap profiles, 1 GPU and tp2 + SP symmetric memory
+#   bash bench/device_calls.sh s5-serve2    # one GPU: the one-pass norm_linear kernel (issue 7); not run yet
+#   bash bench/device_calls.sh s6-table     # one GPU: issue 9's table, HF reference next to mcore; not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -193,6 +196,16 @@ case "${1:-}" in
     timeout 120 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
       --fuse-norm-linear --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm2.json" 2>&1 \
       | grep -v Warning | tail -3 | tee -a "$OUT/s5-serve2.log"
+    ;;
+  s6-table)
+    # one GPU (~5 min), issue 9's acceptance table side by side in one call: Hugging Face LlamaForCausalLM of the
+    # same shape (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop (best micro-batch, and mb 4)
+    for c in "" "--compile"; do
+      timeout 150 python3 bench/train_step_bench.py --reference hf --micro-batch 4 $c \
+        --json "$OUT/table-hf${c:+-compile}.json" 2>&1 | grep '^|' | tail -1 | tee -a "$OUT/s6-table.log"
+    done
+    scale --measure-peak --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-all --out "$OUT/table-mcore.json" 2>&1 \
+      | tail -4 | tee -a "$OUT/s6-table.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

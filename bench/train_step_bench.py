@@ -14,6 +14,7 @@ out of memory is reported as such and the next one is tried.
     python bench/train_step_bench.py --preset llama-1b --seq 4096 --micro-batch 2 4
     python bench/train_step_bench.py --preset llama-1b --micro-batch 1 2 4 8 --optimizer mixed --compile --fused-ce
     python bench/train_step_bench.py --smoke     # a toy model on the CPU: checks the script, measures nothing
+    python bench/train_step_bench.py --reference hf --micro-batch 4 [--compile]   # issue 9's reference rows
 """
 
 from __future__ import annotations
@@ -42,6 +43,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def build_hf_step(args: argparse.Namespace, config: Any, micro_batch: int, device: torch.device) -> Any:
+    """The reference row of issue 9's table: Hugging Face ``LlamaForCausalLM`` built from the same config (random
+    weights, nothing downloaded), SDPA attention, pure bf16 weights and fused AdamW states; ``--compile`` compiles
+    each decoder layer (regional compile)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mcore_models.hf import llama_config_to_hf
+
+    hf_config = LlamaConfig(**llama_config_to_hf(config), attn_implementation="sdpa")
+    hf_config.use_cache = False
+    model = LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16).train()
+    if args.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, args.seq), device=device, generator=gen)
+
+    def step() -> torch.Tensor:
+        for _ in range(args.accum):
+            loss = model(input_ids=ids, labels=ids).loss / args.accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device) -> tuple[Any, Any]:
     """(config, step function returning the detached loss) for one micro-batch size."""
     over: dict[str, Any] = dict(params_dtype="bfloat16", recompute=args.recompute, cross_entropy_fusion=args.fused_ce)
@@ -51,6 +81,8 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
         if args.preset.startswith("llama"):
             over["num_query_groups"] = 2
     config = preset(args.preset, **over)
+    if args.reference == "hf":
+        return config, build_hf_step(args, config, micro_batch, device)
     model = GPTModel(config, device=device).train()
     if args.compile:
         model.compile_layers()
@@ -135,6 +167,7 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "micro_batch": micro_batch,
         "accum": args.accum,
         "optimizer": args.optimizer,
+        "reference": args.reference,
         "compile": args.compile,
         "fused_ce": args.fused_ce,
         "recompute": args.recompute,
@@ -167,6 +200,12 @@ def main() -> None:
         default=1,
         help="micro-batches per optimizer step (mcore-train's loop at global batch 16, mb 4: 4)",
     )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        choices=["hf"],
+        help="time Hugging Face LlamaForCausalLM of the same shape instead (pure bf16 AdamW; --compile: per layer)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", default=None, help="profile one more step per row: PROFILE-mb<N>.md (kernel time by class)"
@@ -198,7 +237,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     levers = (
-        [args.optimizer, f"recompute={args.recompute}", f"accum={args.accum}"]
+        ([f"reference={args.reference} (pure bf16 AdamW)"] if args.reference else [args.optimizer])
+        + [f"recompute={args.recompute}", f"accum={args.accum}"]
         + ["compile"] * args.compile
         + ["fused-ce"] * args.fused_ce
     )
