@@ -48,6 +48,34 @@ def test_compiled_layers_and_fused_loss_under_tensor_and_sequence_parallelism() 
     assert breaks > 0  # the collectives ran outside the compiled graphs
 
 
+def _losses_and_fused_loss_passes(overrides: list[str]) -> tuple[list[float], list[str]]:
+    from mcore_parallel.tensor import cross_entropy as ce
+
+    passes: list[str] = []
+    real = ce._compiled
+
+    def counted(name: str):  # type: ignore[no-untyped-def]
+        passes.append(name)
+        return real(name)
+
+    ce._compiled = counted  # type: ignore[assignment]
+    try:
+        return _losses(overrides), passes
+    finally:
+        ce._compiled = real  # type: ignore[assignment]
+
+
+def test_compiled_layers_use_the_fused_vocab_parallel_loss() -> None:
+    """With tp > 1 and the unfused output layer, compile_layers runs the loss as the fused vocabulary-parallel
+    cross-entropy (compiled passes, eager all-reduces): losses equal one eager process."""
+    reference = _losses(["training.train_iters=3"])
+    tp2, passes = run_distributed(_losses_and_fused_loss_passes, 2,
+                                  ["training.train_iters=3", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                   "training.compile=layers"], timeout=600)[0]  # fmt: skip
+    assert tp2 == pytest.approx(reference, abs=1e-5)
+    assert {"row_max", "row_stats", "logits_grad"} <= set(passes)
+
+
 def test_compile_keeps_parameter_names() -> None:
     run = setup(config("training.train_iters=3", "training.device=cpu", "training.compile=layers"))
     names = [n for n, _ in run.chunks[0].named_parameters()]

@@ -104,6 +104,7 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
         self._full_recompute = self._recompute_set(config)
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
+        self._fused_vocab_loss = False  # set by compile_layers (several tensor-parallel ranks)
         # inference engines: each layer's last residual add is done by the next layer, fused with its first norm
         self.defer_residual_adds = False
         self._norm_linear_head = False  # set by fuse_norm_linear
@@ -127,6 +128,9 @@ class GPTModel(nn.Module):
             # the unfused loss on one tensor-parallel rank: one fused pass over the bf16 logits each way instead of
             # ~8 eager float32 passes (and no float32 softmax kept for backward)
             self._compiled_loss = torch.compile(_token_cross_entropy, dynamic=False)
+        elif self.post_process and not dynamic:
+            # vocabulary-parallel: the same in three compiled passes with the all-reduces between them
+            self._fused_vocab_loss = True
 
     def fuse_norm_linear(self, enable: bool = True) -> None:
         """Inference steps of at most :data:`~mcore_models.transformer.norm_linear.MAX_ROWS` tokens (small decode
@@ -246,7 +250,8 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1)
         if self._compiled_loss is not None and self.training:
             return self._compiled_loss(logits, labels.t(), self.config.vocab_size).t()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, vocab_size=self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp, vocab_size=self.config.vocab_size,
+                                            fused=self._fused_vocab_loss and self.training)  # fmt: skip
         return loss.t()
 
     def _fused_loss(self, hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
