@@ -17,6 +17,7 @@
 #   bash bench/device_calls.sh s5-x2        # nvidia-h200-x2: idle-gap profiles, 1 GPU and tp2 + SP symmetric memory
 #   bash bench/device_calls.sh s5-serve2    # one GPU: the one-pass norm_linear kernel (issue 7); not run yet
 #   bash bench/device_calls.sh s6-table     # one GPU: issue 9's table, HF reference next to mcore; not run yet
+#   bash bench/device_calls.sh s6-x2        # nvidia-h200-x2: sync-free clipping, fused tp loss (issue 5); not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -206,6 +207,15 @@ case "${1:-}" in
     done
     scale --measure-peak --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-all --out "$OUT/table-mcore.json" 2>&1 \
       | tail -4 | tee -a "$OUT/s6-table.log"
+    ;;
+  s6-x2)
+    # nvidia-h200-x2 (~4 min), built in the fifth session after its device time was spent (issues 5 and 9): clipping
+    # inside the fused AdamW (no host sync for the gradient norm) and, with compiled layers at tp > 1, the fused
+    # vocabulary-parallel loss; tests first, then one GPU and tp2 + SP profiled
+    timeout 150 python3 -m pytest -q tests/parallel/test_gpu_clip.py tests/parallel/test_tp_nccl.py \
+      -p no:cacheprovider 2>&1 | tail -2 | tee "$OUT/s6-x2.log"
+    scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile-all tp2-sp-compile-symm-all \
+      --out "$OUT/s6-x2.json" 2>&1 | tail -4 | tee -a "$OUT/s6-x2.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

@@ -31,6 +31,7 @@ CASES: dict[str, tuple[int, list[str]]] = {
         2,
         [
             "parallel.tp=2",
+            "parallel.tp_comm=nccl",
             "parallel.sequence_parallel=true",
             "training.micro_batch_size=8",
             "training.global_batch_size=32",
@@ -78,6 +79,7 @@ CASES.update(
             2,
             [
                 "parallel.tp=2",
+                "parallel.tp_comm=nccl",
                 "parallel.sequence_parallel=true",
                 "training.micro_batch_size=8",
                 "training.global_batch_size=32",
@@ -109,6 +111,7 @@ CASES.update(
             2,
             [
                 "parallel.tp=2",
+                "parallel.tp_comm=nccl",
                 "parallel.sequence_parallel=true",
                 "training.micro_batch_size=8",
                 "training.global_batch_size=32",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.ddp.ddp import DistributedDataParallel
-from mcore_parallel.optim.clip import clip_grads_, global_grad_norm
+from mcore_parallel.optim.clip import clip_coefficient, clip_grads_, global_grad_norm_tensor
 from mcore_parallel.optim.clip import count_zeros as _count_zeros
 from mcore_parallel.optim.config import OptimizerConfig
 from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -41,12 +41,17 @@ def default_no_weight_decay(name: str, param: torch.Tensor) -> bool:
 class StepResult:
     success: bool
     """False when the step was skipped (inf/nan gradients under fp16 loss scaling)."""
-    grad_norm: float | None
-    """Global gradient norm before clipping (None when skipped)."""
+    grad_norm_tensor: torch.Tensor | None
+    """Global gradient norm before clipping, on the device (None when skipped): reading it is not part of the step."""
     num_zeros: int | None
     """Zero gradient elements over all ranks, each counted once (None when skipped or not logged)."""
     loss_scale: float | None
     """The loss scale the gradients were divided by (None without fp16)."""
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm as a float (synchronises with the device; a loop reads it when it logs)."""
+        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor.item())
 
 
 @dataclass(eq=False)
@@ -227,14 +232,21 @@ class MixedPrecisionOptimizer:
                 if found.item():
                     logger.warning("step skipped: inf/nan gradients (loss scale was %g)", scale)
                     return StepResult(False, None, None, scale)
-            norm = global_grad_norm(counted, self.norm_group, self.state.device)
-            if self.config.clip_grad > 0:
-                clip_grads_(grads, self.config.clip_grad, norm)
+            # no host synchronisation from here on: the norm and the clip factor stay on the device
+            norm = global_grad_norm_tensor(counted, self.norm_group, self.state.device)
             zeros = _count_zeros(counted, self.norm_group, self.state.device) if count_zeros else None
+            grad_scale = None
+            if self.config.clip_grad > 0:
+                if self._fused_kernel():
+                    # the fused kernel divides each gradient by grad_scale as it reads it: clipping costs no pass
+                    grad_scale = 1.0 / clip_coefficient(self.config.clip_grad, norm)
+                else:
+                    clip_grads_(grads, self.config.clip_grad, norm)
             for slot, grad in owned:
                 if grad is not None:
                     slot.master.grad = grad.view(slot.master.shape)
             if self.optimizer is not None:
+                self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
                 self.optimizer.step()
             self._copy_to_model()
             self._step_count += 1
@@ -242,6 +254,10 @@ class MixedPrecisionOptimizer:
         finally:
             for s in self.slots:
                 s.master.grad = None
+
+    def _fused_kernel(self) -> bool:
+        """Whether the torch optimizer runs its fused (CUDA) kernel, which takes a ``grad_scale`` tensor."""
+        return self.optimizer is not None and bool(self.optimizer.defaults.get("fused"))
 
     # ------------------------------------------------------------------------------------------- state
     def sharded_state(self) -> Iterator[ParamShardState]:
