@@ -125,6 +125,9 @@ CASES.update(
 _TP2_SYMM = ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE, "parallel.tp_comm=symmetric_memory"]
 CASES["tp2-sp-compile-symm-all"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
                                         _SWIGLU, _GAF, _CONTIG])  # fmt: skip
+# experimental: the symmetric-memory linears traced into the compiled layers (no weight-gradient fusion with it)
+CASES["tp2-sp-compile-symm-ingraph"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
+                                            _SWIGLU, _CONTIG, "parallel.tp_comm_in_graph=true"])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 

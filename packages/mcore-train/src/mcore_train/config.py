@@ -77,6 +77,10 @@ class ParallelSection:
     (symmetric_memory where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
     on this host with peer access to this GPU; else nccl)."""
 
+    tp_comm_in_graph: bool = False
+    """Experimental, with symmetric memory: let ``training.compile=layers`` trace the sequence-parallel linears into
+    the compiled layers instead of breaking each layer's graph at them (less host work per step)."""
+
     def __post_init__(self) -> None:
         problems = []
         if self.tp_comm not in ("auto", "nccl", "symmetric_memory"):
@@ -86,6 +90,13 @@ class ParallelSection:
                 f"tp_comm=symmetric_memory applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
                 "sequence_parallel=true, or use tp_comm=nccl"
             )
+        if self.tp_comm_in_graph and self.gradient_accumulation_fusion:
+            problems.append(
+                "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "
+                "main_grad in place; turn one of them off"
+            )
+        if self.tp_comm_in_graph and self.tp_comm == "nccl":
+            problems.append("tp_comm_in_graph=true applies to symmetric memory: set tp_comm=auto or symmetric_memory")
         if self.cp != 1:
             problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
         if self.ep != 1:

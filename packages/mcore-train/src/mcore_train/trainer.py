@@ -194,7 +194,7 @@ def setup(config: TrainConfig) -> Run:
                     "use parallel.tp_comm=nccl"
                 ]
             )
-        enable_symmetric_memory(state.tp)
+        enable_symmetric_memory(state.tp, in_graph=config.parallel.tp_comm_in_graph)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip
