@@ -190,9 +190,9 @@ case "${1:-}" in
     ;;
   s5-serve2)
     # one GPU (~3 min): the one-pass norm_linear kernel (kernel tests, timing), then batch 1 and 64 with it
-    timeout 60 python3 -m pytest -q tests/models/test_norm_linear.py -p no:cacheprovider 2>&1 | tail -1 \
-      | tee "$OUT/s5-serve2.log"
-    timeout 60 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear2.json" 2>&1 \
+    timeout 120 python3 -m pytest -q tests/models/test_norm_linear.py tests/infer/test_gpu.py -k norm \
+      -p no:cacheprovider 2>&1 | tail -1 | tee "$OUT/s5-serve2.log"
+    timeout 90 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear2.json" 2>&1 \
       | grep '^{' | tee -a "$OUT/s5-serve2.log"
     timeout 120 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
       --fuse-norm-linear --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm2.json" 2>&1 \

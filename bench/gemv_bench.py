@@ -118,6 +118,7 @@ def check(device: str, dtype: torch.dtype) -> None:
 def norm_linear_rows(rows: list[int]) -> list[dict[str, Any]]:
     """µs per call (CUDA graph) of residual add + RMSNorm + linear (+ SwiGLU) at decode shapes: the unfused ops
     (each compiled by inductor, as in a compiled layer) against the one ``norm_linear`` kernel."""
+    from mcore_models.transformer import norm_linear as nl
     from mcore_models.transformer.norm_linear import norm_linear
 
     def unfused(x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -146,6 +147,14 @@ def norm_linear_rows(rows: list[int]) -> list[dict[str, Any]]:
                 "fused_us": time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: norm_linear(x, r, g, 1e-5, w, s)),
                 "max_abs_diff": err,
             }
+            for block_n, warps in ((16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8)):  # the launch choices
+                nl._LAUNCH_OVERRIDE = (block_n, warps)
+                try:
+                    row[f"fused_us_n{block_n}_w{warps}"] = time_in_graph(
+                        lambda x=x, r=r, g=g, w=w, s=swiglu: norm_linear(x, r, g, 1e-5, w, s)
+                    )
+                finally:
+                    nl._LAUNCH_OVERRIDE = None
             out.append(row)
             print(json.dumps(row), flush=True)
     return out

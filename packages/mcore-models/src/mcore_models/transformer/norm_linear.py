@@ -122,9 +122,15 @@ def _use_triton(x: torch.Tensor) -> bool:
     return True
 
 
-def _block_n(n: int, sms: int) -> int:
-    """Output rows per program: 32, or 16 when that leaves fewer than two programs per SM."""
-    return 32 if -(-n // 32) >= 2 * sms else 16
+# (rows per program, warps) forced by a benchmark sweep (``bench/gemv_bench.py --norm-linear``); None: heuristic
+_LAUNCH_OVERRIDE: tuple[int, int] | None = None
+
+
+def _launch_config(n: int, sms: int) -> tuple[int, int]:
+    """(output rows per program, warps): 32 rows, or 16 when that leaves fewer than two programs per SM; 4 warps."""
+    if _LAUNCH_OVERRIDE is not None:
+        return _LAUNCH_OVERRIDE
+    return (32 if -(-n // 32) >= 2 * sms else 16), 4
 
 
 def norm_linear_reference(
@@ -170,7 +176,7 @@ def _norm_linear_op(
     h = torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        block_n = _block_n(n, sms)
+        block_n, warps = _launch_config(n, sms)
         _kernel()[(-(-n // block_n),)](
             x2,
             r2,
@@ -193,6 +199,7 @@ def _norm_linear_op(
             BLOCK_N=block_n,
             BLOCK_K=256 if k >= 256 else 64,
             IEEE=x.dtype == torch.float32,
+            num_warps=warps,
         )
     return y.view(*x.shape[:-1], n), h.view(x.shape)
 
