@@ -238,3 +238,107 @@ def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu") -> N
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: int) -> None:
     run_distributed(_symmetric, tp, kind, tp, torch.float32)
+
+
+_CPU_SYMM_LIB: list[object] = []
+
+
+def _register_cpu_symmetric_ops() -> None:
+    """CPU kernels for the ``symm_mem`` fused ops (PyTorch's own reference implementations over the process group),
+    so that compiled graphs that call the real ops run on CPU; the CUDA kernels are tested on GPUs."""
+    if _CPU_SYMM_LIB:
+        return
+    from torch.distributed import _symmetric_memory as symm
+
+    lib = torch.library.Library("symm_mem", "IMPL")
+    lib.impl("fused_all_gather_matmul", symm._fused_all_gather_matmul_fallback, "CPU")
+    lib.impl("fused_matmul_reduce_scatter", symm._fused_matmul_reduce_scatter_fallback, "CPU")
+    _CPU_SYMM_LIB.append(lib)
+
+
+def _symmetric_in_graph(tp: int) -> None:
+    """``enable_symmetric_memory(in_graph=True)``: a column then a row sequence-parallel linear compiled as one graph
+    (``fullgraph=True``: no graph break at the fused ops) give the float64 reference's output and gradients."""
+    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory
+
+    _register_cpu_symmetric_ops()
+    state = _state(tp, True)
+    torch.manual_seed(7)
+    ref1 = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
+    ref2 = torch.nn.Linear(H_OUT, H_IN, bias=False, dtype=torch.float64)
+    x = torch.randn(S, B, H_IN, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(S, B, H_IN, dtype=torch.float64)
+    (ref2(torch.relu(ref1(x))) * dy).sum().backward()
+    r, n = state.tp.rank, state.tp.size
+    col = ColumnParallelLinear(H_IN, H_OUT, tp=state.tp, sequence_parallel=True, dtype=torch.float32)
+    row = RowParallelLinear(H_OUT, H_IN, tp=state.tp, sequence_parallel=True, input_is_parallel=True, bias=False,
+                            dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        col.weight.copy_(ref1.weight.chunk(n, 0)[r])
+        col.bias.copy_(ref1.bias.chunk(n, 0)[r])
+        row.weight.copy_(ref2.weight.chunk(n, 1)[r])
+    enable_symmetric_memory(state.tp, in_graph=True)
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(lambda t: row(torch.relu(col(t))), fullgraph=True)
+        x_local = _seq_chunk(x.detach(), state, True).float().requires_grad_()
+        y = f(x_local)
+        _close(y, _seq_chunk(ref2(torch.relu(ref1(x))).detach(), state, True), torch.float32, "output")
+        (y * _seq_chunk(dy, state, True).float()).sum().backward()
+    finally:
+        disable_symmetric_memory(state.tp)
+    _close(x_local.grad, _seq_chunk(x.grad, state, True), torch.float32, "input grad")
+    _close(col.weight.grad, ref1.weight.grad.chunk(n, 0)[r], torch.float32, "column weight grad")
+    _close(row.weight.grad, ref2.weight.grad.chunk(n, 1)[r], torch.float32, "row weight grad")
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_symmetric_memory_linears_trace_into_one_compiled_graph(tp: int) -> None:
+    run_distributed(_symmetric_in_graph, tp, tp, timeout=600)
+
+
+def _model_in_graph(tp: int) -> tuple[float, dict[str, torch.Tensor], int]:
+    """A compiled GPT at tp + SP with the symmetric-memory linears traced into its layers: per-token loss, gathered
+    gradients of two weights, and the number of graph breaks at the eager collectives."""
+    from mcore_models import GPTModel
+    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory
+    from mcore_parallel.tensor._comm import all_gather
+    from tests._model_configs import llama
+
+    _register_cpu_symmetric_ops()
+    state = _state(tp, True)
+    model = GPTModel(llama(params_dtype="float32"), tp=state.tp, sequence_parallel=True).train()
+    enable_symmetric_memory(state.tp, in_graph=True)
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model.compile_layers()
+        tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss = model(tokens, labels=tokens)
+        loss.mean().backward()
+    finally:
+        disable_symmetric_memory(state.tp)
+    layer = next(iter(model.decoder.layers.values()))
+    gate, up = layer.mlp.linear_fc1.weight.grad.chunk(2, 0)  # each rank holds [its gate rows; its up rows]
+    grads = {
+        "fc1": torch.cat([all_gather(gate.contiguous(), state.tp, 0), all_gather(up.contiguous(), state.tp, 0)]),
+        "proj": all_gather(layer.self_attention.linear_proj.weight.grad, state.tp, 1),
+    }
+    breaks = sum(n for k, n in torch._dynamo.utils.counters["graph_break"].items() if "torch.compiler.disable" in k)
+    return float(loss.mean()), grads, breaks
+
+
+def test_compiled_model_with_traced_symmetric_memory_linears_matches_one_process() -> None:
+    from mcore_models import GPTModel
+    from tests._model_configs import llama
+
+    model = GPTModel(llama(params_dtype="float32")).train()  # the same seeded weights, one process, eager
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens, labels=tokens)
+    loss.mean().backward()
+    layer = next(iter(model.decoder.layers.values()))
+    for got, grads, breaks in run_distributed(_model_in_graph, 2, 2, timeout=900):
+        assert abs(got - float(loss.mean())) < 1e-5
+        torch.testing.assert_close(grads["fc1"], layer.mlp.linear_fc1.weight.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads["proj"], layer.self_attention.linear_proj.weight.grad, rtol=1e-4, atol=1e-5)
+        assert breaks < 8  # the four SP linears of each layer no longer leave the graph (the loss's collectives do)
