@@ -189,14 +189,17 @@ case "${1:-}" in
       | grep -v Warning | tail -4 | tee -a "$OUT/s5-serve.log"
     ;;
   s5-serve2)
-    # one GPU (~3 min): the one-pass norm_linear kernel (kernel tests, timing), then batch 1 and 64 with it
+    # one GPU (~5 min): the one-pass norm_linear kernel (kernel and engine tests, launch sweep), then batch 1 and 64
+    # with it and without it
     timeout 120 python3 -m pytest -q tests/models/test_norm_linear.py tests/infer/test_gpu.py -k norm \
       -p no:cacheprovider 2>&1 | tail -1 | tee "$OUT/s5-serve2.log"
     timeout 90 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear2.json" 2>&1 \
       | grep '^{' | tee -a "$OUT/s5-serve2.log"
-    timeout 120 python3 bench/serve_bench.py --compile --lookahead --fuse-rope --fuse-residual --fuse-kv-write \
-      --fuse-norm-linear --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm2.json" 2>&1 \
-      | grep -v Warning | tail -3 | tee -a "$OUT/s5-serve2.log"
+    # the decode fusions are on by default now; with norm_linear (and the HF baseline), then without it
+    timeout 200 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --hf --concurrency 1,64 \
+      --http-concurrency 0 --out "$OUT/serve-norm2.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s5-serve2.log"
+    timeout 100 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
+      --out "$OUT/serve-base2.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s5-serve2.log"
     ;;
   s6-table)
     # one GPU (~5 min), issue 9's acceptance table side by side in one call: Hugging Face LlamaForCausalLM of the

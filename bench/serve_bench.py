@@ -252,9 +252,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
     ap.add_argument("--lookahead", action="store_true", help="EngineConfig.lookahead: overlap host and GPU steps")
-    ap.add_argument("--fuse-rope", action="store_true", help="EngineConfig.fuse_rope: RoPE inside the Triton kernels")
-    ap.add_argument("--fuse-residual", action="store_true", help="EngineConfig.fuse_residual: add + norm across layers")
-    ap.add_argument("--fuse-kv-write", action="store_true", help="EngineConfig.fuse_kv_write: KV write in attention")
+    for name, what in (("rope", "RoPE inside the Triton kernels"), ("residual", "add + norm across layers"),
+                       ("kv-write", "KV write in attention")):  # fmt: skip
+        ap.add_argument(f"--fuse-{name}", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"EngineConfig.fuse_{name.replace('-', '_')} (default on): {what}")  # fmt: skip
     ap.add_argument("--fuse-norm-linear", action="store_true", help="EngineConfig.fuse_norm_linear: norm in GEMV")
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
