@@ -212,13 +212,15 @@ case "${1:-}" in
       | tail -4 | tee -a "$OUT/s6-table.log"
     ;;
   s6-x2)
-    # nvidia-h200-x2 (~4 min), built in the fifth session after its device time was spent (issues 5 and 9): clipping
+    # nvidia-h200-x2 (~7 min), built in the fifth session after its device time was spent (issues 5 and 9): clipping
     # inside the fused AdamW (no host sync for the gradient norm) and, with compiled layers at tp > 1, the fused
     # vocabulary-parallel loss; tests first, then one GPU and tp2 + SP profiled
     timeout 200 python3 -m pytest -q tests/parallel/test_gpu_clip.py tests/parallel/test_tp_nccl.py \
       tests/train/test_compile.py -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/s6-x2.log"
     scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile-all tp2-sp-compile-symm-all \
       tp2-sp-compile-symm-ingraph --out "$OUT/s6-x2.json" 2>&1 | tail -5 | tee -a "$OUT/s6-x2.log"
+    scale --measure-peak --cases 1gpu-compile-mb8-gbs64-all tp2-sp-compile-symm-all-mb16 --out "$OUT/s6-x2-mb16.json" \
+      2>&1 | tail -4 | tee -a "$OUT/s6-x2.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

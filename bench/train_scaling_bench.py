@@ -128,6 +128,10 @@ CASES["tp2-sp-compile-symm-all"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8
 # experimental: the symmetric-memory linears traced into the compiled layers (no weight-gradient fusion with it)
 CASES["tp2-sp-compile-symm-ingraph"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
                                             _SWIGLU, _CONTIG, "parallel.tp_comm_in_graph=true"])  # fmt: skip
+# twice the micro-batch: half the host work per token (tp2 + SP is host-bound between the compiled pieces); the
+# one-GPU case with the same work per GPU and micro-batch is 1gpu-compile-mb8-gbs64-all
+CASES["tp2-sp-compile-symm-all-mb16"] = (2, [*_TP2_SYMM, "training.micro_batch_size=16", "training.global_batch_size=64",
+                                             _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
