@@ -109,3 +109,59 @@ def test_host_waits_count_blocking_cuda_calls_by_caller() -> None:
         "aten::_local_scalar_dense > cudaStreamSynchronize": 50.0,
         "(top level) > cudaDeviceSynchronize": 7.0,
     }
+
+
+def test_host_activity_during_idle_gpu_windows() -> None:
+    from types import SimpleNamespace as NS
+
+    from mcore_train.profiling import host_during_gaps, idle_windows
+
+    kernels = [(0.0, 10.0, "a"), (12.0, 20.0, "b"), (100.0, 110.0, "c"), (400.0, 410.0, "d")]
+    windows = idle_windows(kernels, 50.0)
+    assert windows == [(20.0, 100.0), (110.0, 400.0)]  # the 2 µs gap is below the threshold
+
+    def evt(name: str, a: float, b: float, parent: object = None, device: str = "DeviceType.CPU") -> NS:
+        return NS(name=name, time_range=NS(start=a, end=b), cpu_parent=parent, device_type=device)
+
+    compiled = evt("Torch-Compiled Region: 0/1", 15.0, 90.0)
+    events = [
+        compiled,
+        evt("aten::mm", 20.0, 30.0, parent=compiled),  # a child: counted through its parent only
+        evt("fused_all_gather_matmul", 95.0, 300.0),
+        evt("autograd::engine::evaluate_function: MmBackward0", 350.0, 420.0),
+        evt("kernel", 30.0, 60.0, device="DeviceType.CUDA"),  # device records are not host work
+    ]
+    got = host_during_gaps(events, windows)
+    assert got == {
+        "Torch-Compiled Region: 0/1": 70.0,  # 20..90
+        "fused_all_gather_matmul": 5.0 + 190.0,  # 95..100 and 110..300
+        "autograd::engine::evaluate_function: MmBackward0": 50.0,  # 350..400
+    }
+
+
+def test_summary_of_a_gpu_profile_has_the_timeline_tables() -> None:
+    """kernel_summary on GPU-like records (faked: this machine has no GPU): kernel classes, idle gaps, the kernels
+    around them, what the host ran meanwhile, and blocking CUDA calls."""
+    from types import SimpleNamespace as NS
+
+    from mcore_train.profiling import kernel_summary
+
+    cuda, cpu = "DeviceType.CUDA", "DeviceType.CPU"
+
+    def evt(name: str, a: float, b: float, device: str, parent: object = None) -> NS:
+        return NS(name=name, key=name, time_range=NS(start=a, end=b), device_type=device, cpu_parent=parent,
+                  is_user_annotation=False, self_device_time_total=b - a, self_cpu_time_total=0.0)  # fmt: skip
+
+    events = [
+        evt("nvjet_sm90_gemm", 0.0, 800.0, cuda),
+        evt("triton_poi_fused_add_0", 1800.0, 1900.0, cuda),  # after a 1 ms idle gap
+        evt("Torch-Compiled Region: 2/0", 700.0, 1790.0, cpu),
+        evt("cudaStreamSynchronize", 10.0, 700.0, cpu, parent=NS(name="aten::_local_scalar_dense")),
+    ]
+    prof = NS(events=lambda: events, key_averages=lambda: [e for e in events if e.device_type == cuda])
+    text, numbers = kernel_summary(prof, wall_s=0.002, steps=1)
+    assert numbers["classes_ms"]["gemm"] == 0.8
+    assert "| >= 500 µs | 1.0 | 1.00 |" in text
+    assert "| `nvjet_sm90_gemm` | `triton_poi_fused_add_0` | 1.0 | 1.00 |" in text
+    assert "| `Torch-Compiled Region: 2/0` | 0.99 |" in text
+    assert "| `aten::_local_scalar_dense > cudaStreamSynchronize` | 0.69 |" in text

@@ -21,7 +21,9 @@ __all__ = [
     "KERNEL_CLASSES",
     "StepProfiler",
     "classify_kernel",
+    "host_during_gaps",
     "idle_gaps",
+    "idle_windows",
     "kernel_summary",
     "timeline",
     "window_problem",
@@ -133,6 +135,39 @@ def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12) -> dict[st
     }
 
 
+def idle_windows(kernels: list[tuple[float, float, str]], min_gap: float) -> list[tuple[float, float]]:
+    """The gaps of at least ``min_gap`` between the merged kernel spans ``(start, end, name)``, as (start, end)."""
+    out: list[tuple[float, float]] = []
+    end = None
+    for a, b, _ in sorted(kernels):
+        if end is not None and a - end >= min_gap:
+            out.append((end, a))
+        end = b if end is None else max(end, b)
+    return out
+
+
+def host_during_gaps(events: list[Any], windows: list[tuple[float, float]]) -> dict[str, float]:
+    """What the host was running while the GPU sat idle: for each top-level CPU event (no parent; any thread), its
+    time overlapping the idle ``windows``, summed by name (µs). A GPU waiting for the host shows up here as the
+    operators (compiled regions, eager collectives, Python ranges) that kept the host busy."""
+    spans = sorted(windows)
+    starts = [a for a, _ in spans]
+    out: dict[str, float] = {}
+    for evt in events:
+        if "CUDA" in str(getattr(evt, "device_type", "")) or getattr(evt, "cpu_parent", None) is not None:
+            continue
+        a, b = float(evt.time_range.start), float(evt.time_range.end)
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        overlap = 0.0
+        while i < len(spans) and spans[i][0] < b:
+            overlap += max(0.0, min(b, spans[i][1]) - max(a, spans[i][0]))
+            i += 1
+        if overlap > 0:
+            name = str(evt.name)
+            out[name] = out.get(name, 0.0) + overlap
+    return out
+
+
 _SYNC_CALLS = ("synchronize", "cudamemcpy")
 
 
@@ -220,6 +255,16 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
         lines += [
             f"| `{a[:70]}` | `{b[:70]}` | {c / steps:.1f} | {t / 1e3 / steps:.2f} |" for a, b, c, t in gaps["pairs"]
         ]
+        windows = idle_windows(spans, 50.0)
+        busy_host = host_during_gaps(list(prof.events()), windows)
+        if busy_host:
+            lines += [
+                "",
+                "| host running (top-level operator) while the GPU idled ≥ 50 µs | ms per step |",
+                "|---|---|",
+            ]
+            ranked = sorted(busy_host.items(), key=lambda x: -x[1])[:12]
+            lines += [f"| `{k[:110]}` | {t / 1e3 / steps:.2f} |" for k, t in ranked]
         waits = host_waits(prof)
         if waits:
             lines += ["", "| host blocked in (caller > CUDA call) | ms per step |", "|---|---|"]
