@@ -18,6 +18,7 @@
 #   bash bench/device_calls.sh s5-serve2    # one GPU: the one-pass norm_linear kernel (issue 7); not run yet
 #   bash bench/device_calls.sh s6-table     # one GPU: issue 9's table, HF reference next to mcore; not run yet
 #   bash bench/device_calls.sh s6-curves    # one GPU: issue 9, 200-step loss curves of the best path; not run yet
+#   bash bench/device_calls.sh s6-autotune  # one GPU: issue 9, max-autotune compile of the layers (optional)
 #   bash bench/device_calls.sh s6-x2        # nvidia-h200-x2: sync-free clipping, fused tp loss (issue 5); not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
@@ -219,6 +220,11 @@ case "${1:-}" in
       --b training.compile=layers parallel.gradient_accumulation_fusion=true model.attention_contiguous=true \
       --extra model.preset=llama-1b data.seq_length=1024 training.micro_batch_size=4 training.global_batch_size=8 \
       scheduler.warmup_iters=20 --out "$OUT/curves-s6.json" 2>&1 | tail -30 | tee "$OUT/curves-s6.log"
+    ;;
+  s6-autotune)
+    # one GPU (~7 min, optional), issue 9: inductor's autotuned GEMM templates with fused epilogues
+    scale --measure-peak --case-timeout 500 --cases 1gpu-compile-mb8-gbs64-autotune --out "$OUT/autotune.json" 2>&1 \
+      | tail -3 | tee "$OUT/s6-autotune.log"
     ;;
   s6-x2)
     # nvidia-h200-x2 (~7 min), built in the fifth session after its device time was spent (issues 5 and 9): clipping

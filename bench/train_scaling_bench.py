@@ -133,6 +133,9 @@ CASES["tp2-sp-compile-symm-ingraph"] = (2, [*_TP2_SYMM, "training.micro_batch_si
 # one-GPU case with the same work per GPU and micro-batch is 1gpu-compile-mb8-gbs64-all
 CASES["tp2-sp-compile-symm-all-mb16"] = (2, [*_TP2_SYMM, "training.micro_batch_size=16", "training.global_batch_size=64",
                                              _SWIGLU, _GAF, _CONTIG])  # fmt: skip
+# inductor's autotuned GEMM templates with fused epilogues (no weight-gradient fusion: its linears leave the graph)
+CASES["1gpu-compile-mb8-gbs64-autotune"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _CONTIG,
+                                                "training.compile_mode=max-autotune-no-cudagraphs"])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 

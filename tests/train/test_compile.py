@@ -112,3 +112,16 @@ def test_symmetric_memory_linears_traced_into_compiled_layers_train_the_same() -
     assert traced == pytest.approx(out, abs=1e-4)
     assert traced == pytest.approx(reference, abs=1e-3)
     assert breaks_in < breaks_out
+
+
+def test_compile_mode_reaches_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_models.transformer.layer import TransformerLayer
+    from mcore_train import ConfigError
+
+    modes = []
+    monkeypatch.setattr(TransformerLayer, "compile", lambda self, **kw: modes.append(kw.get("mode")))
+    setup(config("training.train_iters=3", "training.device=cpu", "training.compile=layers",
+                 "training.compile_mode=max-autotune-no-cudagraphs"))  # fmt: skip
+    assert modes == ["max-autotune-no-cudagraphs"] * 4  # the tiny model's four layers
+    with pytest.raises(ConfigError, match="compile_mode='fast' must be default or max-autotune-no-cudagraphs"):
+        config("training.compile_mode=fast")

@@ -116,14 +116,15 @@ class GPTModel(nn.Module):
         return set(list(self.layer_numbers)[:n])
 
     # ----------------------------------------------------------------------------------------------- forward
-    def compile_layers(self, dynamic: bool = False) -> None:
+    def compile_layers(self, dynamic: bool = False, mode: str | None = None) -> None:
         """``torch.compile`` each transformer layer in place (names, checkpoints and the layer objects unchanged).
 
         Fuses the elementwise work between matmuls (norms, RoPE, SwiGLU, residual adds). Layers of one shape share
-        the compiled code. ``dynamic=True`` keeps the token count symbolic (inference, where every step differs).
+        the compiled code. ``dynamic=True`` keeps the token count symbolic (inference, where every step differs);
+        ``mode`` is ``torch.compile``'s (e.g. ``max-autotune-no-cudagraphs``).
         """
         for layer in self.decoder.layers.values():
-            layer.compile(dynamic=dynamic)
+            layer.compile(dynamic=dynamic, mode=mode)
         if self.post_process and self.ctx.tp.size == 1 and not dynamic:
             # the unfused loss on one tensor-parallel rank: one fused pass over the bf16 logits each way instead of
             # ~8 eager float32 passes (and no float32 softmax kept for backward)

@@ -218,6 +218,10 @@ class TrainingSection:
     compile: str = "none"
     """``torch.compile``: none, or layers (each transformer layer compiled on its own: fuses norms, RoPE, SwiGLU and
     residual adds; one compilation shared by all layers of the same shape)."""
+    compile_mode: str = "default"
+    """``torch.compile`` mode of the compiled layers: default, or max-autotune-no-cudagraphs (inductor benchmarks its
+    Triton GEMM templates against cuBLAS per shape and can fuse elementwise epilogues into them; compiles for
+    minutes)."""
     generate_at_end: int = 0
     """Greedily generate this many tokens from a prompt at the end and log the text (0: off)."""
     generate_prompt: str = "def "
@@ -233,6 +237,8 @@ class TrainingSection:
             problems.append(f"on_nan={self.on_nan!r} must be stop or skip")
         if self.compile not in ("none", "layers"):
             problems.append(f"compile={self.compile!r} must be none or layers")
+        if self.compile_mode not in ("default", "max-autotune-no-cudagraphs"):
+            problems.append(f"compile_mode={self.compile_mode!r} must be default or max-autotune-no-cudagraphs")
         if self.rampup_batch_size and len(self.rampup_batch_size) != 3:
             problems.append("rampup_batch_size must be [start, increment, ramp samples]")
         if problems:

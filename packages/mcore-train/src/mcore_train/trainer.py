@@ -130,14 +130,15 @@ def build_model_chunks(
             )
         )
     if config.training.compile == "layers":
-        compile_layers(chunks)
+        mode = config.training.compile_mode
+        compile_layers(chunks, None if mode == "default" else mode)
     return chunks
 
 
-def compile_layers(chunks: list[GPTModel]) -> None:
+def compile_layers(chunks: list[GPTModel], mode: str | None = None) -> None:
     """Compile every transformer layer in place (parameter names and checkpoints are unchanged)."""
     for chunk in chunks:
-        chunk.compile_layers(dynamic=False)
+        chunk.compile_layers(dynamic=False, mode=mode)
     logger.info("compiled %d transformer layers with torch.compile", sum(len(c.decoder.layers) for c in chunks))
 
 
