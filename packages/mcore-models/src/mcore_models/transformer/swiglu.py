@@ -75,12 +75,15 @@ def _launch(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 @torch.library.custom_op("mcore_models::swiglu_backward", mutates_args=())
 def swiglu_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``[d_gate; d_up]`` of ``silu(gate) * up`` for ``x = [gate; up]`` (last dimension) and the output gradient."""
-    if x.is_cuda:
+    if x.is_cuda and x.dtype in _KERNEL_DTYPES and grad.dtype == x.dtype:
         return _launch(x, grad)
-    return swiglu_backward_reference(x, grad)
+    return swiglu_backward_reference(x, grad)  # the CPU, and float64 (checks against references)
 
 
 @swiglu_backward.register_fake
