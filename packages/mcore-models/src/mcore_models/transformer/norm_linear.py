@@ -70,7 +70,7 @@ def _kernel() -> Any:
         nmask = cols < N
         # one pass: W (h * g) and the rows' sums of squares together; the per-row 1 / rms is applied at the end,
         # so no program waits for a norm before streaming its weights
-        sq = tl.zeros([M_PAD, BLOCK_K], tl.float32)
+        sq = tl.zeros([M_PAD], tl.float32)  # per-row sums of squares (a [M_PAD, BLOCK_K] accumulator costs registers)
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
         acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -86,7 +86,7 @@ def _kernel() -> Any:
                 h = h + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
             tl.store(H + rows[:, None] * stride_h + ks[None, :], h, mask=m2 & (pid == 0))
             hf = h.to(tl.float32)
-            sq += hf * hf
+            sq += tl.sum(hf * hf, axis=1)
             g = tl.load(G + ks, mask=kmask, other=0.0).to(tl.float32)
             hg = (hf * g[None, :]).to(dtype)
             if IEEE:
@@ -98,7 +98,7 @@ def _kernel() -> Any:
                     acc_up += tl.dot(hg, tl.trans(wu), input_precision="ieee")
                 else:
                     acc_up += tl.dot(hg, tl.trans(wu))
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
         acc = acc * rstd[:, None]
         if SWIGLU:
             gate = acc.to(dtype).to(tl.float32)
