@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# tp2 + SP at micro-batch 8; through NCCL (pinned: the default tp_comm=auto picks symmetric memory on one host)
+_TP2_MB8 = ["parallel.tp=2", "parallel.sequence_parallel=true", "training.micro_batch_size=8",
+            "training.global_batch_size=32"]  # fmt: skip
+_TP2_NCCL = [*_TP2_MB8, "parallel.tp_comm=nccl"]
 CASES: dict[str, tuple[int, list[str]]] = {
     "1gpu": (1, ["training.micro_batch_size=4", "training.global_batch_size=16"]),
     "dp2": (2, ["training.micro_batch_size=4", "training.global_batch_size=32"]),
@@ -27,16 +31,7 @@ CASES: dict[str, tuple[int, list[str]]] = {
         2,
         ["training.micro_batch_size=4", "training.global_batch_size=32", "parallel.overlap_grad_reduce=false"],
     ),
-    "tp2-sp": (
-        2,
-        [
-            "parallel.tp=2",
-            "parallel.tp_comm=nccl",
-            "parallel.sequence_parallel=true",
-            "training.micro_batch_size=8",
-            "training.global_batch_size=32",
-        ],
-    ),
+    "tp2-sp": (2, _TP2_NCCL),
 }
 # One-GPU optimisation ladder (issue 9): each lever on top of the eager baseline, then together, then per micro-batch.
 _MB4 = ["training.micro_batch_size=4", "training.global_batch_size=16"]
@@ -76,28 +71,8 @@ CASES.update(
         "1gpu-compile-mb8-gbs64-contig": (1, [*_MB8_GBS64, _COMPILE, _CONTIG]),
         "1gpu-compile-mb8-gbs64-all": (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
         "1gpu-compile-all": (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
-        "tp2-sp-compile": (
-            2,
-            [
-                "parallel.tp=2",
-                "parallel.tp_comm=nccl",
-                "parallel.sequence_parallel=true",
-                "training.micro_batch_size=8",
-                "training.global_batch_size=32",
-                _COMPILE,
-            ],
-        ),
-        "tp2-sp-compile-symm": (
-            2,
-            [
-                "parallel.tp=2",
-                "parallel.sequence_parallel=true",
-                "training.micro_batch_size=8",
-                "training.global_batch_size=32",
-                _COMPILE,
-                "parallel.tp_comm=symmetric_memory",
-            ],
-        ),
+        "tp2-sp-compile": (2, [*_TP2_NCCL, _COMPILE]),
+        "tp2-sp-compile-symm": (2, [*_TP2_MB8, _COMPILE, "parallel.tp_comm=symmetric_memory"]),
         "1gpu-compile-mb16-gbs64-all": (
             1,
             ["training.micro_batch_size=16", "training.global_batch_size=64", _COMPILE, _SWIGLU, _GAF, _CONTIG],
@@ -108,18 +83,7 @@ CASES.update(
         "1gpu-opt-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
         "1gpu-opt-recompute": (1, [*_MB4, _COMPILE, _FUSED_CE, "model.recompute=full"]),
         "dp2-opt": (2, ["training.micro_batch_size=4", "training.global_batch_size=32", _COMPILE, _FUSED_CE]),
-        "tp2-sp-opt": (
-            2,
-            [
-                "parallel.tp=2",
-                "parallel.tp_comm=nccl",
-                "parallel.sequence_parallel=true",
-                "training.micro_batch_size=8",
-                "training.global_batch_size=32",
-                _COMPILE,
-                _FUSED_CE,
-            ],
-        ),
+        "tp2-sp-opt": (2, [*_TP2_NCCL, _COMPILE, _FUSED_CE]),
     }
 )
 # tp2 + SP through symmetric memory with the one-GPU levers (compare with 1gpu-compile-all / -mb8-gbs64-all)

@@ -98,14 +98,14 @@ def test_host_waits_count_blocking_cuda_calls_by_caller() -> None:
     def evt(name: str, a: float, b: float, parent: object = None) -> NS:
         return NS(name=name, time_range=NS(start=a, end=b), cpu_parent=parent)
 
-    prof = NS(events=lambda: [
+    events = [
         evt("cudaStreamSynchronize", 0, 40, item),
         evt("cudaStreamSynchronize", 100, 110, item),
         evt("cudaMemcpyAsync", 0, 500, item),  # does not block
         evt("cudaDeviceSynchronize", 0, 7),
         evt("cudaLaunchKernel", 0, 900, item),
-    ])  # fmt: skip
-    assert host_waits(prof) == {
+    ]
+    assert host_waits(events) == {
         "aten::_local_scalar_dense > cudaStreamSynchronize": 50.0,
         "(top level) > cudaDeviceSynchronize": 7.0,
     }

@@ -230,21 +230,19 @@ class GPTModel(nn.Module):
             if w is None:  # tied to the embedding
                 w = self.embedding.word_embeddings.weight
             logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w)
-            if gather_logits:
-                logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]
-            return logits.transpose(0, 1)
-        if pending is not None:
-            hidden = hidden + pending
-        if not self.post_process:
-            return hidden
-        assert self.decoder.final_layernorm is not None
-        if inference_context is not None and inference_context.logits_index is not None:
-            hidden = hidden.index_select(0, inference_context.logits_index)
-        hidden = self.decoder.final_layernorm(hidden)
-        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        if labels is not None and self.config.cross_entropy_fusion and inference_context is None:
-            return self._fused_loss(hidden, weight, labels)
-        logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
+        else:
+            if pending is not None:
+                hidden = hidden + pending
+            if not self.post_process:
+                return hidden
+            assert self.decoder.final_layernorm is not None
+            if inference_context is not None and inference_context.logits_index is not None:
+                hidden = hidden.index_select(0, inference_context.logits_index)
+            hidden = self.decoder.final_layernorm(hidden)
+            weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+            if labels is not None and self.config.cross_entropy_fusion and inference_context is None:
+                return self._fused_loss(hidden, weight, labels)
+            logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
         if labels is None:
             if gather_logits:
                 logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]

@@ -171,11 +171,11 @@ def host_during_gaps(events: list[Any], windows: list[tuple[float, float]]) -> d
 _SYNC_CALLS = ("synchronize", "cudamemcpy")
 
 
-def host_waits(prof: Any) -> dict[str, float]:
+def host_waits(events: list[Any]) -> dict[str, float]:
     """µs the host spent in blocking CUDA runtime calls (stream/event/device synchronisation, synchronous copies),
     keyed by ``caller > call`` (the nearest operator above the call): the places that drain the GPU's queue."""
     waits: dict[str, float] = {}
-    for evt in prof.events():
+    for evt in events:
         name = str(evt.name)
         low = name.lower()
         if not any(k in low for k in _SYNC_CALLS) or "async" in low:
@@ -193,10 +193,10 @@ def _is_kernel(evt: Any, name: str) -> bool:
     return on_device and not getattr(evt, "is_user_annotation", False) and not _is_annotation(name)
 
 
-def _kernels(prof: Any) -> list[tuple[float, float, str]]:
+def _kernels(events: list[Any]) -> list[tuple[float, float, str]]:
     return [
         (float(evt.time_range.start), float(evt.time_range.end), str(evt.name))
-        for evt in prof.events()
+        for evt in events
         if _is_kernel(evt, evt.name)
     ]
 
@@ -226,7 +226,8 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
         classes[cls] = classes.get(cls, 0.0) + ms
     busy = sum(kernels.values())
     wall_ms = wall_s * 1e3 / steps
-    spans = _kernels(prof)
+    records = list(prof.events())  # read once: a window can hold millions of records
+    spans = _kernels(records)
     tl = {
         k: v / 1e3 / steps
         for k, v in timeline([(a, b, classify_kernel(n) == COLLECTIVES) for a, b, n in spans]).items()
@@ -256,7 +257,7 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
             f"| `{a[:70]}` | `{b[:70]}` | {c / steps:.1f} | {t / 1e3 / steps:.2f} |" for a, b, c, t in gaps["pairs"]
         ]
         windows = idle_windows(spans, 50.0)
-        busy_host = host_during_gaps(list(prof.events()), windows)
+        busy_host = host_during_gaps(records, windows)
         if busy_host:
             lines += [
                 "",
@@ -265,7 +266,7 @@ def kernel_summary(prof: Any, wall_s: float, steps: int, top: int = 30) -> tuple
             ]
             ranked = sorted(busy_host.items(), key=lambda x: -x[1])[:12]
             lines += [f"| `{k[:110]}` | {t / 1e3 / steps:.2f} |" for k, t in ranked]
-        waits = host_waits(prof)
+        waits = host_waits(records)
         if waits:
             lines += ["", "| host blocked in (caller > CUDA call) | ms per step |", "|---|---|"]
             ranked = sorted(waits.items(), key=lambda x: -x[1])[:10]

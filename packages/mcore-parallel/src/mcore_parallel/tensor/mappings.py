@@ -248,8 +248,8 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-_SYMMETRIC_GROUPS: set[str] = set()
-_SYMMETRIC_IN_GRAPH: set[str] = set()  # groups whose symmetric-memory linears torch.compile may trace
+# process-group name -> whether torch.compile may trace that group's symmetric-memory linears (``in_graph``)
+_SYMMETRIC_GROUPS: dict[str, bool] = {}
 
 
 def enable_symmetric_memory(group: Group, in_graph: bool = False) -> None:
@@ -272,18 +272,13 @@ def enable_symmetric_memory(group: Group, in_graph: bool = False) -> None:
     from torch.distributed import _symmetric_memory
 
     _symmetric_memory.enable_symm_mem_for_group(group.pg.group_name)
-    _SYMMETRIC_GROUPS.add(group.pg.group_name)
-    if in_graph:
-        _SYMMETRIC_IN_GRAPH.add(group.pg.group_name)
-    else:
-        _SYMMETRIC_IN_GRAPH.discard(group.pg.group_name)
+    _SYMMETRIC_GROUPS[group.pg.group_name] = in_graph
 
 
 def disable_symmetric_memory(group: Group) -> None:
     """Back to the NCCL path for ``group``'s sequence-parallel linears."""
     if group.pg is not None:
-        _SYMMETRIC_GROUPS.discard(group.pg.group_name)
-        _SYMMETRIC_IN_GRAPH.discard(group.pg.group_name)
+        _SYMMETRIC_GROUPS.pop(group.pg.group_name, None)
 
 
 def _symmetric_name(group: Group) -> str | None:
@@ -364,9 +359,7 @@ def sequence_parallel_row_linear(
         return linear(x, weight, None, fuse_wgrad)
     name = _symmetric_name(group)
     if name is not None:
-        if name in _SYMMETRIC_IN_GRAPH:
-            return _SymmetricRowLinear.apply(x, weight, name, group.size, fuse_wgrad)
-        return _eager(_SymmetricRowLinear.apply, x, weight, name, group.size, fuse_wgrad)
+        return _symmetric(_SymmetricRowLinear.apply, name, x, weight, name, group.size, fuse_wgrad)
     return _eager(_SequenceParallelRowLinear.apply, x, weight, group, fuse_wgrad)
 
 
@@ -379,10 +372,13 @@ def sequence_parallel_linear(
         return linear(x, weight, bias, fuse_wgrad)
     name = _symmetric_name(group)
     if name is not None:
-        if name in _SYMMETRIC_IN_GRAPH:
-            return _SymmetricColumnLinear.apply(x, weight, bias, name, group.size, fuse_wgrad)
-        return _eager(_SymmetricColumnLinear.apply, x, weight, bias, name, group.size, fuse_wgrad)
+        return _symmetric(_SymmetricColumnLinear.apply, name, x, weight, bias, name, group.size, fuse_wgrad)
     return _eager(_SequenceParallelLinear.apply, x, weight, bias, group, fuse_wgrad)
+
+
+def _symmetric(fn: Any, name: str, *args: Any) -> torch.Tensor:
+    """A symmetric-memory linear: traced by ``torch.compile`` when its group was enabled ``in_graph``, else eager."""
+    return fn(*args) if _SYMMETRIC_GROUPS[name] else _eager(fn, *args)
 
 
 @torch.compiler.disable
