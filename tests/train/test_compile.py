@@ -39,10 +39,11 @@ def test_compiled_layers_and_fused_loss_under_tensor_and_sequence_parallelism() 
     """Compiled layers under TP/SP, with the fused output-layer loss, train the same (tp=2 + SP on gloo, both levers
     on = one process, eager, unfused). The TP/SP collectives stay out of the compiled graphs (graph breaks at
     ``mappings._eager``): traced, they trained wrongly with NCCL on GPUs while gloo still matched."""
-    reference = _losses(["training.train_iters=3"])
+    reference = _losses(["training.train_iters=3", "training.device=cpu"])
     tp2, breaks = run_distributed(_losses_and_collective_breaks, 2,
-                                  ["training.train_iters=3", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                   "training.compile=layers", "model.cross_entropy_fusion=true"],
+                                  ["training.train_iters=3", "training.device=cpu", "parallel.tp=2",
+                                   "parallel.sequence_parallel=true", "training.compile=layers",
+                                   "model.cross_entropy_fusion=true"],
                                   timeout=600)[0]  # fmt: skip
     assert tp2 == pytest.approx(reference, abs=1e-5)
     assert breaks > 0  # the collectives ran outside the compiled graphs
@@ -68,10 +69,10 @@ def _losses_and_fused_loss_passes(overrides: list[str]) -> tuple[list[float], li
 def test_compiled_layers_use_the_fused_vocab_parallel_loss() -> None:
     """With tp > 1 and the unfused output layer, compile_layers runs the loss as the fused vocabulary-parallel
     cross-entropy (compiled passes, eager all-reduces): losses equal one eager process."""
-    reference = _losses(["training.train_iters=3"])
+    reference = _losses(["training.train_iters=3", "training.device=cpu"])
     tp2, passes = run_distributed(_losses_and_fused_loss_passes, 2,
-                                  ["training.train_iters=3", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                   "training.compile=layers"], timeout=600)[0]  # fmt: skip
+                                  ["training.train_iters=3", "training.device=cpu", "parallel.tp=2",
+                                   "parallel.sequence_parallel=true", "training.compile=layers"], timeout=600)[0]  # fmt: skip
     assert tp2 == pytest.approx(reference, abs=1e-5)
     assert {"row_max", "row_stats", "logits_grad"} <= set(passes)
 
