@@ -215,3 +215,47 @@ def test_zero_count_only_when_asked() -> None:
     assert opt.step().num_zeros == 4  # log_num_zeros_in_grad defaults to True
     grads()
     assert opt.step(count_zeros=True).num_zeros == 4
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device() -> None:
+    """step(skip_if_nonfinite=...): a nan loss or an inf gradient leaves weights, moments and Adam's step count as
+    they were (the next update equals the first update of a fresh optimizer); only the fused AdamW offers it."""
+    from mcore_parallel import ParallelConfig, ParallelState
+    from mcore_parallel.optim import OptimizerConfig, get_optimizer
+
+    state = ParallelState.initialize(ParallelConfig())
+
+    def fresh(**kw: object) -> tuple[torch.nn.Linear, object]:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        return net, get_optimizer(OptimizerConfig(lr=0.1, **kw), [net], state)  # type: ignore[arg-type]
+
+    def grads(net: torch.nn.Linear, value: float = 1.0) -> None:
+        for p in net.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        net.weight.grad[0, 0] = value
+
+    ref, ref_opt = fresh(fused=True)
+    grads(ref)
+    assert ref_opt.step(skip_if_nonfinite=torch.tensor(2.0)).skipped.item() == 0.0  # type: ignore[attr-defined]
+
+    net, opt = fresh(fused=True)
+    assert opt.skips_on_device  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in net.parameters()]
+    grads(net)
+    assert opt.step(skip_if_nonfinite=torch.tensor(float("nan"))).skipped.item() == 1.0  # type: ignore[attr-defined]
+    grads(net, float("inf"))
+    assert opt.step(skip_if_nonfinite=torch.tensor(2.0)).skipped.item() == 1.0  # type: ignore[attr-defined]
+    for p, b in zip(net.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    grads(net)
+    opt.step(skip_if_nonfinite=torch.tensor(2.0))  # type: ignore[attr-defined]
+    for p, r in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+
+    _, foreach = fresh(fused=False)
+    assert not foreach.skips_on_device  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="needs the fused AdamW kernel"):
+        foreach.step(skip_if_nonfinite=torch.tensor(2.0))  # type: ignore[attr-defined]
+    _, sgd = fresh(fused=True, optimizer="sgd")
+    assert not sgd.skips_on_device  # type: ignore[attr-defined]

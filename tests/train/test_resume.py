@@ -109,7 +109,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
 def _nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
     from mcore_train import loop
 
-    real = loop._run_schedule
+    real = loop._schedule_loss
     calls = {"train": 0}
 
     def patched(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
@@ -117,10 +117,10 @@ def _nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
         if not forward_only:
             calls["train"] += 1
             if calls["train"] == bad_step:
-                return float("nan")
+                return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(loop, "_run_schedule", patched)
+    monkeypatch.setattr(loop, "_schedule_loss", patched)
 
 
 def test_nan_loss_stops_naming_the_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,18 +89,33 @@ def _global_batch_size(run: Run) -> int:
     return min(tr.global_batch_size, start + int(run.consumed_samples // per_increment) * increment)
 
 
-def _agree(run: Run, loss: float, stop: bool) -> tuple[float, bool]:
-    """(mean loss over data-parallel ranks, whether any rank wants to stop), identical on every rank."""
+def _agree_start(run: Run, loss: torch.Tensor | float | None, stop: bool) -> torch.Tensor:
+    """``[loss sum over the ranks that report it, number of ranks that want to stop]`` (float64, on the device): one
+    all-reduce, enqueued without waiting for it (:func:`_agree_values` turns it into host values)."""
     st = run.state
-    contributes = st.is_last_stage and st.tp.rank == 0
-    t = torch.tensor([loss if contributes else 0.0, 1.0 if stop else 0.0], dtype=torch.float64, device=st.device)
+    # filled on the device: torch.tensor(..., device="cuda") would copy from pageable memory and wait for the GPU
+    t = torch.zeros(2, dtype=torch.float64, device=st.device)
+    if stop:
+        t[1] = 1.0
+    if loss is not None and st.is_last_stage and st.tp.rank == 0:
+        t[0] = loss
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)  # one collective: the loss sum, and how many ranks want to stop
-    loss_sum, stops = t.tolist()
-    return loss_sum / st.dp_size / st.cp.size, stops > 0
+    return t
 
 
-def _run_schedule(run: Run, iterators: list[Any], num_micro: int, forward_only: bool) -> float:
+def _agree_values(run: Run, loss_sum: float, stops: float) -> tuple[float, bool]:
+    """(mean loss over data-parallel ranks, whether any rank wants to stop), identical on every rank."""
+    return loss_sum / run.state.dp_size / run.state.cp.size, stops > 0
+
+
+def _agree(run: Run, loss: float, stop: bool) -> tuple[float, bool]:
+    loss_sum, stops = _agree_start(run, loss, stop).tolist()
+    return _agree_values(run, loss_sum, stops)
+
+
+def _schedule_loss(run: Run, iterators: list[Any], num_micro: int, forward_only: bool) -> torch.Tensor | None:
+    """Run the schedule; the mean loss over its micro-batches as a device scalar (None on ranks that compute none)."""
     cfg = run.config
     reported = forward_backward(
         _forward_step, iterators, list[Any](run.ddp), num_micro, cfg.data.seq_length, cfg.training.micro_batch_size,
@@ -108,8 +123,40 @@ def _run_schedule(run: Run, iterators: list[Any], num_micro: int, forward_only: 
         grad_scale_func=None if forward_only else run.optimizer.scale_loss,
     )  # fmt: skip
     if not reported:
-        return 0.0
-    return float(torch.stack([r["loss"].float() for r in reported]).mean().item())
+        return None
+    return torch.stack([r["loss"].float() for r in reported]).mean()
+
+
+def _run_schedule(run: Run, iterators: list[Any], num_micro: int, forward_only: bool) -> float:
+    loss = _schedule_loss(run, iterators, num_micro, forward_only)
+    return 0.0 if loss is None else float(loss.item())
+
+
+@dataclass
+class _InFlight:
+    """A training step whose work is enqueued but whose loss the host has not read yet."""
+
+    step: int  # 1-based
+    global_batch: int
+    lr: float
+    logs: bool  # this step is logged
+    values: torch.Tensor  # [loss sum, stop votes, skipped, grad norm] on the host (pinned, filled asynchronously)
+    ready: Any  # CUDA event recorded after the copy (None when the values are already there)
+    result: Any  # the optimizer's StepResult (None when the host skipped the step)
+    samples_before: int  # consumed samples when the step began
+    tokens_after: int  # consumed tokens when it ended
+
+
+def _launch_readback(t: torch.Tensor, result: Any) -> tuple[torch.Tensor, Any]:
+    """Copy the step's agreed values, skip flag and gradient norm to the host without waiting for them."""
+    values = torch.cat([t, result.skipped.double().reshape(1), result.grad_norm_tensor.double().reshape(1)])
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def evaluate(run: Run, evaluation_index: int) -> float | None:
@@ -161,8 +208,38 @@ def save_checkpoint(run: Run, reason: str) -> None:
     run.last_saved_step = run.step
 
 
+def _every(step: int, interval: int | None) -> bool:
+    return interval is not None and interval > 0 and step % interval == 0
+
+
+def _diverged(run: Run, step: int, loss: float, samples: int) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"the loss is {loss} at step {step} (consumed samples {samples}); lower optimizer.lr, check the data, or set "
+        "training.on_nan=skip to drop such steps"
+    )
+
+
+def _step_now(run: Run, t: torch.Tensor, step: int, logs: bool) -> tuple[Any, torch.Tensor]:
+    """The update when the optimizer cannot skip on the device: read the loss first, step only when it is finite."""
+    loss_sum, stops = t.tolist()
+    finite = math.isfinite(loss_sum)  # the mean loss is the sum over a positive count
+    if not finite and run.config.training.on_nan == "stop":
+        raise _diverged(run, step, loss_sum, run.consumed_samples)
+    # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
+    result = run.optimizer.step(count_zeros=None if logs else False) if finite else None
+    skipped = result is None or not result.success
+    norm = result.grad_norm if logs and result is not None else None
+    return result, torch.tensor([loss_sum, stops, float(skipped), math.nan if norm is None else norm])
+
+
 def train(run: Run) -> TrainResult:
-    """Train until an exit condition; returns the losses and why it stopped."""
+    """Train until an exit condition; returns the losses and why it stopped.
+
+    When the optimizer can drop a non-finite step on the device (AdamW's fused kernel without fp16 loss scaling:
+    the default on GPUs), nothing in a step waits for the GPU: the host reads a step's loss (and the ranks' stop
+    votes) after it has enqueued the next step, so the GPU never idles between steps; a nan loss and a stop request
+    then take effect one step later. Otherwise each step's loss is read before its update.
+    """
     cfg, st = run.config, run.state
     tr, lg = cfg.training, cfg.logging
     is_logger = st.rank == 0
@@ -181,6 +258,60 @@ def train(run: Run) -> TrainResult:
     window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
     staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
+    lagged = run.optimizer.skips_on_device
+    in_flight: _InFlight | None = None
+
+    def finish(f: _InFlight) -> bool:
+        """The host's part of a step whose work is enqueued: nan check, skip count, progress, log; True to stop."""
+        nonlocal window
+        if f.ready is not None:
+            f.ready.synchronize()  # waits for this step's values only, not for the work enqueued after them
+        loss_sum, stops, skipped, norm = f.values.tolist()
+        loss, want_stop = _agree_values(run, loss_sum, stops)
+        finite = math.isfinite(loss)
+        if not finite and tr.on_nan == "stop":
+            result.exit_reason = "nan"
+            raise _diverged(run, f.step, loss, f.samples_before)
+        if skipped:
+            run.skipped_steps += 1
+            if not finite or (f.result is not None and f.result.skipped is not None):
+                logger.warning("step %d: loss %s, gradient norm %s: update skipped", f.step, loss, norm)
+        if finite:
+            result.losses.append(loss)
+            window["loss"] += loss
+            window["n"] += 1
+        window["tokens"] += f.global_batch * cfg.data.seq_length
+        window["samples"] += f.global_batch
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{f.lr:.2e}")
+        if f.logs:
+            elapsed = time.perf_counter() - window["t0"]
+            tok_s = window["tokens"] / elapsed
+            tflops = tok_s * flops_per_token / st.world_size / 1e12
+            step_result = f.result
+            record: dict[str, Any] = {
+                "loss": window["loss"] / max(window["n"], 1),
+                "lr": f.lr,
+                "grad_norm": None if step_result is None or math.isnan(norm) else norm,
+                "num_zeros": None if step_result is None else step_result.num_zeros,
+                "loss_scale": None if step_result is None else step_result.loss_scale,
+                "tokens_per_s": tok_s,
+                "samples_per_s": window["samples"] / elapsed,
+                "tflops_per_gpu": tflops,
+                "global_batch_size": f.global_batch,
+                "consumed_tokens": f.tokens_after,
+                "skipped_steps": run.skipped_steps,
+                **memory_stats(st.device),
+            }
+            if peak:
+                record["mfu"] = tflops / peak
+            if is_logger:
+                writer.write(f.step, record)
+                _log_line(run, f.step, record)
+            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+        return want_stop
+
     try:
         while run.step < run.train_iters:
             gb = _global_batch_size(run)
@@ -188,69 +319,41 @@ def train(run: Run) -> TrainResult:
             lr = run.scheduler.apply(run.optimizer, run.step)
             profiler.before_step(run.step + 1)
             run.optimizer.zero_grad()
-            local_loss = _run_schedule(run, iterators, num_micro, False)
+            local_loss = _schedule_loss(run, iterators, num_micro, False)
             over_time = (
                 tr.exit_duration_minutes is not None and time.monotonic() - start_time > 60 * tr.exit_duration_minutes
             )
-            loss, want_stop = _agree(run, local_loss, stop.requested is not None or over_time)
-            finite = math.isfinite(loss)
-            if not finite and tr.on_nan == "stop":
-                result.exit_reason = "nan"
-                raise TrainingDiverged(
-                    f"the loss is {loss} at step {run.step + 1} (consumed samples {run.consumed_samples}); lower "
-                    "optimizer.lr, check the data, or set training.on_nan=skip to drop such steps"
-                )
+            t = _agree_start(run, local_loss, stop.requested is not None or over_time)
             logs_now = (run.step + 1) % lg.log_interval == 0 or run.step + 1 == run.train_iters  # this step is logged
-            # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
-            step_result = run.optimizer.step(count_zeros=None if logs_now else False) if finite else None
-            if not finite or (step_result is not None and not step_result.success):
-                run.skipped_steps += 1
-                if not finite:
-                    logger.warning("step %d: loss is %s, update skipped", run.step + 1, loss)
+            if lagged:
+                # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
+                step_result = run.optimizer.step(count_zeros=None if logs_now else False, skip_if_nonfinite=t[0])
+                values, ready = _launch_readback(t, step_result)
+            else:
+                (step_result, values), ready = _step_now(run, t, run.step + 1, logs_now), None
+            current = _InFlight(run.step + 1, gb, lr, logs_now, values, ready, step_result, run.consumed_samples,
+                                run.consumed_tokens + gb * cfg.data.seq_length)  # fmt: skip
             run.step += 1
             profiler.after_step(run.step)
             run.consumed_samples += gb
             run.consumed_tokens += gb * cfg.data.seq_length
-            if finite:
-                result.losses.append(loss)
-                window["loss"] += loss
-                window["n"] += 1
-            window["tokens"] += gb * cfg.data.seq_length
-            window["samples"] += gb
             if run.checkpoints is not None:
                 if not staging_reserved and cfg.checkpoint.save_interval:
                     # the optimizer state exists now: the first async save then finds its host buffer allocated
                     run.checkpoints.reserve(run.items, run.optimizer)
                     staging_reserved = True
                 run.checkpoints.poll()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-            if logs_now:
-                elapsed = time.perf_counter() - window["t0"]
-                tok_s = window["tokens"] / elapsed
-                tflops = tok_s * flops_per_token / st.world_size / 1e12
-                record: dict[str, Any] = {
-                    "loss": window["loss"] / max(window["n"], 1),
-                    "lr": lr,
-                    "grad_norm": None if step_result is None else step_result.grad_norm,
-                    "num_zeros": None if step_result is None else step_result.num_zeros,
-                    "loss_scale": None if step_result is None else step_result.loss_scale,
-                    "tokens_per_s": tok_s,
-                    "samples_per_s": window["samples"] / elapsed,
-                    "tflops_per_gpu": tflops,
-                    "global_batch_size": gb,
-                    "consumed_tokens": run.consumed_tokens,
-                    "skipped_steps": run.skipped_steps,
-                    **memory_stats(st.device),
-                }
-                if peak:
-                    record["mfu"] = tflops / peak
-                if is_logger:
-                    writer.write(run.step, record)
-                    _log_line(run, record)
-                window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
-            if tr.eval_interval and run.step % tr.eval_interval == 0 and run.step < run.train_iters:
+            # the previous step's bookkeeping runs while the GPU works on this one
+            want_stop = finish(in_flight) if in_flight is not None else False
+            in_flight = current
+            more = run.step < run.train_iters
+            eval_due = more and _every(run.step, tr.eval_interval)
+            exit_due = more and _every(run.step, tr.exit_interval)
+            save_due = _every(run.step, cfg.checkpoint.save_interval)
+            if not lagged or want_stop or eval_due or exit_due or save_due or run.step >= run.train_iters:
+                want_stop = finish(in_flight) or want_stop
+                in_flight = None
+            if eval_due:
                 ev = evaluate(run, evaluation_index)
                 evaluation_index += 1
                 if ev is not None:
@@ -261,10 +364,10 @@ def train(run: Run) -> TrainResult:
             if want_stop:
                 result.exit_reason = stop.requested or "time_limit"
                 break
-            if tr.exit_interval and run.step % tr.exit_interval == 0 and run.step < run.train_iters:
+            if exit_due:
                 result.exit_reason = "exit_interval"
                 break
-            if cfg.checkpoint.save_interval and run.step % cfg.checkpoint.save_interval == 0:
+            if save_due:
                 save_checkpoint(run, "interval")
         if result.exit_reason == "train_iters":
             ev = evaluate(run, evaluation_index)
@@ -300,8 +403,8 @@ def _progress(run: Run) -> Any:
                 mininterval=1.0, disable=None)  # fmt: skip
 
 
-def _log_line(run: Run, r: dict[str, Any]) -> None:
-    parts = [f"step {run.step}/{run.train_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+def _log_line(run: Run, step: int, r: dict[str, Any]) -> None:
+    parts = [f"step {step}/{run.train_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
     if r.get("grad_norm") is not None:
         parts.append(f"grad norm {r['grad_norm']:.3f}")
     if r.get("loss_scale") is not None:

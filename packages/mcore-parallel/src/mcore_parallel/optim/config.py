@@ -41,6 +41,9 @@ class OptimizerConfig:
     """fp16 only: a constant loss scale instead of the dynamic one."""
     log_num_zeros_in_grad: bool = True
     """Count zero gradient elements (one more reduction per step)."""
+    fused: bool | None = None
+    """The torch optimizer's kernel: ``True`` fused (one kernel over every tensor, which also takes the clip factor
+    and a skip flag on the device), ``False`` ``foreach``; ``None``: fused on CUDA, foreach on the CPU."""
 
     def __post_init__(self) -> None:
         problems = []

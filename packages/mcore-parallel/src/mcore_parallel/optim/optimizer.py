@@ -47,6 +47,9 @@ class StepResult:
     """Zero gradient elements over all ranks, each counted once (None when skipped or not logged)."""
     loss_scale: float | None
     """The loss scale the gradients were divided by (None without fp16)."""
+    skipped: torch.Tensor | None = None
+    """With ``step(skip_if_nonfinite=...)``: 1.0 on the device when the fused kernel left the weights unchanged (a
+    non-finite loss or gradient norm), else 0.0; None when the host decided (``success`` says it)."""
 
     @property
     def grad_norm(self) -> float | None:
@@ -206,15 +209,32 @@ class MixedPrecisionOptimizer:
                 for p in chunk.parameters():
                     p.grad = None
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether :meth:`step` can drop a step on the device (``skip_if_nonfinite``): AdamW's fused kernel without
+        fp16 loss scaling. A loop then need not read the loss before stepping (no host sync per step). The same on
+        every rank: it follows the config and the device, not what this rank owns."""
+        fused = self.config.fused if self.config.fused is not None else self.state.device.type == "cuda"
+        return fused and self.scaler is None and self.config.optimizer == "adam"
+
     @torch.no_grad()
-    def step(self, count_zeros: bool | None = None) -> StepResult:
+    def step(self, count_zeros: bool | None = None, skip_if_nonfinite: torch.Tensor | None = None) -> StepResult:
         """Unscale, check, clip and apply the gradients; copy the new weights to the model.
 
         ``count_zeros`` (default: ``config.log_num_zeros_in_grad``) counts the exactly-zero gradient elements, a
         pass over every gradient and a host sync: a training loop asks for it only on the steps it logs.
+        ``skip_if_nonfinite`` (a device scalar, e.g. the step's loss; needs :attr:`skips_on_device`): the fused
+        kernel leaves weights, moments and step count unchanged when it or the global gradient norm is inf/nan,
+        decided on the device; ``StepResult.skipped`` says which happened.
         """
         if count_zeros is None:
             count_zeros = self.config.log_num_zeros_in_grad
+        if skip_if_nonfinite is not None and not self.skips_on_device:
+            raise ValueError(
+                "step(skip_if_nonfinite=...) needs the fused AdamW kernel without fp16 loss scaling "
+                f"(optimizer={self.config.optimizer!r}, fused={self.config.fused}, device={self.state.device}, "
+                f"fp16 scaler={self.scaler is not None}); read the loss on the host and skip the call instead"
+            )
         owned = [(s, self._grad_of(s)) for s in self.slots]
         grads = [g for _, g in owned if g is not None]
         counted = [g for s, g in owned if g is not None and s.counts_in_norm]
@@ -242,18 +262,24 @@ class MixedPrecisionOptimizer:
                     grad_scale = 1.0 / clip_coefficient(self.config.clip_grad, norm)
                 else:
                     clip_grads_(grads, self.config.clip_grad, norm)
+            skipped = None
+            if skip_if_nonfinite is not None:
+                skipped = (~torch.isfinite(skip_if_nonfinite.reshape(())) | ~torch.isfinite(norm.reshape(()))).float()
             for slot, grad in owned:
                 if grad is not None:
                     slot.master.grad = grad.view(slot.master.shape)
             if self.optimizer is not None:
                 self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+                self.optimizer.found_inf = skipped  # type: ignore[attr-defined]
                 self.optimizer.step()
             self._copy_to_model()
             self._step_count += 1
-            return StepResult(True, norm, zeros, scale)
+            return StepResult(True, norm, zeros, scale, skipped)
         finally:
             for s in self.slots:
                 s.master.grad = None
+            if self.optimizer is not None:
+                self.optimizer.found_inf = None  # type: ignore[attr-defined]
 
     def _fused_kernel(self) -> bool:
         """Whether the torch optimizer runs its fused (CUDA) kernel, which takes a ``grad_scale`` tensor."""
@@ -352,7 +378,8 @@ def _torch_optimizer(slots: list[_Slot], config: OptimizerConfig, device: torch.
     ]
     if not groups:
         return None
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    fused = config.fused if config.fused is not None else device.type == "cuda"
+    kernel = {"fused": True} if fused else {"foreach": True}
     if config.optimizer == "adam":
         return torch.optim.AdamW(
             groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **kernel
