@@ -12,12 +12,21 @@ and reports µs per call and the weight bytes per second. ``--check`` compares t
 (also on the CPU under ``TRITON_INTERPRET=1``).
 
     python bench/gemv_bench.py --rows 1 8 32 64 --json out.json
+
+``--norm-linear`` times the fused residual add + RMSNorm + linear (+ SwiGLU) kernel of
+``mcore_models.transformer.norm_linear`` against the unfused ops at the QKV, fc1 and LM-head shapes, at its default
+launch and at each launch of ``--launches`` (one JSON line per shape with every timing and the best launch, then a
+summary line); ``--best-env FILE`` writes the launch with the least total time as a shell line for a later run::
+
+    python bench/gemv_bench.py --norm-linear --rows 1 --json nl.json --best-env nl.env
+    source nl.env   # export MCORE_NORM_LINEAR_LAUNCH=<best launch> (or unset, where the default won)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -115,9 +124,23 @@ def check(device: str, dtype: torch.dtype) -> None:
     print(f"triton_linear matches F.linear on {device} ({dtype})")
 
 
-def norm_linear_rows(rows: list[int]) -> list[dict[str, Any]]:
+# the launches --norm-linear times on every shape (besides the default), "MODE,BLOCK_N,WARPS,STAGES,BLOCK_K" as in
+# MCORE_NORM_LINEAR_LAUNCH: the two default launches and their neighbours in each NORM_MODE. A wider sweep on an H200
+# (rows=1) found modes 1 and 2 within 0.5 µs of each other, mode 0 3-5x slower, 8 warps 1.5-2x slower, BLOCK_K 128
+# or 512 and 4 stages no better, BLOCK_N 16 slower and 128 out of shared memory with SwiGLU. About 40 s on an H200.
+NORM_LINEAR_SWEEP = [
+    *(f"1,{c}" for c in ("32,2,3,256", "64,4,3,256", "32,4,3,256", "64,2,3,256", "32,2,4,256")),
+    *(f"2,{c}" for c in ("32,2,3,256", "64,4,3,256")),
+    *(f"3,{c}" for c in ("32,2,3,256", "64,4,3,256", "32,4,3,256")),
+    "0,64,4,3,256",
+]
+
+
+def norm_linear_rows(rows: list[int], configs: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """µs per call (CUDA graph) of residual add + RMSNorm + linear (+ SwiGLU) at decode shapes: the unfused ops
-    (each compiled by inductor, as in a compiled layer) against the one ``norm_linear`` kernel."""
+    (compiled by inductor, as in a compiled layer) against the one ``norm_linear`` kernel at its default launch
+    (the heuristic, whatever MCORE_NORM_LINEAR_LAUNCH says) and at each launch of ``configs``. Returns one row per
+    shape and row count, and the summary: the launch of ``configs`` with the least total time over all rows."""
     from mcore_models.transformer import norm_linear as nl
     from mcore_models.transformer.norm_linear import norm_linear
 
@@ -129,35 +152,87 @@ def norm_linear_rows(rows: list[int]) -> list[dict[str, Any]]:
             y = F.silu(a) * b
         return y + h[..., :1]  # h is used, like the residual stream
 
+    launches = [nl.parse_launch(c) for c in configs]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     compiled = torch.compile(unfused, dynamic=False)
     out = []
+    totals = dict.fromkeys(map(str, launches), 0.0)
+    default_total = unfused_total = 0.0
     for name, swiglu in (("qkv", False), ("fc1", True), ("lm_head", False)):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        default = nl._heuristic_launch(n // 2 if swiglu else n, k, swiglu, sms)
         for m in rows:
             x, r = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             y_ref = unfused(x, r, g, w, swiglu)
-            y, h = norm_linear(x, r, g, 1e-5, w, swiglu)
-            err = ((y + h[..., :1]).float() - y_ref.float()).abs().max().item()
+
+            def fused(x: torch.Tensor = x, r: torch.Tensor = r, g: torch.Tensor = g, w: torch.Tensor = w,
+                      s: bool = swiglu) -> torch.Tensor:  # fmt: skip
+                y, h = norm_linear(x, r, g, 1e-5, w, s)
+                return y + h[..., :1]
+
+            timings: dict[str, float] = {}
+            errors: dict[str, str] = {}
+            max_diff = 0.0
+            for launch in dict.fromkeys([default, *launches]):  # the default first, each launch once
+                nl._LAUNCH_OVERRIDE = launch
+                try:
+                    diff = (fused().float() - y_ref.float()).abs().max().item()
+                    max_diff = diff if math.isnan(diff) or diff > max_diff else max_diff  # NaN sticks
+                    timings[str(launch)] = time_in_graph(fused)
+                except Exception as e:  # a launch the GPU cannot run (shared memory): the others still count
+                    errors[str(launch)] = repr(e)[:200]
+                finally:
+                    nl._LAUNCH_OVERRIDE = None
+            for key in totals:
+                totals[key] += timings.get(key, float("inf"))
+            best = min(timings, key=timings.__getitem__)
+            unfused_us = time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: compiled(x, r, g, w, s))
+            fused_us = timings.get(str(default), float("nan"))
+            default_total += fused_us
+            unfused_total += unfused_us
             row = {
                 "shape": name + (" + swiglu" if swiglu else ""),
                 "rows": m,
-                "unfused_us": time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: compiled(x, r, g, w, s)),
-                "fused_us": time_in_graph(lambda x=x, r=r, g=g, w=w, s=swiglu: norm_linear(x, r, g, 1e-5, w, s)),
-                "max_abs_diff": err,
+                "unfused_us": unfused_us,
+                "fused_us": fused_us,
+                "default": str(default),
+                "best": best,
+                "best_us": timings[best],
+                "max_abs_diff": max_diff,
+                "fused_us_by_launch": timings,
+                **({"errors": errors} if errors else {}),
             }
-            for block_n, warps in ((16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8)):  # the launch choices
-                nl._LAUNCH_OVERRIDE = (block_n, warps)
-                try:
-                    row[f"fused_us_n{block_n}_w{warps}"] = time_in_graph(
-                        lambda x=x, r=r, g=g, w=w, s=swiglu: norm_linear(x, r, g, 1e-5, w, s)
-                    )
-                finally:
-                    nl._LAUNCH_OVERRIDE = None
             out.append(row)
             print(json.dumps(row), flush=True)
-    return out
+    best = min(totals, key=totals.__getitem__)
+    summary = {
+        "best_launch": best,
+        "best_total_us": totals[best],
+        "default_total_us": default_total,
+        "unfused_total_us": unfused_total,
+        "total_us_by_launch": totals,
+    }
+    print(json.dumps(summary), flush=True)
+    return out, summary
+
+
+def write_best_env(path: str, summary: dict[str, Any]) -> None:
+    """A shell file that sets MCORE_NORM_LINEAR_LAUNCH to the sweep's best launch (``source`` it before a serving
+    run), or unsets it where the default launch was faster in total."""
+    from mcore_models.transformer.norm_linear import LAUNCH_ENV
+
+    note = (f"# gemv_bench --norm-linear on {torch.cuda.get_device_name()}: best launch {summary['best_launch']} "
+            f"{summary['best_total_us']:.1f} us in total, default {summary['default_total_us']:.1f}, "
+            f"unfused {summary['unfused_total_us']:.1f}\n")  # fmt: skip
+    if summary["best_total_us"] < summary["default_total_us"]:
+        line = f"export {LAUNCH_ENV}={summary['best_launch']}\n"
+    else:
+        line = f"unset {LAUNCH_ENV}  # the default launch (per shape) was faster than any single one\n"
+    with open(path, "w") as f:
+        f.write(note + line)
+    print(f"wrote {path}: {line.strip()}")
 
 
 def main() -> None:
@@ -167,12 +242,21 @@ def main() -> None:
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--norm-linear", action="store_true", help="only time the fused norm + linear kernel")
+    ap.add_argument("--launches", nargs="+", default=NORM_LINEAR_SWEEP, metavar="MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]",
+                    help="--norm-linear: the launches to time (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--best-env", default=None, metavar="FILE",
+                    help="--norm-linear: write 'export MCORE_NORM_LINEAR_LAUNCH=<best launch>' to FILE")  # fmt: skip
     args = ap.parse_args()
     if args.norm_linear:
-        rows = norm_linear_rows([m for m in args.rows if m <= 16])
+        start = time.perf_counter()
+        rows, summary = norm_linear_rows([m for m in args.rows if m <= 16], args.launches)
+        print(f"norm-linear sweep: {time.perf_counter() - start:.0f} s", flush=True)
+        if args.best_env:
+            write_best_env(args.best_env, summary)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                           "summary": summary}, f, indent=1)  # fmt: skip
         return
     if args.check or not torch.cuda.is_available():
         check("cuda" if torch.cuda.is_available() else "cpu", torch.float32)

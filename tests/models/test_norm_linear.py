@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
+from mcore_models.transformer import norm_linear as nl
+from mcore_models.transformer.norm_linear import LAUNCH_ENV, MAX_ROWS, NORM_MODES, Launch, norm_linear
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_DEVICES = []
@@ -70,6 +72,126 @@ def test_kernel_inside_a_compiled_function(device: str) -> None:
     y_ref, h_ref = _reference(x * 2, r, g, 1e-6, w, True)
     torch.testing.assert_close(y.double(), y_ref + 1, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h.double(), h_ref, atol=1e-5, rtol=0)
+
+
+# (rows, n, k, residual, swiglu, warps): N never a multiple of BLOCK_N (16), K never one of BLOCK_K (32); the warps
+# set the short norm loop's step (1024 * warps / (1 or 16 rows)), which takes several steps in the last two cases
+MODE_CASES = [
+    (1, 40, 80, True, False, 4),
+    (3, 20, 48, False, True, 4),
+    (16, 24, 112, True, True, 1),
+    (1, 33, 1100, False, False, 1),
+]
+
+
+@pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
+@pytest.mark.parametrize("device", KERNEL_DEVICES or ["cpu"])
+@pytest.mark.parametrize("mode", NORM_MODES)
+@pytest.mark.parametrize(("rows", "n", "k", "res", "swiglu", "warps"), MODE_CASES)
+def test_every_norm_mode_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch, device: str, mode: int, rows: int, n: int, k: int, res: bool, swiglu: bool,
+    warps: int,
+) -> None:  # fmt: skip
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, r, g, w = _case(device, dtype, rows, n, k, res, swiglu)
+    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", Launch(mode, 16, warps, 2, 32))
+    y, h = norm_linear(x, r, g, 1e-5, w, swiglu)
+    y_ref, h_ref = nl.norm_linear_reference(x.double(), None if r is None else r.double(), g.double(), 1e-5,
+                                            w.double(), swiglu)  # fmt: skip
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert y.shape == (rows, 1, n) and h.shape == x.shape
+    torch.testing.assert_close(y.double(), y_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(h.double(), h_ref, atol=tol, rtol=0)
+
+
+class _Recorder:
+    """Stands in for the Triton kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    """The op's kernel path on the CPU (with or without Triton), launching a :class:`_Recorder`; no launch
+    override, no cached environment value."""
+    rec = _Recorder()
+    monkeypatch.setattr(nl, "_use_triton", lambda x: True)
+    monkeypatch.setattr(nl, "_kernel", lambda: rec)
+    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", None)
+    monkeypatch.setattr(nl, "_env_cache", None)
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    return rec
+
+
+def _launch_of(recorder: _Recorder, n: int = 3072, k: int = 2048, swiglu: bool = False) -> Launch:
+    w = torch.zeros((2 if swiglu else 1) * n, k)
+    norm_linear(torch.zeros(1, k), None, torch.ones(k), 1e-5, w, swiglu)
+    grid, kw = recorder.launches[-1]
+    launch = Launch(*(int(kw[key]) for key in ("NORM_MODE", "BLOCK_N", "num_warps", "num_stages", "BLOCK_K")))
+    assert grid == (-(-n // launch.block_n),)
+    return launch
+
+
+def test_launch_environment_variable_applies(recorder: _Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    parse = nl.parse_launch
+
+    def counting_parse(text: str) -> Launch:
+        calls.append(text)
+        return parse(text)
+
+    monkeypatch.setattr(nl, "parse_launch", counting_parse)
+    default = _launch_of(recorder)
+    assert default == nl._heuristic_launch(3072, 2048, False, 132)
+    monkeypatch.setenv(LAUNCH_ENV, "2,64,8,4")
+    assert _launch_of(recorder) == Launch(2, 64, 8, 4, 256)  # BLOCK_K left out: 256
+    assert _launch_of(recorder, n=8192, swiglu=True) == Launch(2, 64, 8, 4, 256)  # every shape
+    assert calls == ["2,64,8,4"]  # parsed once
+    monkeypatch.setenv(LAUNCH_ENV, " 3, 32,2,3,128 ")
+    assert _launch_of(recorder) == Launch(3, 32, 2, 3, 128)
+    assert _launch_of(recorder, k=48) == Launch(3, 32, 2, 3, 64)  # BLOCK_K clamped to K's power of two
+    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", Launch(0, 16, 4, 2, 32))  # a sweep's override comes first
+    assert _launch_of(recorder) == Launch(0, 16, 4, 2, 32)
+    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", None)
+    monkeypatch.setenv(LAUNCH_ENV, "")
+    assert _launch_of(recorder) == default
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("1,32,4", "3 values"),
+        ("1,32,4,3,256,1", "6 values"),
+        ("1;32;4;3", "not a list of integers"),
+        ("one,32,4,3", "not a list of integers"),
+        ("4,32,4,3", "MODE must be one of"),
+        ("1,24,4,3", "BLOCK_N must be"),
+        ("1,8,4,3", "BLOCK_N must be"),
+        ("1,32,3,3", "WARPS must be"),
+        ("1,32,4,0", "STAGES must be"),
+        ("1,32,4,3,100", "BLOCK_K must be"),
+    ],
+)
+def test_bad_launch_environment_variable_raises(
+    recorder: _Recorder, monkeypatch: pytest.MonkeyPatch, value: str, why: str
+) -> None:
+    monkeypatch.setenv(LAUNCH_ENV, value)
+    with pytest.raises(ValueError, match=rf"{LAUNCH_ENV}=.*expected MODE,BLOCK_N,WARPS,STAGES\[,BLOCK_K\].*{why}"):
+        _launch_of(recorder)
+    assert not recorder.launches
+
+
+def test_default_launches() -> None:
+    """Mode 1; 32 output rows on 2 warps while 64-row programs would leave SMs idle, else 64 rows on 4 warps."""
+    assert nl._heuristic_launch(3072, 2048, False, 132) == Launch(1, 32, 2, 3, 256)  # QKV
+    assert nl._heuristic_launch(8192, 2048, True, 132) == Launch(1, 32, 2, 3, 256)  # fc1 + SwiGLU
+    assert nl._heuristic_launch(32768, 2048, False, 132) == Launch(1, 64, 4, 3, 256)  # LM head
+    assert str(Launch(1, 32, 2, 3)) == "1,32,2,3,256"
+    assert nl.parse_launch(str(Launch(3, 64, 4, 2, 128))) == Launch(3, 64, 4, 2, 128)
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "res", "swiglu"), CASES[:3])

@@ -10,33 +10,114 @@ projection::
     y = silu(y_gate) * y_up                        (``swiglu``: weight is [gate; up]; each half rounded first)
 
 and returns ``(y, h)`` (``h`` is the next residual). Every program streams ``BLOCK_N`` output rows of the weight
-(both halves for SwiGLU) in one pass over the input: the row's scale 1 / rms(h) is the same for every output, so
-it multiplies the finished dot products, and the sum of squares is taken from the same loads (a first pass for
-the norm cost ~4 µs a call on an H200, more than the norm kernel it replaced). It is registered as the custom op
-``mcore_models::norm_linear``, so a compiled layer keeps it in its graph; without Triton, or on the CPU outside
-``TRITON_INTERPRET=1``, the op computes the same with PyTorch ops.
+(both halves for SwiGLU) over K in a loop shaped like a plain Triton GEMV: it loads the weight tile, the x (and
+residual) and norm-weight slices, multiplies ``h * norm_weight`` and feeds the dot product(s), nothing else. The
+row's scale 1 / rms(h) is the same for every output, so it multiplies the finished dot products. Where the sums of
+squares come from is the constexpr ``NORM_MODE``:
+
+- 0: accumulated inside the weight loop, from the same loads, with a row reduction in every step;
+- 1 (the default): a short loop over K *after* the weight loop, re-reading the x (and residual) rows, which are a
+  few KB and in L2 by then (a single step for one row of K <= 1024 * warps);
+- 2: the same short loop *before* the weight loop (a two-pass kernel);
+- 3: accumulated inside the weight loop as an elementwise [rows, BLOCK_K] tile, reduced once after it (registers
+  instead of a reduction per step).
+
+``h`` is stored by program 0 outside the weight loop in every mode (modes 1 and 2: in the short loop; 0 and 3: in
+a short loop of its own after the weight loop), so nothing but loads, ``h * norm_weight`` and dots (and mode 0's and
+3's squares) is left in the loop. On an H200 (rows=1, K=2048, bf16, CUDA graphs) the earlier kernel, which stored
+``h`` and reduced the squares in every step, took 46 / 99 / 178 µs at its default launch for QKV (N=3072), fc1 +
+SwiGLU (N=8192) and the LM head (N=32768); mode 0, the same loop without the store, still 48 / 101 / 203 at those
+launches, while mode 1 took 9.0 / 21.9 / 39.9 at the default launches (the unfused add + norm + cuBLAS: 8.2 / 21.5 /
+36.9, a plain Triton GEMV of the same weights: 5.3 / 18.3 / 33.2): dropping the store alone did not help, the row
+reduction in every step is what slowed the loop (mode 3 is not measured yet). Mode 1 still trails the unfused ops
+by 0.4-3 µs and the plain GEMV by 4-7 µs.
+
+It is registered as the custom op ``mcore_models::norm_linear``, so a compiled layer keeps it in its graph; without
+Triton, or on the CPU outside ``TRITON_INTERPRET=1``, the op computes the same with PyTorch ops.
+
+The launch (``NORM_MODE``, ``BLOCK_N`` output rows per program, warps, pipeline stages, ``BLOCK_K``) comes from, in
+this order (:func:`_launch_config`): ``_LAUNCH_OVERRIDE`` (a :class:`Launch` set by a benchmark sweep in the same
+process), the environment variable ``MCORE_NORM_LINEAR_LAUNCH``, then the heuristic (:func:`_heuristic_launch`).
+The variable takes ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (integers; ``BLOCK_K`` defaults to 256), e.g.
+``MCORE_NORM_LINEAR_LAUNCH=1,32,4,3``, and applies to every call of the process (all shapes): it is how a sweep's
+winner reaches a serving run in another process::
+
+    python bench/gemv_bench.py --norm-linear --rows 1 --best-env best.env   # writes 'export ...=<best launch>'
+    source best.env && <serving command>
+
+It is parsed once per value; a malformed value raises a ``ValueError`` naming the variable and its format at the
+first call. ``BLOCK_K`` is clamped to K rounded up to a power of two (at least 16).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_ROWS", "norm_linear", "norm_linear_reference"]
+__all__ = ["LAUNCH_ENV", "MAX_ROWS", "Launch", "norm_linear", "norm_linear_reference"]
 
 MAX_ROWS = 16  # rows the kernel takes (one MMA tile of rows); more rows are a GEMM's job
+LAUNCH_ENV = "MCORE_NORM_LINEAR_LAUNCH"
+NORM_MODES = (0, 1, 2, 3)
+_NORM_PASS_ELEMS_PER_WARP = 1024  # the x / residual tile of the short loop (norm, h store): 32 values a thread
 _KERNEL: Any = None
+_ROW_PASS: Any = None  # the kernel's helper (a module global: Triton resolves called functions there)
+
+
+class Launch(NamedTuple):
+    """One launch of the kernel: where the sums of squares come from (``NORM_MODE``, see the module docstring),
+    output rows per program, warps, software-pipeline stages of the weight loop and the K step."""
+
+    mode: int
+    block_n: int
+    warps: int
+    stages: int
+    block_k: int = 256
+
+    def __str__(self) -> str:  # the environment variable's format
+        return ",".join(str(v) for v in self)
 
 
 def _kernel() -> Any:
-    global _KERNEL
+    global _KERNEL, _ROW_PASS
     if _KERNEL is not None:
         return _KERNEL
     import triton
     import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def _row_pass(  # type: ignore[no-untyped-def]
+        X,
+        R,
+        H,
+        M,
+        K,
+        stride_x,
+        stride_r,
+        stride_h,
+        store,
+        HAS_RES: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """h = x + residual over whole rows in a short loop: its per-row sums of squares, and h stored where
+        ``store``. ``ROWS`` is 1 for a single row (then each step covers up to ``BLOCK`` columns of it)."""
+        rows = tl.arange(0, ROWS)
+        rmask = rows < M
+        sq = tl.zeros([ROWS], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            m2 = rmask[:, None] & (ks[None, :] < K)
+            h = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=m2, other=0.0)
+            if HAS_RES:
+                h = h + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
+            tl.store(H + rows[:, None] * stride_h + ks[None, :], h, mask=m2 & store)
+            hf = h.to(tl.float32)
+            sq += tl.sum(hf * hf, axis=1)
+        return sq
 
     @triton.jit  # type: ignore[misc]
     def norm_gemv(  # type: ignore[no-untyped-def]
@@ -57,7 +138,10 @@ def _kernel() -> Any:
         stride_y,
         HAS_RES: tl.constexpr,
         SWIGLU: tl.constexpr,
+        NORM_MODE: tl.constexpr,
         M_PAD: tl.constexpr,
+        NORM_ROWS: tl.constexpr,
+        NORM_BLOCK: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
@@ -68,11 +152,14 @@ def _kernel() -> Any:
         rmask = rows < M
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
-        # one pass: W (h * g) and the rows' sums of squares together; the per-row 1 / rms is applied at the end,
-        # so no program waits for a norm before streaming its weights
-        sq = tl.zeros([M_PAD], tl.float32)  # per-row sums of squares (a [M_PAD, BLOCK_K] accumulator costs registers)
+        if NORM_MODE == 2:  # two passes: the norm's short loop first
+            sq = _ROW_PASS(X, R, H, M, K, stride_x, stride_r, stride_h, pid == 0, HAS_RES, NORM_ROWS, NORM_BLOCK)
+        else:
+            sq = tl.zeros([M_PAD], tl.float32)
+        sq_tile = tl.zeros([M_PAD, BLOCK_K], tl.float32)  # mode 3's squares, summed over rows after the loop
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
         acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        # the weight loop: loads, h * g and the dot(s) (modes 0 and 3: and the squares of h), no stores
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < K
@@ -84,21 +171,29 @@ def _kernel() -> Any:
             h = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=m2, other=0.0)
             if HAS_RES:
                 h = h + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
-            tl.store(H + rows[:, None] * stride_h + ks[None, :], h, mask=m2 & (pid == 0))
+            g = tl.load(G + ks, mask=kmask, other=0.0)
             hf = h.to(tl.float32)
-            sq += tl.sum(hf * hf, axis=1)
-            g = tl.load(G + ks, mask=kmask, other=0.0).to(tl.float32)
-            hg = (hf * g[None, :]).to(dtype)
+            if NORM_MODE == 0:
+                sq += tl.sum(hf * hf, axis=1)
+            if NORM_MODE == 3:
+                sq_tile += hf * hf
+            hg = (hf * g.to(tl.float32)[None, :]).to(dtype)
             if IEEE:
                 acc += tl.dot(hg, tl.trans(w), input_precision="ieee")
+                if SWIGLU:
+                    acc_up += tl.dot(hg, tl.trans(wu), input_precision="ieee")
             else:
                 acc += tl.dot(hg, tl.trans(w))
-            if SWIGLU:
-                if IEEE:
-                    acc_up += tl.dot(hg, tl.trans(wu), input_precision="ieee")
-                else:
+                if SWIGLU:
                     acc_up += tl.dot(hg, tl.trans(wu))
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
+        if NORM_MODE == 3:
+            sq = tl.sum(sq_tile, axis=1)
+        if NORM_MODE == 1:  # the norm's short loop after the weights (x and residual are in L2 by now)
+            sq = _ROW_PASS(X, R, H, M, K, stride_x, stride_r, stride_h, pid == 0, HAS_RES, NORM_ROWS, NORM_BLOCK)
+        elif NORM_MODE != 2:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if pid == 0:  # modes 0 and 3: h, by program 0 alone, outside the weight loop
+                _ROW_PASS(X, R, H, M, K, stride_x, stride_r, stride_h, pid == 0, HAS_RES, NORM_ROWS, NORM_BLOCK)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)  # [M_PAD] or, modes 1 and 2 with one row, [1]: broadcasts either way
         acc = acc * rstd[:, None]
         if SWIGLU:
             gate = acc.to(dtype).to(tl.float32)
@@ -108,6 +203,7 @@ def _kernel() -> Any:
             out = acc
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], out.to(dtype), mask=rmask[:, None] & nmask[None, :])
 
+    _ROW_PASS = _row_pass
     _KERNEL = norm_gemv
     return _KERNEL
 
@@ -124,15 +220,78 @@ def _use_triton(x: torch.Tensor) -> bool:
     return True
 
 
-# (rows per program, warps) forced by a benchmark sweep (``bench/gemv_bench.py --norm-linear``); None: heuristic
-_LAUNCH_OVERRIDE: tuple[int, int] | None = None
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
-def _launch_config(n: int, sms: int) -> tuple[int, int]:
-    """(output rows per program, warps): 32 rows, or 16 when that leaves fewer than two programs per SM; 4 warps."""
+def _checked(launch: Launch, source: str) -> Launch:
+    problems = []
+    if launch.mode not in NORM_MODES:
+        problems.append(f"MODE must be one of {NORM_MODES}, got {launch.mode}")
+    if not (_pow2(launch.block_n) and launch.block_n >= 16):
+        problems.append(f"BLOCK_N must be a power of two >= 16, got {launch.block_n}")
+    if not (_pow2(launch.warps) and launch.warps <= 32):
+        problems.append(f"WARPS must be a power of two <= 32, got {launch.warps}")
+    if launch.stages < 1:
+        problems.append(f"STAGES must be >= 1, got {launch.stages}")
+    if not (_pow2(launch.block_k) and launch.block_k >= 16):
+        problems.append(f"BLOCK_K must be a power of two >= 16, got {launch.block_k}")
+    if problems:
+        raise ValueError(f"{source}: {'; '.join(problems)}")
+    return launch
+
+
+def parse_launch(text: str) -> Launch:
+    """A :class:`Launch` from ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (the environment variable's format)."""
+    source = f"{LAUNCH_ENV}={text!r} (expected MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K], e.g. 1,32,4,3)"
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{source}: not a list of integers") from None
+    if len(values) not in (4, 5):
+        raise ValueError(f"{source}: {len(values)} values")
+    return _checked(Launch(*values), source)
+
+
+_env_cache: tuple[str, Launch] | None = None  # (the variable's value, its launch): parsed once per value
+
+
+def _env_launch() -> Launch | None:
+    global _env_cache
+    text = os.environ.get(LAUNCH_ENV, "").strip()
+    if not text:
+        return None
+    if _env_cache is None or _env_cache[0] != text:
+        _env_cache = (text, parse_launch(text))
+    return _env_cache[1]
+
+
+# the launch forced by a benchmark sweep (``bench/gemv_bench.py --norm-linear``) in this process; None: the
+# environment variable, else the heuristic
+_LAUNCH_OVERRIDE: Launch | None = None
+
+
+def _heuristic_launch(n: int, k: int, swiglu: bool, sms: int) -> Launch:
+    """The default launch: ``NORM_MODE`` 1 and the plain GEMV's K step (256) and stages (3); 64 output rows per
+    program on 4 warps where that still leaves a program for every SM, else 32 rows on 2 warps. Measured on an
+    H200 (rows=1, K=2048, µs): QKV (N=3072) 9.0 at (32, 2 warps), 9.9 at (32, 4), 11.8 at (64, 4); fc1 + SwiGLU
+    (N=8192) 21.9 at (32, 2) and at (64, 4); LM head (N=32768) 39.9 at (64, 4), 42.0 at (32, 2), 51.1 at (32, 4).
+    Mode 2 was within 0.5 µs of mode 1 at the same launch; mode 0 (a row reduction in every step) 3-5x slower."""
+    if -(-n // 64) >= sms:
+        return Launch(1, 64, 4, 3, 256)
+    return Launch(1, 32, 2, 3, 256)
+
+
+def _launch_config(n: int, k: int, swiglu: bool, sms: int) -> Launch:
+    """The launch for ``n`` outputs (per half with ``swiglu``) over ``k`` inputs on ``sms`` multiprocessors:
+    ``_LAUNCH_OVERRIDE``, else ``MCORE_NORM_LINEAR_LAUNCH``, else :func:`_heuristic_launch`."""
     if _LAUNCH_OVERRIDE is not None:
-        return _LAUNCH_OVERRIDE
-    return (32 if -(-n // 32) >= 2 * sms else 16), 4
+        return _checked(Launch(*_LAUNCH_OVERRIDE), "_LAUNCH_OVERRIDE")
+    env = _env_launch()
+    if env is not None:
+        return env
+    return _heuristic_launch(n, k, swiglu, sms)
 
 
 def norm_linear_reference(
@@ -178,8 +337,10 @@ def _norm_linear_op(
     h = torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        block_n, warps = _launch_config(n, sms)
-        _kernel()[(-(-n // block_n),)](
+        launch = _launch_config(n, k, swiglu, sms)
+        k_pad = max(16, 1 << (k - 1).bit_length())
+        norm_rows = 1 if m == 1 else MAX_ROWS
+        _kernel()[(-(-n // launch.block_n),)](
             x2,
             r2,
             h,
@@ -197,11 +358,15 @@ def _norm_linear_op(
             y.stride(0),
             HAS_RES=residual is not None,
             SWIGLU=swiglu,
-            M_PAD=16,
-            BLOCK_N=block_n,
-            BLOCK_K=256 if k >= 256 else 64,
+            NORM_MODE=launch.mode,
+            M_PAD=MAX_ROWS,
+            NORM_ROWS=norm_rows,
+            NORM_BLOCK=min(k_pad, _NORM_PASS_ELEMS_PER_WARP * launch.warps // norm_rows),
+            BLOCK_N=launch.block_n,
+            BLOCK_K=min(launch.block_k, k_pad),
             IEEE=x.dtype == torch.float32,
-            num_warps=warps,
+            num_warps=launch.warps,
+            num_stages=launch.stages,
         )
     return y.view(*x.shape[:-1], n), h.view(x.shape)
 
