@@ -20,6 +20,8 @@
 #   bash bench/device_calls.sh s6-curves    # one GPU: issue 9, 200-step loss curves of the best path; not run yet
 #   bash bench/device_calls.sh s6-autotune  # one GPU: issue 9, max-autotune compile of the layers (optional)
 #   bash bench/device_calls.sh s6-x2        # nvidia-h200-x2: sync-free clipping, fused tp loss (issue 5); not run yet
+#   bash bench/device_calls.sh s7-x2        # nvidia-h200-x2: the deferred loss read, 1 GPU and tp2 + SP; not run yet
+#   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep and batch 1 with its winner; not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -236,6 +238,32 @@ case "${1:-}" in
       tp2-sp-compile-symm-ingraph --out "$OUT/s6-x2.json" 2>&1 | tail -5 | tee -a "$OUT/s6-x2.log"
     scale --measure-peak --cases 1gpu-compile-mb8-gbs64-all tp2-sp-compile-symm-all-mb16 --out "$OUT/s6-x2-mb16.json" \
       2>&1 | tail -4 | tee -a "$OUT/s6-x2.log"
+    ;;
+  s7-x2)
+    # nvidia-h200-x2 (~8 min), built in the sixth session after its device time was spent (issues 9 and 5): the loop
+    # that reads a step's loss after enqueuing the next one, each case next to the same case reading every loss
+    timeout 60 python3 -m pytest -q -m gpu tests/train/test_deferred_sync.py -p no:cacheprovider 2>&1 | tail -1 \
+      | tee "$OUT/s7-x2.log"
+    scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb8-gbs64-all-sync \
+      1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s7-1gpu.json" 2>&1 | tail -4 | tee -a "$OUT/s7-x2.log"
+    scale --measure-peak --profile "$OUT/prof" --cases 1gpu-compile-all tp2-sp-compile-symm-all 1gpu-compile-all-sync \
+      tp2-sp-compile-symm-all-sync --out "$OUT/s7-tp2.json" 2>&1 | tail -5 | tee -a "$OUT/s7-x2.log"
+    ;;
+  s7-serve)
+    # one GPU (~5 min), issue 7: norm_linear's GPU tests, its launch sweep, then batch 1 and 64 with the sweep's best
+    # launch and without the kernel (HF static cache + compile at batch 1 and 64 in the same call)
+    timeout 120 python3 -m pytest -q tests/models/test_norm_linear.py tests/infer/test_gpu.py -k norm \
+      -p no:cacheprovider 2>&1 | tail -1 | tee "$OUT/s7-serve.log"
+    timeout 90 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear.json" \
+      --best-env "$OUT/norm-linear.env" 2>&1 | grep '^{' | tee -a "$OUT/s7-serve.log"
+    # shellcheck disable=SC1091
+    source "$OUT/norm-linear.env"
+    timeout 220 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --hf --hf-batches 1,64 \
+      --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 | grep -v Warning | tail -3 \
+      | tee -a "$OUT/s7-serve.log"
+    unset MCORE_NORM_LINEAR_LAUNCH
+    timeout 100 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
+      --out "$OUT/serve-base.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s7-serve.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

@@ -100,6 +100,14 @@ CASES["tp2-sp-compile-symm-all-mb16"] = (2, [*_TP2_SYMM, "training.micro_batch_s
 # inductor's autotuned GEMM templates with fused epilogues (no weight-gradient fusion: its linears leave the graph)
 CASES["1gpu-compile-mb8-gbs64-autotune"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _CONTIG,
                                                 "training.compile_mode=max-autotune-no-cudagraphs"])  # fmt: skip
+# the loop reading each step's loss before its update (a host sync per step, as before the sixth session), to
+# measure the deferred read; and the best case without the contiguous attention copies (neutral-to-negative alone)
+_SYNC = "training.read_loss_every_step=true"
+CASES["1gpu-compile-mb8-gbs64-all-sync"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
+CASES["1gpu-compile-mb8-gbs64-swiglu-gaf"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF])
+CASES["1gpu-compile-all-sync"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
+CASES["tp2-sp-compile-symm-all-sync"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
+                                             _SWIGLU, _GAF, _CONTIG, _SYNC])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 

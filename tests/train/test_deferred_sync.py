@@ -56,6 +56,9 @@ def test_the_host_reads_each_loss_after_enqueuing_the_next_step(monkeypatch: pyt
     assert events == [("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2), ("launch", 4),
                       ("read", 3), ("read", 4)]  # fmt: skip
     events.clear()
+    pretrain(config("training.train_iters=2", "training.read_loss_every_step=true", *FUSED))
+    assert events == [("launch", 1), ("read", 1), ("launch", 2), ("read", 2)]
+    events.clear()
     _force_host_sync(monkeypatch)  # the foreach kernel, fp16 or SGD: each loss is read before its update
     pretrain(config("training.train_iters=2", *FUSED))
     assert events == [("launch", 1), ("read", 1), ("launch", 2), ("read", 2)]

@@ -211,6 +211,11 @@ class TrainingSection:
     """Save and exit after this much wall-clock time."""
     on_nan: str = "stop"
     """On a nan/inf loss: stop (with the step named) or skip (drop the step's update)."""
+    read_loss_every_step: bool = False
+    """Read each step's loss on the host before its update (a host sync per step; the GPU idles while the next step
+    is prepared). By default, when the optimizer can skip a nan/inf step on the device (fused AdamW, the default on
+    GPUs), the loss is read one step later, after the next step is enqueued; a nan loss and a stop request then act
+    one step later. For comparisons and debugging."""
     seed: int = 1234
     """Seed of initialisation and dropout."""
     device: str | None = None

@@ -3,7 +3,8 @@
 Exit conditions: ``train_iters`` (or ``train_tokens``) reached, the wall-clock limit, SIGTERM/SIGINT (the step in
 progress finishes, a checkpoint is saved, and the run returns normally so the process exits 0), and a nan/inf loss
 (stop with a message naming the step, or skip that step's update when ``training.on_nan=skip``). Ranks agree on
-stopping through one small all-reduce per step that also carries the loss.
+stopping through one small all-reduce per step that also carries the loss; with an optimizer that drops nan/inf
+steps on the device (fused AdamW), the host reads it one step later, so no step waits for the GPU (:func:`train`).
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def train(run: Run) -> TrainResult:
     window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
     staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
-    lagged = run.optimizer.skips_on_device
+    lagged = run.optimizer.skips_on_device and not tr.read_loss_every_step
     in_flight: _InFlight | None = None
 
     def finish(f: _InFlight) -> bool:
