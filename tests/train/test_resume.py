@@ -168,21 +168,24 @@ def test_async_checkpoints_reserve_their_staging_buffer_after_the_first_step(tmp
     assert (tmp_path / "step_0000004").is_dir() and (tmp_path / "step_0000002").is_dir()
 
 
-def test_zeros_are_counted_only_on_logged_steps(tmp_path: Path, monkeypatch) -> None:
-    """The loop asks the optimizer for the zero count on the steps it logs, and the log carries it."""
+@pytest.mark.parametrize("fused", [False, True], ids=["read-every-step", "deferred-read"])
+def test_zeros_are_counted_only_on_logged_steps(tmp_path: Path, monkeypatch, fused: bool) -> None:
+    """The loop asks the optimizer for the zero count on the steps it logs, and the log carries it (with the
+    deferred read too, where the count comes back with the step's other values)."""
     import json
 
     import mcore_parallel.optim.optimizer as optimizer_module
 
     calls: list[int] = []
-    count = optimizer_module._count_zeros
+    count = optimizer_module.count_zeros_tensor
 
-    def spy(*args: object, **kw: object) -> int:
+    def spy(*args: object, **kw: object) -> torch.Tensor:
         calls.append(1)
         return count(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(optimizer_module, "_count_zeros", spy)
-    pretrain(config("training.train_iters=6", "logging.log_interval=3", f"logging.dir={tmp_path}"))
+    monkeypatch.setattr(optimizer_module, "count_zeros_tensor", spy)
+    extra = ["optimizer.fused=true", "training.device=cpu"] if fused else []
+    pretrain(config("training.train_iters=6", "logging.log_interval=3", f"logging.dir={tmp_path}", *extra))
     assert len(calls) == 2  # steps 3 and 6
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "num_zeros" in r]

@@ -141,7 +141,7 @@ class _InFlight:
     global_batch: int
     lr: float
     logs: bool  # this step is logged
-    values: torch.Tensor  # [loss sum, stop votes, skipped, grad norm] on the host (pinned, filled asynchronously)
+    values: torch.Tensor  # [loss sum, votes, skipped, grad norm, zeros] on the host (pinned, filled asynchronously)
     ready: Any  # CUDA event recorded after the copy (None when the values are already there)
     result: Any  # the optimizer's StepResult (None when the host skipped the step)
     samples_before: int  # consumed samples when the step began
@@ -149,8 +149,11 @@ class _InFlight:
 
 
 def _launch_readback(t: torch.Tensor, result: Any) -> tuple[torch.Tensor, Any]:
-    """Copy the step's agreed values, skip flag and gradient norm to the host without waiting for them."""
-    values = torch.cat([t, result.skipped.double().reshape(1), result.grad_norm_tensor.double().reshape(1)])
+    """Copy the step's agreed values, skip flag, gradient norm and zero count (nan when not counted) to the host
+    without waiting for them."""
+    zeros = result.num_zeros_tensor
+    zeros = torch.full_like(t[:1], math.nan) if zeros is None else zeros.double().reshape(1)
+    values = torch.cat([t, result.skipped.double().reshape(1), result.grad_norm_tensor.double().reshape(1), zeros])
     if values.device.type != "cuda":
         return values, None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -226,11 +229,14 @@ def _step_now(run: Run, t: torch.Tensor, step: int, logs: bool) -> tuple[Any, to
     finite = math.isfinite(loss_sum)  # the mean loss is the sum over a positive count
     if not finite and run.config.training.on_nan == "stop":
         raise _diverged(run, step, loss_sum, run.consumed_samples)
-    # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
+    # zeros are counted only for the steps that are logged (a pass over the gradients)
     result = run.optimizer.step(count_zeros=None if logs else False) if finite else None
     skipped = result is None or not result.success
     norm = result.grad_norm if logs and result is not None else None
-    return result, torch.tensor([loss_sum, stops, float(skipped), math.nan if norm is None else norm])
+    zeros = result.num_zeros if result is not None else None
+    nan = math.nan
+    return result, torch.tensor([loss_sum, stops, float(skipped), nan if norm is None else norm,
+                                 nan if zeros is None else zeros], dtype=torch.float64)  # fmt: skip
 
 
 def train(run: Run) -> TrainResult:
@@ -267,7 +273,7 @@ def train(run: Run) -> TrainResult:
         nonlocal window
         if f.ready is not None:
             f.ready.synchronize()  # waits for this step's values only, not for the work enqueued after them
-        loss_sum, stops, skipped, norm = f.values.tolist()
+        loss_sum, stops, skipped, norm, zeros = f.values.tolist()
         loss, want_stop = _agree_values(run, loss_sum, stops)
         finite = math.isfinite(loss)
         if not finite and tr.on_nan == "stop":
@@ -295,7 +301,7 @@ def train(run: Run) -> TrainResult:
                 "loss": window["loss"] / max(window["n"], 1),
                 "lr": f.lr,
                 "grad_norm": None if step_result is None or math.isnan(norm) else norm,
-                "num_zeros": None if step_result is None else step_result.num_zeros,
+                "num_zeros": None if step_result is None or math.isnan(zeros) else int(zeros),
                 "loss_scale": None if step_result is None else step_result.loss_scale,
                 "tokens_per_s": tok_s,
                 "samples_per_s": window["samples"] / elapsed,
@@ -327,7 +333,7 @@ def train(run: Run) -> TrainResult:
             t = _agree_start(run, local_loss, stop.requested is not None or over_time)
             logs_now = (run.step + 1) % lg.log_interval == 0 or run.step + 1 == run.train_iters  # this step is logged
             if lagged:
-                # zeros are counted only for the steps that are logged (a pass over the gradients and a host sync)
+                # zeros are counted only for the steps that are logged (a pass over the gradients)
                 step_result = run.optimizer.step(count_zeros=None if logs_now else False, skip_if_nonfinite=t[0])
                 values, ready = _launch_readback(t, step_result)
             else:

@@ -13,7 +13,14 @@ import torch
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
 
-__all__ = ["global_grad_norm", "global_grad_norm_tensor", "clip_coefficient", "clip_grads_", "count_zeros"]
+__all__ = [
+    "global_grad_norm",
+    "global_grad_norm_tensor",
+    "clip_coefficient",
+    "clip_grads_",
+    "count_zeros",
+    "count_zeros_tensor",
+]
 
 
 def _device(grads: list[torch.Tensor]) -> torch.device:
@@ -64,10 +71,17 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float | 
     return 1.0
 
 
-def count_zeros(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> int:
-    """Number of exactly-zero gradient elements over ``group``."""
+def count_zeros_tensor(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> torch.Tensor:
+    """Number of exactly-zero gradient elements over ``group``, as a float64 tensor of shape ``[1]`` on the device
+    (no host synchronisation): one count-nonzero kernel per gradient."""
     total = torch.zeros(1, dtype=torch.float64, device=device or _device(grads))
-    for g in grads:
-        total += (g == 0).sum()
+    if grads:
+        nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+        total += sum(g.numel() for g in grads) - nonzero
     _comm.all_reduce(total, group)
-    return int(total.item())
+    return total
+
+
+def count_zeros(grads: list[torch.Tensor], group: Group, device: torch.device | None = None) -> int:
+    """:func:`count_zeros_tensor` as a Python int (synchronises with the device)."""
+    return int(count_zeros_tensor(grads, group, device).item())

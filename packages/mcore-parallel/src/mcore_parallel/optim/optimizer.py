@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.ddp.ddp import DistributedDataParallel
-from mcore_parallel.optim.clip import clip_coefficient, clip_grads_, global_grad_norm_tensor
-from mcore_parallel.optim.clip import count_zeros as _count_zeros
+from mcore_parallel.optim.clip import clip_coefficient, clip_grads_, count_zeros_tensor, global_grad_norm_tensor
 from mcore_parallel.optim.config import OptimizerConfig
 from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mcore_parallel.sharding import ShardedTensor, shard_info
@@ -43,8 +42,8 @@ class StepResult:
     """False when the step was skipped (inf/nan gradients under fp16 loss scaling)."""
     grad_norm_tensor: torch.Tensor | None
     """Global gradient norm before clipping, on the device (None when skipped): reading it is not part of the step."""
-    num_zeros: int | None
-    """Zero gradient elements over all ranks, each counted once (None when skipped or not logged)."""
+    num_zeros_tensor: torch.Tensor | None
+    """Zero gradient elements over all ranks, each counted once, on the device (None when skipped or not asked)."""
     loss_scale: float | None
     """The loss scale the gradients were divided by (None without fp16)."""
     skipped: torch.Tensor | None = None
@@ -55,6 +54,11 @@ class StepResult:
     def grad_norm(self) -> float | None:
         """The global gradient norm as a float (synchronises with the device; a loop reads it when it logs)."""
         return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor.item())
+
+    @property
+    def num_zeros(self) -> int | None:
+        """The zero count as an int (synchronises with the device)."""
+        return None if self.num_zeros_tensor is None else int(self.num_zeros_tensor.item())
 
 
 @dataclass(eq=False)
@@ -222,7 +226,8 @@ class MixedPrecisionOptimizer:
         """Unscale, check, clip and apply the gradients; copy the new weights to the model.
 
         ``count_zeros`` (default: ``config.log_num_zeros_in_grad``) counts the exactly-zero gradient elements, a
-        pass over every gradient and a host sync: a training loop asks for it only on the steps it logs.
+        pass over every gradient (left on the device: ``StepResult.num_zeros`` reads it): a training loop asks for
+        it only on the steps it logs.
         ``skip_if_nonfinite`` (a device scalar, e.g. the step's loss; needs :attr:`skips_on_device`): the fused
         kernel leaves weights, moments and step count unchanged when it or the global gradient norm is inf/nan,
         decided on the device; ``StepResult.skipped`` says which happened.
@@ -254,7 +259,7 @@ class MixedPrecisionOptimizer:
                     return StepResult(False, None, None, scale)
             # no host synchronisation from here on: the norm and the clip factor stay on the device
             norm = global_grad_norm_tensor(counted, self.norm_group, self.state.device)
-            zeros = _count_zeros(counted, self.norm_group, self.state.device) if count_zeros else None
+            zeros = count_zeros_tensor(counted, self.norm_group, self.state.device) if count_zeros else None
             grad_scale = None
             if self.config.clip_grad > 0:
                 if self._fused_kernel():
