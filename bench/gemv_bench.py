@@ -6,7 +6,10 @@ so this bench times, per shape and row count, inside a CUDA graph of back-to-bac
 
 - ``cublas``: ``F.linear``;
 - ``inductor``: ``torch.compile(F.linear, mode="max-autotune-no-cudagraphs")`` (autotuned Triton templates);
-- ``triton``: the weight-streaming kernel below (one program per block of output features, all rows at once).
+- ``triton``: the weight-streaming kernel below (one program per block of output features, all rows at once);
+- ``splitk{2,4,8}``: the same kernel split over K into float32 partials (more programs for narrow outputs such as
+  the 2048-wide output projection and fc2: 64 programs otherwise), timed alone (the sum left to the consumer, e.g.
+  the residual add + norm after these projections) and with the sum as a kernel of its own (``_sum``).
 
 and reports µs per call and the weight bytes per second. ``--check`` compares the Triton kernel with ``F.linear``
 (also on the CPU under ``TRITON_INTERPRET=1``).
@@ -51,24 +54,43 @@ def _kernel() -> Any:
         import triton.language as tl
 
         @triton.jit  # type: ignore[misc]
-        def gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+        def gemv(X, W, Y, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, stride_ys, M_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            # program (i, s): output features [i * BLOCK_N, ...) over the K range [s * K_PER, (s + 1) * K_PER); with
+            # one split (K_PER >= K) Y is the result, else Y[s] holds split s's float32 partial sums
             pid = tl.program_id(0)
+            split = tl.program_id(1)
             rows = tl.arange(0, M_PAD)
             cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
                             other=0.0)  # fmt: skip
                 w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                             other=0.0)  # fmt: skip
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee" if X.dtype.element_ty == tl.float32 else None)
-            tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+            tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
         _KERNEL = gemv
     return _KERNEL
+
+
+def triton_linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, block_n: int = 32,
+                           block_k: int = 256) -> torch.Tensor:  # fmt: skip
+    """Split-K: ``[splits, M, N]`` float32 partial products whose sum over dim 0 is ``F.linear(x, w)``. More
+    programs than output blocks (a 2048-wide output is 64 programs at ``block_n`` 32, half an H200); the sum can
+    be left to the consumer (a residual add + norm that reads the partials instead of one output)."""
+    m, k = x.shape
+    n = w.shape[0]
+    x = x.contiguous()
+    per = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
+    y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    m_pad = max(16, 1 << (m - 1).bit_length())
+    _kernel()[(triton_cdiv(n, block_n), splits)](x, w, y, m, n, k, per, x.stride(0), w.stride(0), y.stride(1),
+                                                 y.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+    return y
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
@@ -80,9 +102,12 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: 
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     m_pad = max(16, 1 << (m - 1).bit_length())
-    _kernel()[(triton_cdiv(n, block_n),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), M_PAD=m_pad,
-                                          BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+    _kernel()[(triton_cdiv(n, block_n), 1)](x, w, y, m, n, k, k, x.stride(0), w.stride(0), y.stride(0), 0,
+                                             M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
     return y
+
+
+SPLITS = (2, 4, 8)  # split-K factors timed by the bench
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -117,11 +142,14 @@ def check(device: str, dtype: torch.dtype) -> None:
             x = torch.randn(m, k, device=device, dtype=dtype)
             w = torch.randn(n, k, device=device, dtype=dtype)
             ref = F.linear(x.double(), w.double())
-            out = triton_linear(x, w, block_n=32, block_k=64).double()
             tol = 1e-4 if dtype == torch.float32 else 5e-2
-            err = ((out - ref).abs() / (ref.abs() + 1)).max().item()
-            assert err < tol, (m, n, k, err)
-    print(f"triton_linear matches F.linear on {device} ({dtype})")
+            outs = {"plain": triton_linear(x, w, block_n=32, block_k=64)}
+            for splits in SPLITS:
+                outs[f"split-K {splits}"] = triton_linear_partials(x, w, splits, block_n=32, block_k=64).sum(0)
+            for name, out in outs.items():
+                err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+                assert err < tol, (name, m, n, k, err)
+    print(f"triton_linear and its split-K form match F.linear on {device} ({dtype})")
 
 
 # the launches --norm-linear times on every shape (besides the default), "MODE,BLOCK_N,WARPS,STAGES,BLOCK_K" as in
@@ -276,6 +304,9 @@ def main() -> None:
                 "cublas": lambda x=x, w=w: F.linear(x, w),
                 "triton": lambda x=x, w=w: triton_linear(x, w),
             }
+            for sp in SPLITS:  # the kernel alone (the sum left to a consumer), and with the sum as its own kernel
+                impls[f"splitk{sp}"] = lambda x=x, w=w, sp=sp: triton_linear_partials(x, w, sp)
+                impls[f"splitk{sp}_sum"] = lambda x=x, w=w, sp=sp: triton_linear_partials(x, w, sp).sum(0)
             if compiled is not None:
                 impls["inductor"] = lambda x=x, w=w: compiled(x, w)
             for impl, fn in impls.items():
