@@ -138,9 +138,9 @@ def _dp_losses(overrides: list[str]) -> list[float]:
 
 
 def test_deferred_reads_under_data_and_tensor_parallelism() -> None:
-    """dp2 (distributed optimizer) and tp2: the deferred loop gives the one-process losses."""
+    """dp2 (distributed optimizer), tp2 and pp2: the deferred loop gives the one-process losses on every rank."""
     reference = _dp_losses(["training.train_iters=3", "training.device=cpu"])
-    for layout in (["optimizer.use_distributed_optimizer=true"], ["parallel.tp=2"]):
+    for layout in (["optimizer.use_distributed_optimizer=true"], ["parallel.tp=2"], ["parallel.pp=2"]):
         out = run_distributed(_dp_losses, 2, ["training.train_iters=3", *FUSED, *layout], timeout=300)
         assert out[0] == out[1]
         assert out[0] == pytest.approx(reference, abs=1e-5), layout
