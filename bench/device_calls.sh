@@ -265,8 +265,10 @@ case "${1:-}" in
       --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 | grep -v Warning | tail -3 \
       | tee -a "$OUT/s7-serve.log"
     unset MCORE_NORM_LINEAR_LAUNCH
-    timeout 100 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
-      --out "$OUT/serve-base.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s7-serve.log"
+    # and where batch 1's time goes (GPU kernel time against wall time, hottest kernels)
+    timeout 120 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
+      --profile "$OUT/serve-profile-batch1.txt" --out "$OUT/serve-base.json" 2>&1 | grep -v Warning | tail -3 \
+      | tee -a "$OUT/s7-serve.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
