@@ -259,6 +259,8 @@ case "${1:-}" in
     # split-K GEMVs for the narrow projections (64 programs at 2048 outputs): the next lever if they beat cuBLAS
     timeout 60 python3 bench/gemv_bench.py --rows 1 --no-inductor --json "$OUT/gemv-splitk.json" 2>&1 | grep '^{' \
       | tee -a "$OUT/s7-serve.log"
+    timeout 60 python3 bench/gemv_bench.py --swiglu-fc2 --rows 1 4 --json "$OUT/swiglu-fc2.json" 2>&1 | grep '^{' \
+      | tee -a "$OUT/s7-serve.log"
     # shellcheck disable=SC1091
     source "$OUT/norm-linear.env"
     timeout 220 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --hf --hf-batches 1,64 \

@@ -23,6 +23,9 @@ summary line); ``--best-env FILE`` writes the launch with the least total time a
 
     python bench/gemv_bench.py --norm-linear --rows 1 --json nl.json --best-env nl.env
     source nl.env   # export MCORE_NORM_LINEAR_LAUNCH=<best launch> (or unset, where the default won)
+
+``--swiglu-fc2`` times the MLP's SwiGLU folded into the loads of a split-K down-projection GEMV (one kernel fewer
+per layer and decode step) against the compiled SwiGLU + cuBLAS.
 """
 
 from __future__ import annotations
@@ -108,6 +111,87 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: 
 
 
 SPLITS = (2, 4, 8)  # split-K factors timed by the bench
+_SWIGLU_KERNEL: Any = None
+
+
+def _swiglu_kernel() -> Any:
+    global _SWIGLU_KERNEL
+    if _SWIGLU_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit  # type: ignore[misc]
+        def swiglu_gemv(A, W, P, M, N, K, K_PER, stride_am, stride_wn, stride_pm, stride_ps, M_PAD: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            # x = silu(gate) * up from A = [gate | up] as it is loaded (each rounded to A's dtype, as the unfused
+            # ops round), then split s's float32 partial x @ W^T over K in [s * K_PER, (s + 1) * K_PER)
+            pid = tl.program_id(0)
+            split = tl.program_id(1)
+            dtype = A.dtype.element_ty
+            rows = tl.arange(0, M_PAD)
+            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+            for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                m2 = (rows[:, None] < M) & (ks[None, :] < K)
+                gate = tl.load(A + rows[:, None] * stride_am + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                up = tl.load(A + rows[:, None] * stride_am + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+                x = (act * up).to(dtype)
+                w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                            other=0.0)  # fmt: skip
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee" if dtype == tl.float32 else None)
+            tl.store(P + split * stride_ps + rows[:, None] * stride_pm + cols[None, :], acc,
+                     mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+
+        _SWIGLU_KERNEL = swiglu_gemv
+    return _SWIGLU_KERNEL
+
+
+def swiglu_linear_partials(a: torch.Tensor, w: torch.Tensor, splits: int, block_n: int = 32,
+                           block_k: int = 256) -> torch.Tensor:  # fmt: skip
+    """``[splits, M, N]`` float32 partials of ``F.linear(silu(gate) * up, w)`` for ``a = [gate | up]`` ``[M, 2K]``
+    and ``w`` ``[N, K]``: the SwiGLU of the MLP folded into the loads of the down projection (one kernel fewer per
+    layer in a decode step)."""
+    m, k2 = a.shape
+    n, k = w.shape
+    if k2 != 2 * k:
+        raise ValueError(f"a has {k2} columns, expected 2 x {k} ([gate | up])")
+    a = a.contiguous()
+    per = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
+    p = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    m_pad = max(16, 1 << (m - 1).bit_length())
+    _swiglu_kernel()[(triton_cdiv(n, block_n), splits)](a, w, p, m, n, k, per, a.stride(0), w.stride(0), p.stride(1),
+                                                        p.stride(0), M_PAD=m_pad, BLOCK_N=block_n,
+                                                        BLOCK_K=block_k)  # fmt: skip
+    return p
+
+
+def swiglu_fc2_rows(rows: list[int]) -> list[dict[str, Any]]:
+    """µs per call (CUDA graph) of SwiGLU + the down projection at llama-1b's fc2 shape: compiled SwiGLU + cuBLAS
+    against the one split-K kernel (alone: the sum left to the residual add + norm after it; and with the sum)."""
+    n, k = SHAPES["fc2"]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+
+    def unfused(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gate, up = a.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w)
+
+    compiled = torch.compile(unfused, dynamic=False)
+    out = []
+    for m in rows:
+        a = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        ref = unfused(a.float(), w.float())
+        row: dict[str, Any] = {"shape": "swiglu + fc2", "rows": m,
+                               "unfused_us": time_in_graph(lambda a=a: compiled(a, w))}  # fmt: skip
+        for sp in (1, *SPLITS):
+            got = swiglu_linear_partials(a, w, sp).sum(0)
+            row[f"max_abs_diff_split{sp}"] = (got - ref).abs().max().item()
+            row[f"fused_split{sp}_us"] = time_in_graph(lambda a=a, sp=sp: swiglu_linear_partials(a, w, sp))
+            row[f"fused_split{sp}_sum_us"] = time_in_graph(lambda a=a, sp=sp: swiglu_linear_partials(a, w, sp).sum(0))
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -149,7 +233,14 @@ def check(device: str, dtype: torch.dtype) -> None:
             for name, out in outs.items():
                 err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
                 assert err < tol, (name, m, n, k, err)
-    print(f"triton_linear and its split-K form match F.linear on {device} ({dtype})")
+            a = torch.randn(m, 2 * k, device=device, dtype=dtype)
+            gate, up = a.double().chunk(2, dim=-1)
+            ref = F.linear(F.silu(gate) * up, w.double())
+            for splits in (1, *SPLITS):
+                out = swiglu_linear_partials(a, w, splits, block_n=32, block_k=64).sum(0).double()
+                err = ((out - ref).abs() / (ref.abs() + 1)).max().item()
+                assert err < tol, ("swiglu", splits, m, n, k, err)
+    print(f"triton_linear, its split-K form and the SwiGLU split-K kernel match on {device} ({dtype})")
 
 
 # the launches --norm-linear times on every shape (besides the default), "MODE,BLOCK_N,WARPS,STAGES,BLOCK_K" as in
@@ -274,7 +365,15 @@ def main() -> None:
                     help="--norm-linear: the launches to time (default: %(default)s)")  # fmt: skip
     ap.add_argument("--best-env", default=None, metavar="FILE",
                     help="--norm-linear: write 'export MCORE_NORM_LINEAR_LAUNCH=<best launch>' to FILE")  # fmt: skip
+    ap.add_argument("--swiglu-fc2", action="store_true", help="only time SwiGLU folded into a split-K fc2 GEMV")
     args = ap.parse_args()
+    if args.swiglu_fc2:
+        swiglu_rows = swiglu_fc2_rows(args.rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": swiglu_rows}, f,
+                          indent=1)  # fmt: skip
+        return
     if args.norm_linear:
         start = time.perf_counter()
         rows, summary = norm_linear_rows([m for m in args.rows if m <= 16], args.launches)
