@@ -58,21 +58,29 @@ def _kernel() -> Any:
 
         @triton.jit  # type: ignore[misc]
         def gemv(X, W, Y, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, stride_ys, M_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
             # program (i, s): output features [i * BLOCK_N, ...) over the K range [s * K_PER, (s + 1) * K_PER); with
-            # one split (K_PER >= K) Y is the result, else Y[s] holds split s's float32 partial sums
+            # one split (K_PER >= K) Y is the result, else Y[s] holds split s's float32 partial sums. SWIGLU: X is
+            # [gate | up] (2K columns) and the input is silu(gate) * up, each rounded to X's dtype as the unfused
+            # ops round, computed as it is loaded
             pid = tl.program_id(0)
             split = tl.program_id(1)
+            dtype = X.dtype.element_ty
             rows = tl.arange(0, M_PAD)
             cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
             for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                            other=0.0)  # fmt: skip
+                m2 = (rows[:, None] < M) & (ks[None, :] < K)
+                x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
+                if SWIGLU:
+                    up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                    gate = x.to(tl.float32)
+                    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+                    x = (act * up).to(dtype)
                 w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                             other=0.0)  # fmt: skip
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee" if X.dtype.element_ty == tl.float32 else None)
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee" if dtype == tl.float32 else None)
             tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
@@ -92,7 +100,8 @@ def triton_linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, block_
     y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     m_pad = max(16, 1 << (m - 1).bit_length())
     _kernel()[(triton_cdiv(n, block_n), splits)](x, w, y, m, n, k, per, x.stride(0), w.stride(0), y.stride(1),
-                                                 y.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+                                                 y.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 SWIGLU=False)  # fmt: skip
     return y
 
 
@@ -106,46 +115,11 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     m_pad = max(16, 1 << (m - 1).bit_length())
     _kernel()[(triton_cdiv(n, block_n), 1)](x, w, y, m, n, k, k, x.stride(0), w.stride(0), y.stride(0), 0,
-                                             M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+                                             M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False)  # fmt: skip
     return y
 
 
 SPLITS = (2, 4, 8)  # split-K factors timed by the bench
-_SWIGLU_KERNEL: Any = None
-
-
-def _swiglu_kernel() -> Any:
-    global _SWIGLU_KERNEL
-    if _SWIGLU_KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit  # type: ignore[misc]
-        def swiglu_gemv(A, W, P, M, N, K, K_PER, stride_am, stride_wn, stride_pm, stride_ps, M_PAD: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-            # x = silu(gate) * up from A = [gate | up] as it is loaded (each rounded to A's dtype, as the unfused
-            # ops round), then split s's float32 partial x @ W^T over K in [s * K_PER, (s + 1) * K_PER)
-            pid = tl.program_id(0)
-            split = tl.program_id(1)
-            dtype = A.dtype.element_ty
-            rows = tl.arange(0, M_PAD)
-            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-            for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                m2 = (rows[:, None] < M) & (ks[None, :] < K)
-                gate = tl.load(A + rows[:, None] * stride_am + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                up = tl.load(A + rows[:, None] * stride_am + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                x = (act * up).to(dtype)
-                w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                            other=0.0)  # fmt: skip
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee" if dtype == tl.float32 else None)
-            tl.store(P + split * stride_ps + rows[:, None] * stride_pm + cols[None, :], acc,
-                     mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
-
-        _SWIGLU_KERNEL = swiglu_gemv
-    return _SWIGLU_KERNEL
 
 
 def swiglu_linear_partials(a: torch.Tensor, w: torch.Tensor, splits: int, block_n: int = 32,
@@ -161,9 +135,9 @@ def swiglu_linear_partials(a: torch.Tensor, w: torch.Tensor, splits: int, block_
     per = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
     p = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     m_pad = max(16, 1 << (m - 1).bit_length())
-    _swiglu_kernel()[(triton_cdiv(n, block_n), splits)](a, w, p, m, n, k, per, a.stride(0), w.stride(0), p.stride(1),
-                                                        p.stride(0), M_PAD=m_pad, BLOCK_N=block_n,
-                                                        BLOCK_K=block_k)  # fmt: skip
+    _kernel()[(triton_cdiv(n, block_n), splits)](a, w, p, m, n, k, per, a.stride(0), w.stride(0), p.stride(1),
+                                                 p.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 SWIGLU=True)  # fmt: skip
     return p
 
 
