@@ -21,7 +21,7 @@
 #   bash bench/device_calls.sh s6-autotune  # one GPU: issue 9, max-autotune compile of the layers (optional)
 #   bash bench/device_calls.sh s6-x2        # nvidia-h200-x2: sync-free clipping, fused tp loss (issue 5); not run yet
 #   bash bench/device_calls.sh s7-x2        # nvidia-h200-x2: the deferred loss read, 1 GPU and tp2 + SP; not run yet
-#   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep and batch 1 with its winner; not run yet
+#   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep, split-K / SwiGLU GEMVs, batch 1; not run yet
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -250,27 +250,32 @@ case "${1:-}" in
       tp2-sp-compile-symm-all-sync --out "$OUT/s7-tp2.json" 2>&1 | tail -5 | tee -a "$OUT/s7-x2.log"
     ;;
   s7-serve)
-    # one GPU (~5 min), issue 7: norm_linear's GPU tests, its launch sweep, then batch 1 and 64 with the sweep's best
-    # launch and without the kernel (HF static cache + compile at batch 1 and 64 in the same call)
-    timeout 120 python3 -m pytest -q tests/models/test_norm_linear.py tests/infer/test_gpu.py -k norm \
-      -p no:cacheprovider 2>&1 | tail -1 | tee "$OUT/s7-serve.log"
-    timeout 90 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear.json" \
+    # one GPU (~6 min), issue 7: the GPU tests of norm_linear and the split-K GEMV, the kernel benches (norm_linear
+    # launch sweep, split-K GEMVs, SwiGLU folded into fc2), batch 1 and 64 profiled with HF static cache + compile in
+    # the same call, then with fuse_swiglu_down, and with norm_linear if its sweep beat the unfused ops
+    timeout 120 python3 -m pytest -q tests/models/test_norm_linear.py tests/models/test_small_gemv.py \
+      tests/infer/test_gpu.py -k "norm or swiglu or partials" -p no:cacheprovider 2>&1 | tail -1 | tee "$OUT/s7-serve.log"
+    timeout 75 python3 bench/gemv_bench.py --norm-linear --rows 1 --json "$OUT/norm-linear.json" \
       --best-env "$OUT/norm-linear.env" 2>&1 | grep '^{' | tee -a "$OUT/s7-serve.log"
-    # split-K GEMVs for the narrow projections (64 programs at 2048 outputs): the next lever if they beat cuBLAS
-    timeout 60 python3 bench/gemv_bench.py --rows 1 --no-inductor --json "$OUT/gemv-splitk.json" 2>&1 | grep '^{' \
+    # split-K GEMVs for the narrow projections (64 programs at 2048 outputs), and SwiGLU folded into fc2's
+    timeout 50 python3 bench/gemv_bench.py --rows 1 --no-inductor --json "$OUT/gemv-splitk.json" 2>&1 | grep '^{' \
       | tee -a "$OUT/s7-serve.log"
-    timeout 60 python3 bench/gemv_bench.py --swiglu-fc2 --rows 1 4 --json "$OUT/swiglu-fc2.json" 2>&1 | grep '^{' \
+    timeout 45 python3 bench/gemv_bench.py --swiglu-fc2 --rows 1 4 --json "$OUT/swiglu-fc2.json" 2>&1 | grep '^{' \
       | tee -a "$OUT/s7-serve.log"
-    # shellcheck disable=SC1091
-    source "$OUT/norm-linear.env"
-    timeout 220 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --hf --hf-batches 1,64 \
-      --concurrency 1,64 --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 | grep -v Warning | tail -3 \
+    # where batch 1's time goes (GPU kernel time against wall time, hottest kernels), with the HF baseline
+    timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 --hf \
+      --hf-batches 1,64 --profile "$OUT/serve-profile-batch1.txt" --out "$OUT/serve-base.json" 2>&1 \
+      | grep -v Warning | tail -3 | tee -a "$OUT/s7-serve.log"
+    timeout 80 python3 bench/serve_bench.py --compile --lookahead --fuse-swiglu-down --concurrency 1,64 \
+      --http-concurrency 0 --out "$OUT/serve-swiglu-down.json" 2>&1 | grep -v Warning | tail -3 \
       | tee -a "$OUT/s7-serve.log"
-    unset MCORE_NORM_LINEAR_LAUNCH
-    # and where batch 1's time goes (GPU kernel time against wall time, hottest kernels)
-    timeout 120 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 \
-      --profile "$OUT/serve-profile-batch1.txt" --out "$OUT/serve-base.json" 2>&1 | grep -v Warning | tail -3 \
-      | tee -a "$OUT/s7-serve.log"
+    if python3 -c "import json,sys; s=json.load(open('$OUT/norm-linear.json'))['summary']; \
+        sys.exit(min(s['best_total_us'], s['default_total_us']) >= s['unfused_total_us'])"; then
+      # shellcheck disable=SC1091
+      source "$OUT/norm-linear.env"
+      timeout 80 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --concurrency 1,64 \
+        --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s7-serve.log"
+    fi
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

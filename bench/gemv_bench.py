@@ -47,45 +47,13 @@ SHAPES = {  # llama-1b: (out_features, in_features)
     "lm_head": (32768, 2048),
 }
 
-_KERNEL: Any = None
 
+def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
+    """``F.linear(x, w)`` for ``x`` ``[M, K]`` with small ``M`` (at most 64), ``w`` ``[N, K]`` contiguous: the
+    weight-streaming kernel of :mod:`mcore_models.transformer.small_gemv`, one split."""
+    from mcore_models.transformer.small_gemv import gemv_partials
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit  # type: ignore[misc]
-        def gemv(X, W, Y, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, stride_ys, M_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
-            # program (i, s): output features [i * BLOCK_N, ...) over the K range [s * K_PER, (s + 1) * K_PER); with
-            # one split (K_PER >= K) Y is the result, else Y[s] holds split s's float32 partial sums. SWIGLU: X is
-            # [gate | up] (2K columns) and the input is silu(gate) * up, each rounded to X's dtype as the unfused
-            # ops round, computed as it is loaded
-            pid = tl.program_id(0)
-            split = tl.program_id(1)
-            dtype = X.dtype.element_ty
-            rows = tl.arange(0, M_PAD)
-            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-            for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                m2 = (rows[:, None] < M) & (ks[None, :] < K)
-                x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
-                if SWIGLU:
-                    up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                    gate = x.to(tl.float32)
-                    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                    x = (act * up).to(dtype)
-                w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                            other=0.0)  # fmt: skip
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee" if dtype == tl.float32 else None)
-            tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-                     mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
-
-        _KERNEL = gemv
-    return _KERNEL
+    return gemv_partials(x, w, 1, block_n, block_k, out_dtype=x.dtype)[0]
 
 
 def triton_linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, block_n: int = 32,
@@ -93,52 +61,21 @@ def triton_linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, block_
     """Split-K: ``[splits, M, N]`` float32 partial products whose sum over dim 0 is ``F.linear(x, w)``. More
     programs than output blocks (a 2048-wide output is 64 programs at ``block_n`` 32, half an H200); the sum can
     be left to the consumer (a residual add + norm that reads the partials instead of one output)."""
-    m, k = x.shape
-    n = w.shape[0]
-    x = x.contiguous()
-    per = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
-    y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    m_pad = max(16, 1 << (m - 1).bit_length())
-    _kernel()[(triton_cdiv(n, block_n), splits)](x, w, y, m, n, k, per, x.stride(0), w.stride(0), y.stride(1),
-                                                 y.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                 SWIGLU=False)  # fmt: skip
-    return y
+    from mcore_models.transformer.small_gemv import gemv_partials
 
-
-def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
-    """``F.linear(x, w)`` for ``x`` ``[M, K]`` with small ``M`` (at most 64), ``w`` ``[N, K]`` contiguous."""
-    m, k = x.shape
-    n = w.shape[0]
-    if m > 64:
-        raise ValueError(f"triton_linear is for small row counts (got {m})")
-    x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    m_pad = max(16, 1 << (m - 1).bit_length())
-    _kernel()[(triton_cdiv(n, block_n), 1)](x, w, y, m, n, k, k, x.stride(0), w.stride(0), y.stride(0), 0,
-                                             M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False)  # fmt: skip
-    return y
-
-
-SPLITS = (2, 4, 8)  # split-K factors timed by the bench
+    return gemv_partials(x, w, splits, block_n, block_k)
 
 
 def swiglu_linear_partials(a: torch.Tensor, w: torch.Tensor, splits: int, block_n: int = 32,
                            block_k: int = 256) -> torch.Tensor:  # fmt: skip
     """``[splits, M, N]`` float32 partials of ``F.linear(silu(gate) * up, w)`` for ``a = [gate | up]`` ``[M, 2K]``
-    and ``w`` ``[N, K]``: the SwiGLU of the MLP folded into the loads of the down projection (one kernel fewer per
-    layer in a decode step)."""
-    m, k2 = a.shape
-    n, k = w.shape
-    if k2 != 2 * k:
-        raise ValueError(f"a has {k2} columns, expected 2 x {k} ([gate | up])")
-    a = a.contiguous()
-    per = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
-    p = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    m_pad = max(16, 1 << (m - 1).bit_length())
-    _kernel()[(triton_cdiv(n, block_n), splits)](a, w, p, m, n, k, per, a.stride(0), w.stride(0), p.stride(1),
-                                                 p.stride(0), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                 SWIGLU=True)  # fmt: skip
-    return p
+    (the SwiGLU of the MLP folded into the loads of the down projection, as ``swiglu_down`` does)."""
+    from mcore_models.transformer.small_gemv import gemv_partials
+
+    return gemv_partials(a, w, splits, block_n, block_k, swiglu=True)
+
+
+SPLITS = (2, 4, 8)  # split-K factors timed by the bench
 
 
 def swiglu_fc2_rows(rows: list[int]) -> list[dict[str, Any]]:

@@ -306,6 +306,40 @@ def test_norms_fused_into_the_projections_give_the_same_tokens(compiled: bool, r
     assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 7 == 0
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool) -> None:
+    """EngineConfig.fuse_swiglu_down: steps of at most 16 tokens run each MLP's SwiGLU inside its down projection,
+    longer prefill chunks do not; greedy tokens unchanged. On the CPU the op computes with PyTorch ops (the Triton
+    kernel is checked in tests/models/test_small_gemv.py): this checks the wiring."""
+    from mcore_models.transformer import small_gemv as sg
+
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
+    torch._dynamo.reset()
+    rows: list[int] = []
+    real = sg.swiglu_down_reference
+
+    def spy(x, w):  # type: ignore[no-untyped-def]
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, w)
+
+    sg.swiglu_down_reference = spy  # type: ignore[assignment]
+    try:
+        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_swiglu_down=True)
+        res = llm.generate(prompts, GREEDY)
+    finally:
+        sg.swiglu_down_reference = real  # type: ignore[assignment]
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
+
+
+def test_fuse_swiglu_down_is_checked() -> None:
+    with pytest.raises(ValueError, match="fuse_swiglu_down.*activation='gelu'"):
+        _llm(tiny_model(activation="gelu"), fuse_swiglu_down=True)
+    with pytest.raises(ValueError, match="fuse_swiglu_down and fuse_norm_linear are exclusive"):
+        EngineConfig(fuse_swiglu_down=True, fuse_norm_linear=True)
+
+
 def test_fuse_norm_linear_refuses_a_layernorm_model() -> None:
     model = tiny_model(normalization="layernorm")
     with pytest.raises(ValueError, match="fuse_norm_linear.*normalization='layernorm'"):

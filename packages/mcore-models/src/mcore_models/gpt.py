@@ -170,6 +170,25 @@ class GPTModel(nn.Module):
             and isinstance(self.decoder.final_layernorm, RMSNorm)
         )
 
+    def fuse_swiglu_down(self, enable: bool = True) -> None:
+        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.MAX_ROWS` tokens compute each
+        gated MLP's SwiGLU inside its down projection (:func:`~mcore_models.transformer.small_gemv.swiglu_down`: one
+        split-K Triton kernel reads ``[gate | up]`` and the weight; the activation is no kernel of its own). Needs
+        SwiGLU, a bias-free down projection and one tensor-parallel rank; the same results up to rounding."""
+        if enable:
+            problems = []
+            if self.config.activation != "swiglu":
+                problems.append(f"activation={self.config.activation!r} (needs swiglu)")
+            if self.config.add_bias_linear:
+                problems.append("linear biases (add_bias_linear)")
+            if self.ctx.tp.size > 1:
+                problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; the down projection's all-reduce)")
+            if problems:
+                raise ValueError(f"fuse_swiglu_down cannot fuse this model: {'; '.join(problems)}")
+        layer: Any
+        for layer in self.decoder.layers.values():
+            layer.mlp.fuse_swiglu_down = enable
+
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
         self.input_tensor = tensor

@@ -14,6 +14,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.small_gemv import MAX_ROWS, swiglu_down
 from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
@@ -75,5 +76,11 @@ class MLP(nn.Module):
             **common,
         )
 
+        # inference steps of at most MAX_ROWS tokens: SwiGLU inside the down projection's kernel (see
+        # GPTModel.fuse_swiglu_down)
+        self.fuse_swiglu_down = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_swiglu_down and not self.training and x.numel() // x.shape[-1] <= MAX_ROWS:
+            return swiglu_down(self.linear_fc1(x), self.linear_fc2.weight)
         return self.linear_fc2(self.act(self.linear_fc1(x)))  # type: ignore[operator]

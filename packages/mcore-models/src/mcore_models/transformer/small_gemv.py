@@ -1,0 +1,200 @@
+"""Weight-streaming GEMMs of a few rows (batch-1 decoding), split over K, with SwiGLU folded into the loads.
+
+A decode step multiplies one row (a few rows) by each weight matrix: the time is the weight's bytes over the
+bandwidth the kernel reaches. A 2048-wide output in blocks of 32 features is 64 programs, half an H200's SMs, so the
+kernel here also splits K: program ``(i, s)`` computes output features ``[i * BLOCK_N, ...)`` over the K range of
+split ``s`` and writes float32 partial sums ``[splits, M, N]`` (one split writes the result in the output dtype).
+
+:func:`swiglu_down` is the MLP's down projection of a gated MLP with its activation inside: it reads the up
+projection's ``[gate | up]`` output and computes ``silu(gate) * up`` (each rounded to the input dtype, as the unfused
+ops round) as it loads it, so the activation is not a kernel of its own. Registered as the custom op
+``mcore_models::swiglu_down`` (a compiled layer keeps it in its graph); without Triton, or on the CPU outside
+``TRITON_INTERPRET=1``, it computes the same with PyTorch ops.
+
+The launch (``SPLITS``, ``BLOCK_N``) comes from ``_LAUNCH_OVERRIDE`` (a benchmark sweep in this process), else the
+environment variable ``MCORE_SWIGLU_DOWN_LAUNCH`` (``SPLITS,BLOCK_N``, e.g. ``4,32``; a malformed value raises a
+``ValueError`` naming the variable), else :func:`_heuristic_launch`. ``bench/gemv_bench.py --swiglu-fc2`` times it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_models.transformer.norm_linear import MAX_ROWS, _use_triton
+
+__all__ = ["LAUNCH_ENV", "MAX_ROWS", "gemv_partials", "swiglu_down", "swiglu_down_reference"]
+
+LAUNCH_ENV = "MCORE_SWIGLU_DOWN_LAUNCH"
+BLOCK_K = 256
+_KERNEL: Any = None
+
+
+def _kernel() -> Any:
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def gemv(  # type: ignore[no-untyped-def]
+        X,
+        W,
+        Y,
+        M,
+        N,
+        K,
+        K_PER,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        stride_ys,
+        M_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SWIGLU: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        dtype = X.dtype.element_ty
+        rows = tl.arange(0, M_PAD)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            m2 = (rows[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
+            if SWIGLU:  # X is [gate | up]: the input is silu(gate) * up, each rounded to X's dtype
+                up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                gate = x.to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+                x = (act * up).to(dtype)
+            w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)  # fmt: skip
+            if dtype == tl.float32:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+
+    _KERNEL = gemv
+    return _KERNEL
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemv_partials(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    splits: int,
+    block_n: int = 32,
+    block_k: int = BLOCK_K,
+    swiglu: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[splits, M, N]`` partial products (in ``out_dtype``) whose sum over dim 0 is ``F.linear(x, weight)`` for
+    ``x`` ``[M, K]`` (``[M, 2K]`` = ``[gate | up]`` with ``swiglu``: then of ``silu(gate) * up``), ``M`` at most 64,
+    ``weight`` ``[N, K]``. The Triton kernel: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``."""
+    m, kx = x.shape
+    n, k = weight.shape
+    if kx != (2 * k if swiglu else k):
+        raise ValueError(f"x has {kx} columns, expected {'2 x ' if swiglu else ''}{k} for a weight of {k} inputs")
+    if m > 64:
+        raise ValueError(f"gemv_partials takes at most 64 rows, got {m}")
+    if splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"splits={splits} must be >= 1 and block_n={block_n} a power of two >= 16")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
+    per = _cdiv(_cdiv(k, splits), block_k) * block_k
+    y = torch.empty(splits, m, n, dtype=out_dtype, device=x.device)
+    if m:
+        _kernel()[(_cdiv(n, block_n), splits)](
+            x, weight, y, m, n, k, per, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
+            M_PAD=max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=swiglu,
+        )  # fmt: skip
+    return y
+
+
+def _parse_launch(text: str) -> tuple[int, int]:
+    source = f"{LAUNCH_ENV}={text!r} (expected SPLITS,BLOCK_N, e.g. 4,32)"
+    try:
+        values = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{source}: not a list of integers") from None
+    if len(values) != 2:
+        raise ValueError(f"{source}: {len(values)} values")
+    splits, block_n = values
+    if splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{source}: SPLITS must be >= 1 and BLOCK_N a power of two >= 16")
+    return splits, block_n
+
+
+# the launch forced by a benchmark sweep in this process; None: the environment variable, else the heuristic
+_LAUNCH_OVERRIDE: tuple[int, int] | None = None
+
+
+def _heuristic_launch(n: int, k: int, sms: int) -> tuple[int, int]:
+    """32 output features per program, and the fewest power-of-two splits of K giving every SM a program while
+    each split keeps at least two K steps (llama-1b's fc2, N=2048, K=8192, on 132 SMs: 4 splits, 256 programs).
+    Not yet tuned on a GPU: ``bench/gemv_bench.py --swiglu-fc2`` times the splits."""
+    block_n = 32
+    splits = 1
+    while _cdiv(n, block_n) * splits < sms and k // (2 * splits) >= 2 * BLOCK_K:
+        splits *= 2
+    return splits, block_n
+
+
+def _launch_config(n: int, k: int, sms: int) -> tuple[int, int]:
+    if _LAUNCH_OVERRIDE is not None:
+        return _LAUNCH_OVERRIDE
+    text = os.environ.get(LAUNCH_ENV, "").strip()
+    if text:
+        return _parse_launch(text)
+    return _heuristic_launch(n, k, sms)
+
+
+def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused computation (PyTorch ops): what the kernel must equal."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight)
+
+
+@torch.library.custom_op("mcore_models::swiglu_down", mutates_args=())
+def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(x):
+        return swiglu_down_reference(x, weight)
+    n, k = weight.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    splits, block_n = _launch_config(n, k, sms)
+    if splits == 1:
+        y = gemv_partials(x2, weight, 1, block_n, swiglu=True, out_dtype=x.dtype)[0]
+    else:
+        y = gemv_partials(x2, weight, splits, block_n, swiglu=True).sum(0).to(x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+@_swiglu_down_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def swiglu_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight)`` for ``x = [gate | up]`` ``[..., 2K]`` of at most :data:`MAX_ROWS` rows
+    and ``weight`` ``[N, K]`` (no bias): one kernel reading ``x`` and the weight (split over K, the float32 partial
+    sums added by a second, small one). Inference only."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > MAX_ROWS:
+        raise ValueError(f"swiglu_down takes at most {MAX_ROWS} rows, got {rows}: use SwiGLU and a GEMM")
+    if x.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(f"swiglu_down: x has {x.shape[-1]} columns, expected [gate | up] = 2 x {weight.shape[1]}")
+    result: torch.Tensor = _swiglu_down_op(x, weight)
+    return result

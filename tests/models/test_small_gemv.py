@@ -1,0 +1,97 @@
+"""``small_gemv``: the split-K weight-streaming GEMV and ``swiglu_down`` (SwiGLU inside the down projection)
+against float64. The kernel runs on GPUs, or on the CPU under ``TRITON_INTERPRET=1`` (float32); elsewhere the op
+computes with PyTorch ops."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_models.transformer import small_gemv as sg
+from mcore_models.transformer.small_gemv import LAUNCH_ENV, gemv_partials, swiglu_down
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+KERNEL_DEVICES = []
+if torch.cuda.is_available() and HAS_TRITON:
+    KERNEL_DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
+if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
+    KERNEL_DEVICES.append("cpu")
+needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
+
+
+def _swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = x.double().chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (3, 130, 600), (16, 48, 256), (40, 33, 100)])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_partials_sum_to_the_float64_product(device: str, rows: int, n: int, k: int, splits: int,
+                                             swiglu: bool) -> None:  # fmt: skip
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(rows + n + k)
+    x = torch.randn(rows, (2 if swiglu else 1) * k, device=device, dtype=dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    parts = gemv_partials(x, w, splits, block_n=32, block_k=64, swiglu=swiglu)
+    assert parts.shape == (splits, rows, n) and parts.dtype == torch.float32
+    ref = _swiglu_ref(x, w) if swiglu else F.linear(x.double(), w.double())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(parts.double().sum(0), ref, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("launch", ["1,32", "4,32", "2,64"])
+def test_swiglu_down_op_at_each_launch(device: str, launch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op at one split (output written in the input dtype) and at several (float32 partials summed)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    x = torch.randn(2, 1, 2 * 700, device=device, dtype=dtype)
+    w = (torch.randn(90, 700, device=device) / 700**0.5).to(dtype)
+    y = swiglu_down(x, w)
+    assert y.shape == (2, 1, 90) and y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.double(), _swiglu_ref(x, w), rtol=tol, atol=tol)
+
+
+def test_pytorch_fallback_equals_the_unfused_ops() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs the kernel here")
+    x = torch.randn(3, 1, 64)
+    w = torch.randn(24, 32)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu_down(x, w), F.linear(F.silu(gate) * up, w), rtol=0, atol=0)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+        swiglu_down(torch.zeros(17, 8), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"expected \[gate \| up\] = 2 x 4"):
+        swiglu_down(torch.zeros(1, 6), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="expected 2 x 4 for a weight of 4 inputs"):
+        gemv_partials(torch.zeros(1, 6), torch.zeros(3, 4), 1, swiglu=True)
+
+
+def test_default_launch_splits_narrow_outputs() -> None:
+    assert sg._heuristic_launch(2048, 8192, 132) == (4, 32)  # llama-1b's fc2: 64 blocks x 4 splits
+    assert sg._heuristic_launch(16384, 8192, 132) == (1, 32)  # already 512 programs
+    assert sg._heuristic_launch(2048, 512, 132) == (1, 32)  # K too short to split
+
+
+def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LAUNCH_ENV, "8,64")
+    assert sg._launch_config(2048, 8192, 132) == (8, 64)
+    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", (2, 16))
+    assert sg._launch_config(2048, 8192, 132) == (2, 16)  # a sweep in this process wins
+    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", None)
+    for bad in ("4", "4,32,1", "a,32", "0,32", "4,24", "4,8"):
+        monkeypatch.setenv(LAUNCH_ENV, bad)
+        with pytest.raises(ValueError, match=f"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N"):
+            sg._launch_config(2048, 8192, 132)
