@@ -323,14 +323,28 @@ def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool)
         rows.append(x.numel() // x.shape[-1])
         return real(x, w)
 
+    from mcore_models.transformer import layer as layer_module
+
+    added: list[int] = []  # how many dims the deferred output had over the residual (1: partial sums)
+    real_add = layer_module.add_deferred
+
+    def add_spy(x, residual):  # type: ignore[no-untyped-def]
+        added.append(x.dim() - residual.dim())
+        return real_add(x, residual)
+
     sg.swiglu_down_reference = spy  # type: ignore[assignment]
+    layer_module.add_deferred = add_spy  # type: ignore[assignment]
     try:
         llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_swiglu_down=True)
         res = llm.generate(prompts, GREEDY)
     finally:
         sg.swiglu_down_reference = real  # type: ignore[assignment]
+        layer_module.add_deferred = real_add  # type: ignore[assignment]
     assert [r.outputs[0].token_ids for r in res] == expected
     assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
+    # with fuse_residual (the default) the next layer adds the down projection's partial sums itself (seen at
+    # trace time when compiled)
+    assert 1 in added and 0 in added  # decode steps: partials; long prefill chunks: the plain output
 
 
 def test_fuse_swiglu_down_is_checked() -> None:

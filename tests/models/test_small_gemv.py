@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models.transformer import small_gemv as sg
-from mcore_models.transformer.small_gemv import LAUNCH_ENV, gemv_partials, swiglu_down
+from mcore_models.transformer.small_gemv import (
+    LAUNCH_ENV,
+    add_deferred,
+    gemv_partials,
+    swiglu_down,
+    swiglu_down_partials,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_DEVICES = []
@@ -95,3 +101,34 @@ def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=f"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N"):
             sg._launch_config(2048, 8192, 132)
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_partials_op_for_a_deferred_add(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """swiglu_down_partials returns the split-K partial sums (float32); add_deferred adds them to the residual in
+    float32 and rounds once: the unfused ``residual + swiglu_down(x)`` up to that rounding."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    monkeypatch.setenv(LAUNCH_ENV, "4,32")
+    x = torch.randn(3, 1, 2 * 1100, device=device, dtype=dtype)
+    w = (torch.randn(70, 1100, device=device) / 1100**0.5).to(dtype)
+    parts = swiglu_down_partials(x, w)
+    assert parts.shape == (4, 3, 1, 70) and parts.dtype == torch.float32
+    residual = torch.randn(3, 1, 70, device=device, dtype=dtype)
+    got = add_deferred(parts, residual)
+    assert got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), residual.double() + _swiglu_ref(x, w), rtol=tol, atol=tol)
+
+
+def test_add_deferred_takes_plain_outputs_and_partial_sums() -> None:
+    torch.manual_seed(0)
+    residual = torch.randn(2, 1, 8).to(torch.bfloat16)
+    out = torch.randn(2, 1, 8).to(torch.bfloat16)
+    torch.testing.assert_close(add_deferred(out, residual), out + residual, rtol=0, atol=0)
+    parts = torch.randn(3, 2, 1, 8)
+    exact = residual.double() + parts.double().sum(0)
+    got = add_deferred(parts, residual)
+    assert got.dtype == torch.bfloat16
+    # one rounding at the end: within half a bf16 unit of the float64 sum (two roundings could be a whole unit off)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()

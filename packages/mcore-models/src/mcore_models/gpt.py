@@ -24,6 +24,7 @@ from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import RMSNorm
 from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
 from mcore_models.transformer.rope import RotaryEmbedding
+from mcore_models.transformer.small_gemv import add_deferred
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
     ColumnParallelLinear,
@@ -251,7 +252,7 @@ class GPTModel(nn.Module):
             logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w)
         else:
             if pending is not None:
-                hidden = hidden + pending
+                hidden = add_deferred(hidden, pending)
             if not self.post_process:
                 return hidden
             assert self.decoder.final_layernorm is not None

@@ -11,6 +11,7 @@ from torch import nn
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
+from mcore_models.transformer.small_gemv import add_deferred
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -60,13 +61,16 @@ class TransformerLayer(nn.Module):
         if inference_context is not None and self.fuse_norm_linear and x.shape[0] * x.shape[1] <= MAX_ROWS:
             return self._norm_linear_forward(x, rotary, inference_context, residual, defer_residual)
         if residual is not None:
-            x = x + residual
+            x = add_deferred(x, residual)  # the previous layer's output may be partial sums (fuse_swiglu_down)
         if inference_context is None:
             attn = self.self_attention(self.input_layernorm(x), rotary)
         else:  # inference: attention over the engine's KV cache (see InferenceContext)
             attn = self.self_attention(self.input_layernorm(x), rotary, inference_context)
         x = self._dropout_add(attn, x)
-        out = self.mlp(self.pre_mlp_layernorm(x))
+        if defer_residual and getattr(self.mlp, "fuse_swiglu_down", False):
+            out = self.mlp(self.pre_mlp_layernorm(x), partials=True)  # summed where the next layer adds them
+        else:
+            out = self.mlp(self.pre_mlp_layernorm(x))
         if defer_residual:
             if self.training:
                 raise RuntimeError("defer_residual is for inference (no dropout on the deferred add)")

@@ -26,7 +26,15 @@ import torch.nn.functional as F
 
 from mcore_models.transformer.norm_linear import MAX_ROWS, _use_triton
 
-__all__ = ["LAUNCH_ENV", "MAX_ROWS", "gemv_partials", "swiglu_down", "swiglu_down_reference"]
+__all__ = [
+    "LAUNCH_ENV",
+    "MAX_ROWS",
+    "add_deferred",
+    "gemv_partials",
+    "swiglu_down",
+    "swiglu_down_partials",
+    "swiglu_down_reference",
+]
 
 LAUNCH_ENV = "MCORE_SWIGLU_DOWN_LAUNCH"
 BLOCK_K = 256
@@ -167,14 +175,38 @@ def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.linear(F.silu(gate) * up, weight)
 
 
+def _sms(x: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+
+
+def _partial_splits(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """How many partial sums ``swiglu_down_partials`` returns for these inputs (1 on the PyTorch path)."""
+    n, k = weight.shape
+    return _launch_config(n, k, _sms(x))[0] if _use_triton(x) else 1
+
+
+@torch.library.custom_op("mcore_models::swiglu_down_partials", mutates_args=())
+def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    if not _use_triton(x):
+        return swiglu_down_reference(x, weight).float()[None]
+    splits, block_n = _launch_config(n, k, _sms(x))
+    parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, splits, block_n, swiglu=True)
+    return parts.view(splits, *x.shape[:-1], n)
+
+
+@_swiglu_down_partials_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(_partial_splits(x, weight), *x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 @torch.library.custom_op("mcore_models::swiglu_down", mutates_args=())
 def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight)
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    splits, block_n = _launch_config(n, k, sms)
+    splits, block_n = _launch_config(n, k, _sms(x))
     if splits == 1:
         y = gemv_partials(x2, weight, 1, block_n, swiglu=True, out_dtype=x.dtype)[0]
     else:
@@ -187,14 +219,39 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def swiglu_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(silu(gate) * up, weight)`` for ``x = [gate | up]`` ``[..., 2K]`` of at most :data:`MAX_ROWS` rows
-    and ``weight`` ``[N, K]`` (no bias): one kernel reading ``x`` and the weight (split over K, the float32 partial
-    sums added by a second, small one). Inference only."""
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     rows = x.numel() // max(1, x.shape[-1])
     if rows > MAX_ROWS:
         raise ValueError(f"swiglu_down takes at most {MAX_ROWS} rows, got {rows}: use SwiGLU and a GEMM")
     if x.shape[-1] != 2 * weight.shape[1]:
         raise ValueError(f"swiglu_down: x has {x.shape[-1]} columns, expected [gate | up] = 2 x {weight.shape[1]}")
+
+
+def swiglu_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight)`` for ``x = [gate | up]`` ``[..., 2K]`` of at most :data:`MAX_ROWS` rows
+    and ``weight`` ``[N, K]`` (no bias): one kernel reading ``x`` and the weight (split over K, the float32 partial
+    sums added by a second, small one). Inference only."""
+    _check(x, weight)
     result: torch.Tensor = _swiglu_down_op(x, weight)
     return result
+
+
+def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_down` left as its float32 partial sums ``[splits, ..., N]`` (one on the PyTorch path), for a
+    consumer that adds them where it reads them (:func:`add_deferred`: the next layer's residual add and norm are
+    then one kernel, as without this fusion)."""
+    _check(x, weight)
+    result: torch.Tensor = _swiglu_down_partials_op(x, weight)
+    return result
+
+
+def add_deferred(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``x + residual`` for a deferred residual add, where ``x`` may be the partial sums ``[splits, *shape]`` of
+    :func:`swiglu_down_partials`: then added in float32 and rounded once to the residual's dtype (the unfused path
+    rounds the projection's output first: the same up to one rounding)."""
+    if x.dim() != residual.dim() + 1:
+        return x + residual
+    total = residual.float()
+    for part in x.unbind(0):
+        total = total + part
+    return total.to(residual.dtype)
