@@ -153,29 +153,16 @@ def test_fused_rope_engine_matches_recompute(compiled: bool, residual: bool) -> 
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_norms_fused_into_the_projections_match_recompute(compiled: bool) -> None:
-    """EngineConfig.fuse_norm_linear on the GPU (the Triton kernel in CUDA graphs, with every other decode fusion):
-    greedy tokens unchanged."""
+@pytest.mark.parametrize("fusion", ["fuse_norm_linear", "fuse_swiglu_down"])
+def test_gemv_fusions_match_recompute(fusion: str, compiled: bool) -> None:
+    """EngineConfig.fuse_norm_linear (norms inside the projections) and fuse_swiglu_down (SwiGLU inside the
+    split-K down projection) on the GPU: the Triton kernels in CUDA graphs, with every other decode fusion; greedy
+    tokens unchanged."""
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model().cuda()
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
-                       compile=compiled, fuse_residual=True, fuse_kv_write=True, fuse_norm_linear=True)  # fmt: skip
-    llm = LLM(model=tiny_model().cuda(), config=cfg)
-    assert llm.runner.backend == "triton" and llm.runner.graphs
-    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    assert [r.outputs[0].token_ids for r in res] == expected
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_swiglu_inside_the_down_projection_matches_recompute(compiled: bool) -> None:
-    """EngineConfig.fuse_swiglu_down on the GPU (the split-K Triton kernel in CUDA graphs, with every other decode
-    fusion): greedy tokens unchanged."""
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    eager = tiny_model().cuda()
-    expected = [reference_greedy(eager, p, 10) for p in prompts]
-    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
-                       compile=compiled, fuse_residual=True, fuse_kv_write=True, fuse_swiglu_down=True)  # fmt: skip
+                       compile=compiled, fuse_residual=True, fuse_kv_write=True, **{fusion: True})  # fmt: skip
     llm = LLM(model=tiny_model().cuda(), config=cfg)
     assert llm.runner.backend == "triton" and llm.runner.graphs
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))

@@ -4,7 +4,6 @@ falls back to PyTorch ops, checked here too."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -14,13 +13,7 @@ import torch.nn.functional as F
 
 from mcore_models.transformer import norm_linear as nl
 from mcore_models.transformer.norm_linear import LAUNCH_ENV, MAX_ROWS, NORM_MODES, Launch, norm_linear
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL_DEVICES = []
-if torch.cuda.is_available() and HAS_TRITON:
-    KERNEL_DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
-if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
-    KERNEL_DEVICES.append("cpu")
+from tests.models._kernels import KERNEL_DEVICES
 
 
 def _reference(x, residual, g, eps, w, swiglu):  # type: ignore[no-untyped-def]

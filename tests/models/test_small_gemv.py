@@ -4,7 +4,6 @@ computes with PyTorch ops."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -19,13 +18,8 @@ from mcore_models.transformer.small_gemv import (
     swiglu_down,
     swiglu_down_partials,
 )
+from tests.models._kernels import KERNEL_DEVICES
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL_DEVICES = []
-if torch.cuda.is_available() and HAS_TRITON:
-    KERNEL_DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
-if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
-    KERNEL_DEVICES.append("cpu")
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_train import TrainConfig, load_config
+import pytest
+
+from mcore_train import TrainConfig, load_config, loop
 
 TINY_MODEL = [
     "model.num_layers=4",
@@ -28,3 +30,21 @@ TINY_MODEL = [
 
 def config(*overrides: str, **kw: Any) -> TrainConfig:
     return load_config(recipe="tiny", overrides=[*TINY_MODEL, *overrides], **kw)
+
+
+_SCHEDULE = loop._schedule_loss  # the real one: every injection wraps it, not an earlier injection
+
+
+def nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
+    """The training loss of the ``bad_step``-th step (1-based) becomes nan (evaluation is untouched)."""
+    calls = {"train": 0}
+
+    def patched(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
+        loss = _SCHEDULE(run, iterators, num_micro, forward_only)
+        if not forward_only:
+            calls["train"] += 1
+            if calls["train"] == bad_step:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(loop, "_schedule_loss", patched)

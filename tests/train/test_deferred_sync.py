@@ -15,7 +15,7 @@ from mcore_train import TrainingDiverged, loop
 from mcore_train.api import pretrain
 from mcore_train.trainer import setup
 
-from ._util import config
+from ._util import config, nan_at_step
 
 FUSED = ["optimizer.fused=true", "training.device=cpu"]
 
@@ -73,33 +73,15 @@ def test_deferred_reads_change_no_number(monkeypatch: pytest.MonkeyPatch) -> Non
         torch.testing.assert_close(lagged_params[name], value, rtol=0, atol=0, msg=name)
 
 
-_SCHEDULE = loop._schedule_loss
-
-
-def _nan_at(monkeypatch: pytest.MonkeyPatch, bad: int) -> None:
-    real = _SCHEDULE
-    calls = {"n": 0}
-
-    def patched(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
-        loss = real(run, iterators, num_micro, forward_only)
-        if not forward_only:
-            calls["n"] += 1
-            if calls["n"] == bad:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(loop, "_schedule_loss", patched)
-
-
 def test_a_nan_step_is_dropped_on_the_device_like_the_host_drops_it(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:  # fmt: skip
     """The fused kernel leaves weights, moments and Adam's step count alone (the later steps' bias corrections
     would differ otherwise): the run ends with the same weights as when the host never called the update."""
-    _nan_at(monkeypatch, 3)
+    nan_at_step(monkeypatch, 3)
     common = ["training.train_iters=6", "training.on_nan=skip", *FUSED]
     lagged, lagged_params = _params([*common, f"checkpoint.dir={tmp_path / 'a'}"])
     assert read_metadata(latest_checkpoint(tmp_path / "a"))["skipped_steps"] == 1
-    _nan_at(monkeypatch, 3)
+    nan_at_step(monkeypatch, 3)
     _force_host_sync(monkeypatch)
     synced, synced_params = _params(common)
     assert len(lagged) == 5 and lagged == synced
@@ -108,7 +90,7 @@ def test_a_nan_step_is_dropped_on_the_device_like_the_host_drops_it(monkeypatch:
 
 
 def test_a_nan_loss_still_stops_naming_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    _nan_at(monkeypatch, 3)
+    nan_at_step(monkeypatch, 3)
     with pytest.raises(TrainingDiverged, match="the loss is nan at step 3"):
         pretrain(config("training.train_iters=6", *FUSED))
 
@@ -151,11 +133,11 @@ def test_deferred_reads_under_data_and_tensor_parallelism() -> None:
 def test_on_cuda_the_deferred_loop_trains_like_reading_every_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pinned-memory read-back and the device-side skip on a GPU: a nan step dropped, the same losses."""
     common = ["training.train_iters=5", "training.device=cuda", "training.on_nan=skip"]
-    _nan_at(monkeypatch, 2)
+    nan_at_step(monkeypatch, 2)
     run = setup(config(*common))
     assert run.optimizer.skips_on_device  # fused AdamW is the default on CUDA
     lagged = loop.train(run)
-    _nan_at(monkeypatch, 2)
+    nan_at_step(monkeypatch, 2)
     _force_host_sync(monkeypatch)
     synced = loop.train(setup(config(*common)))
     assert len(lagged.losses) == 4 and run.skipped_steps == 1

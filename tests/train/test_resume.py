@@ -16,7 +16,7 @@ import torch
 from mcore_parallel.checkpoint import latest_checkpoint, read_metadata, read_region
 from mcore_parallel.testing import run_distributed
 from mcore_train import pretrain
-from tests.train._util import TINY_MODEL, config
+from tests.train._util import TINY_MODEL, config, nan_at_step
 
 
 def arrays(ckpt: Path) -> list[Path]:
@@ -106,33 +106,16 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     assert meta["step"] >= steps[-1]
 
 
-def _nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
-    from mcore_train import loop
-
-    real = loop._schedule_loss
-    calls = {"train": 0}
-
-    def patched(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
-        loss = real(run, iterators, num_micro, forward_only)
-        if not forward_only:
-            calls["train"] += 1
-            if calls["train"] == bad_step:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(loop, "_schedule_loss", patched)
-
-
 def test_nan_loss_stops_naming_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from mcore_train import TrainingDiverged
 
-    _nan_at_step(monkeypatch, 3)
+    nan_at_step(monkeypatch, 3)
     with pytest.raises(TrainingDiverged, match="the loss is nan at step 3"):
         pretrain(config("training.train_iters=6"))
 
 
 def test_nan_loss_skipped_when_configured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _nan_at_step(monkeypatch, 3)
+    nan_at_step(monkeypatch, 3)
     result = pretrain(config("training.train_iters=6", "training.on_nan=skip", f"checkpoint.dir={tmp_path}"))
     assert result.steps == 6 and len(result.losses) == 5
     assert read_metadata(latest_checkpoint(tmp_path))["skipped_steps"] == 1
