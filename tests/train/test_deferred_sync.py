@@ -3,6 +3,7 @@ here on the CPU through ``optimizer.fused=true``), a step's loss is read only af
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,43 @@ def test_the_host_reads_each_loss_after_enqueuing_the_next_step(monkeypatch: pyt
     _force_host_sync(monkeypatch)  # the foreach kernel, fp16 or SGD: each loss is read before its update
     pretrain(config("training.train_iters=2", *FUSED))
     assert events == [("launch", 1), ("read", 1), ("launch", 2), ("read", 2)]
+
+
+class _DeviceEvent:
+    """A timing event stamped with a simulated device clock (the time its stream reaches it)."""
+
+    def __init__(self, now: float) -> None:
+        self.t = now
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: _DeviceEvent) -> float:
+        return (other.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("mode", ["deferred", "read_every_step"])
+def test_logged_throughput_is_timed_between_step_ends_on_the_device(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str
+) -> None:
+    """Each training step takes 2 s of (simulated) device time while the host races ahead: the logged tokens/s must
+    be the tokens over the device's time between step ends, whatever the host's clock says when it reads a step."""
+    device = {"now": 0.0}
+    monkeypatch.setattr(loop, "_timed_on_device", lambda dev: True)
+    monkeypatch.setattr(loop, "_mark_end", lambda: _DeviceEvent(device["now"]))
+    schedule = loop._schedule_loss
+
+    def step_takes_two_seconds(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
+        if not forward_only:
+            device["now"] += 2.0
+        return schedule(run, iterators, num_micro, forward_only)
+
+    monkeypatch.setattr(loop, "_schedule_loss", step_takes_two_seconds)
+    extra = ["training.read_loss_every_step=true"] if mode == "read_every_step" else []
+    pretrain(config("training.train_iters=6", "logging.log_interval=2", f"logging.dir={tmp_path}", *FUSED, *extra))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    assert rates == pytest.approx([8 * 16 / 2.0] * 3)  # global batch 8 x seq 16 tokens per 2 s step, each window
 
 
 def test_deferred_reads_change_no_number(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,6 +143,7 @@ class _InFlight:
     logs: bool  # this step is logged
     values: torch.Tensor  # [loss sum, votes, skipped, grad norm, zeros] on the host (pinned, filled asynchronously)
     ready: Any  # CUDA event recorded after the copy (None when the values are already there)
+    end: Any  # CUDA timing event recorded after the step's last work (None off CUDA): where its time ends
     result: Any  # the optimizer's StepResult (None when the host skipped the step)
     samples_before: int  # consumed samples when the step began
     tokens_after: int  # consumed tokens when it ended
@@ -158,9 +159,48 @@ def _launch_readback(t: torch.Tensor, result: Any) -> tuple[torch.Tensor, Any]:
         return values, None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return host, _mark_end()
+
+
+def _timed_on_device(device: torch.device) -> bool:
+    """Whether logging windows are timed by events on the device's stream (CUDA) rather than the host's clock."""
+    return device.type == "cuda"
+
+
+def _mark_end() -> Any:
+    """A CUDA timing event recorded after the work enqueued so far (the end of a step on the device's timeline)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+class _WindowClock:
+    """The time of a logging window: from the end of the step that closed the previous window to the end of its
+    last step.
+
+    The deferred loop reads a step's values after it has enqueued the next step, and enqueuing can block (a full
+    launch queue) until the device is well into that next step, so the host's clock at the read can lie anywhere
+    inside the following step and a window timed by it misses up to a step of device time (the sixth session's loop
+    reported 662 TFLOP/s for a step whose kernels alone took 3.39 s, i.e. 545). On CUDA a window is therefore the
+    time between two timing events that end steps on the device's stream (idle gaps and evaluations inside the window
+    included); elsewhere the host clock when the step's values are read (the host waited for them).
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.start: Any = _mark_end() if cuda else time.perf_counter()
+
+    def lap(self, end: Any) -> float:
+        """Seconds from the window's start to ``end`` (a step's end event, or None: now on the host's clock); the
+        next window starts there."""
+        if end is None:
+            now = time.perf_counter()
+            seconds = now - self.start if isinstance(self.start, float) else float("nan")
+            self.start = now
+            return seconds
+        end.synchronize()
+        seconds = self.start.elapsed_time(end) / 1e3 if not isinstance(self.start, float) else float("nan")
+        self.start = end
+        return seconds
 
 
 def evaluate(run: Run, evaluation_index: int) -> float | None:
@@ -262,7 +302,8 @@ def train(run: Run) -> TrainResult:
     result = TrainResult(run.step, None, "train_iters")
     iterators = run.train_iterators()
     start_time = time.monotonic()
-    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0}
+    clock = _WindowClock(_timed_on_device(st.device))
     staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
     lagged = run.optimizer.skips_on_device and not tr.read_loss_every_step
@@ -293,7 +334,7 @@ def train(run: Run) -> TrainResult:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{f.lr:.2e}")
         if f.logs:
-            elapsed = time.perf_counter() - window["t0"]
+            elapsed = clock.lap(f.end)
             tok_s = window["tokens"] / elapsed
             tflops = tok_s * flops_per_token / st.world_size / 1e12
             step_result = f.result
@@ -316,7 +357,7 @@ def train(run: Run) -> TrainResult:
             if is_logger:
                 writer.write(f.step, record)
                 _log_line(run, f.step, record)
-            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "t0": time.perf_counter()}
+            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0}
         return want_stop
 
     try:
@@ -338,8 +379,9 @@ def train(run: Run) -> TrainResult:
                 values, ready = _launch_readback(t, step_result)
             else:
                 (step_result, values), ready = _step_now(run, t, run.step + 1, logs_now), None
-            current = _InFlight(run.step + 1, gb, lr, logs_now, values, ready, step_result, run.consumed_samples,
-                                run.consumed_tokens + gb * cfg.data.seq_length)  # fmt: skip
+            end = ready if ready is not None else _mark_end() if _timed_on_device(st.device) else None
+            current = _InFlight(run.step + 1, gb, lr, logs_now, values, ready, end, step_result,
+                                run.consumed_samples, run.consumed_tokens + gb * cfg.data.seq_length)  # fmt: skip
             run.step += 1
             profiler.after_step(run.step)
             run.consumed_samples += gb
