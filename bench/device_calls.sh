@@ -22,6 +22,7 @@
 #   bash bench/device_calls.sh s6-x2        # nvidia-h200-x2: sync-free clipping, fused tp loss (issue 5); not run yet
 #   bash bench/device_calls.sh s7-x2        # nvidia-h200-x2: the deferred loss read, 1 GPU and tp2 + SP; not run yet
 #   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep, split-K / SwiGLU GEMVs, batch 1; not run yet
+#   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -276,6 +277,37 @@ case "${1:-}" in
       timeout 80 python3 bench/serve_bench.py --compile --lookahead --fuse-norm-linear --concurrency 1,64 \
         --http-concurrency 0 --out "$OUT/serve-norm.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/s7-serve.log"
     fi
+    ;;
+  s8)
+    # nvidia-h200-x2 (~8 min), seventh session. GPU 1 (issue 7): GPU tests of the row kernel and the projection /
+    # SwiGLU partials, its launch sweep against cuBLAS, batch 1 and 64 with HF static cache + compile, then with the
+    # fusions whose best launch beat the baseline (profiled at batch 1). GPU 0 at the same time (issue 9): the loop
+    # timed by CUDA events (the seventh session's fix) at micro-batch 8, 16 and 4. Then both GPUs (issue 5): tp2 + SP.
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      timeout 150 python3 -m pytest -q tests/models/test_small_gemv.py tests/infer/test_gpu.py \
+        -k "swiglu or partials or gemv or linear" -p no:cacheprovider 2>&1 | tail -1 > "$OUT/s8-serve.log"
+      timeout 170 python3 bench/gemv_bench.py --fma-sweep --json "$OUT/fma-sweep.json" --best-env "$OUT/fma.env" \
+        2>&1 | grep -E '^[{]|sweep|Error' >> "$OUT/s8-serve.log"
+      FUSE_FLAGS=""
+      # shellcheck disable=SC1091
+      [ -f "$OUT/fma.env" ] && source "$OUT/fma.env"
+      timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 --hf \
+        --hf-batches 1,64 --out "$OUT/serve-base.json" 2>&1 | grep -v Warning | tail -3 >> "$OUT/s8-serve.log"
+      if [ -n "$FUSE_FLAGS" ]; then
+        # shellcheck disable=SC2086
+        timeout 130 python3 bench/serve_bench.py --compile --lookahead $FUSE_FLAGS --concurrency 1,64 \
+          --http-concurrency 0 --profile "$OUT/serve-profile-fused.txt" --out "$OUT/serve-fused.json" 2>&1 \
+          | grep -v Warning | tail -3 >> "$OUT/s8-serve.log"
+      fi
+    ) &
+    serving=$!
+    CUDA_VISIBLE_DEVICES=0 scale --measure-peak --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb16-gbs64-all \
+      1gpu-compile-all --out "$OUT/s8-1gpu.json" 2>&1 | tail -5 | tee "$OUT/s8-train.log"
+    wait "$serving"
+    scale --measure-peak --cases tp2-sp-compile-symm-all --out "$OUT/s8-tp2.json" 2>&1 | tail -3 \
+      | tee -a "$OUT/s8-train.log"
+    cat "$OUT/s8-serve.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

@@ -25,7 +25,12 @@ summary line); ``--best-env FILE`` writes the launch with the least total time a
     source nl.env   # export MCORE_NORM_LINEAR_LAUNCH=<best launch> (or unset, where the default won)
 
 ``--swiglu-fc2`` times the MLP's SwiGLU folded into the loads of a split-K down-projection GEMV (one kernel fewer
-per layer and decode step) against the compiled SwiGLU + cuBLAS.
+per layer and decode step) against the compiled SwiGLU + cuBLAS. ``--fma-sweep`` times the one-row kernel (products
+accumulated elementwise, no MMA) at each launch of ``--fma-launches`` for the output projection, fc2 and SwiGLU +
+fc2 against cuBLAS / compiled SwiGLU + cuBLAS, and ``--best-env FILE`` then writes the winners as
+``MCORE_SWIGLU_DOWN_LAUNCH`` / ``MCORE_PROJ_PARTIALS_LAUNCH`` lines and the serve_bench flags to use::
+
+    python bench/gemv_bench.py --fma-sweep --json fma.json --best-env fma.env && source fma.env
 """
 
 from __future__ import annotations
@@ -103,6 +108,76 @@ def swiglu_fc2_rows(rows: list[int]) -> list[dict[str, Any]]:
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
+
+
+FMA_SWEEP = [f"{sp},{bn},{bk},{w}" for sp in (1, 2, 4, 8, 16) for bn in (8, 16, 32) for bk in (256, 512)
+             for w in (4, 8)]  # fmt: skip
+
+
+def fma_sweep(launches: list[str]) -> dict[str, Any]:
+    """One row (batch-1 decoding), µs per call in a CUDA graph: the row kernel of ``small_gemv`` at each launch
+    (``SPLITS,BLOCK_N,BLOCK_K,WARPS``; the partial sums alone, as the residual add after the output projection and
+    fc2 consumes them) against what the engine runs otherwise: cuBLAS (with its own split-K reduction) for the output
+    projection and fc2, compiled SwiGLU + cuBLAS for SwiGLU + fc2. Returns every timing, the best launch per shape
+    and whether it beat the baseline."""
+    from mcore_models.transformer.small_gemv import gemv_partials
+
+    cases = {"proj": (*SHAPES["proj"], False), "fc2": (*SHAPES["fc2"], False), "swiglu + fc2": (*SHAPES["fc2"], True)}
+    out: dict[str, Any] = {}
+
+    def unfused_swiglu(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gate, up = a.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w)
+
+    compiled = torch.compile(unfused_swiglu, dynamic=False)
+    for name, (n, k, swiglu) in cases.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(1, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
+        ref = unfused_swiglu(x.double(), w.double()) if swiglu else F.linear(x.double(), w.double())
+        base = (
+            time_in_graph(lambda x=x, w=w: compiled(x, w)) if swiglu else time_in_graph(lambda x=x, w=w: F.linear(x, w))
+        )
+        row: dict[str, Any] = {"shape": name, "rows": 1, "baseline_us": base, "us_by_launch": {}, "errors": {}}
+        for launch in launches:
+            sp, bn, bk, warps = (int(v) for v in launch.split(","))
+
+            def fn(x: torch.Tensor = x, w: torch.Tensor = w, sp: int = sp, bn: int = bn, bk: int = bk,
+                   warps: int = warps, swiglu: bool = swiglu) -> torch.Tensor:  # fmt: skip
+                return gemv_partials(x, w, sp, bn, bk, swiglu=swiglu, num_warps=warps)
+
+            try:
+                err = (fn().double().sum(0) - ref).abs().max().item()
+                if err > 0.05:
+                    row["errors"][launch] = f"max |diff| {err:.3g} against float64"
+                    continue
+                row["us_by_launch"][launch] = time_in_graph(fn)
+            except Exception as e:  # keep the other launches
+                row["errors"][launch] = repr(e)[:200]
+        if row["us_by_launch"]:
+            best = min(row["us_by_launch"], key=row["us_by_launch"].get)
+            row.update(best=best, best_us=row["us_by_launch"][best], beats_baseline=row["us_by_launch"][best] < base)
+        out[name] = row
+        print(json.dumps({k: v for k, v in row.items() if k != "us_by_launch"}), flush=True)
+    return out
+
+
+def write_fma_env(path: str, rows: dict[str, Any]) -> None:
+    """Shell lines exporting the sweep's best launches for the engine's ops (or a comment where none beat the
+    baseline: the serve run then leaves that fusion off; ``FUSE_FLAGS`` lists the serve_bench flags to use)."""
+    from mcore_models.transformer.small_gemv import LAUNCH_ENV, PROJ_LAUNCH_ENV
+
+    lines, flags = [], []
+    for shape, env, flag in (("swiglu + fc2", LAUNCH_ENV, "--fuse-swiglu-down"),
+                             ("proj", PROJ_LAUNCH_ENV, "--fuse-proj-partials")):  # fmt: skip
+        row = rows.get(shape, {})
+        if row.get("beats_baseline"):
+            lines.append(f"export {env}={row['best']}  # {row['best_us']:.2f} us vs {row['baseline_us']:.2f}")
+            flags.append(flag)
+        else:
+            lines.append(f"# {shape}: no launch beat the baseline")
+    lines.append(f"FUSE_FLAGS='{' '.join(flags)}'")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -277,7 +352,24 @@ def main() -> None:
     ap.add_argument("--best-env", default=None, metavar="FILE",
                     help="--norm-linear: write 'export MCORE_NORM_LINEAR_LAUNCH=<best launch>' to FILE")  # fmt: skip
     ap.add_argument("--swiglu-fc2", action="store_true", help="only time SwiGLU folded into a split-K fc2 GEMV")
+    ap.add_argument(
+        "--fma-sweep",
+        action="store_true",
+        help="only time the one-row kernel's launches for the output projection, fc2 and SwiGLU + fc2",
+    )
+    ap.add_argument("--fma-launches", nargs="+", default=FMA_SWEEP, metavar="SPLITS,BLOCK_N,BLOCK_K,WARPS")
     args = ap.parse_args()
+    if args.fma_sweep:
+        start = time.perf_counter()
+        fma_rows = fma_sweep(args.fma_launches)
+        print(f"row-kernel sweep: {time.perf_counter() - start:.0f} s", flush=True)
+        if args.best_env:
+            write_fma_env(args.best_env, fma_rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": fma_rows}, f,
+                          indent=1)  # fmt: skip
+        return
     if args.swiglu_fc2:
         swiglu_rows = swiglu_fc2_rows(args.rows)
         if args.json:

@@ -105,6 +105,8 @@ CASES["1gpu-compile-mb8-gbs64-autotune"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, 
 _SYNC = "training.read_loss_every_step=true"
 CASES["1gpu-compile-mb8-gbs64-all-sync"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
 CASES["1gpu-compile-mb8-gbs64-swiglu-gaf"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF])
+CASES["1gpu-compile-mb16-gbs64-all"] = (1, ["training.micro_batch_size=16", "training.global_batch_size=64", _COMPILE,
+                                             _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 CASES["1gpu-compile-all-sync"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
 CASES["tp2-sp-compile-symm-all-sync"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
                                              _SWIGLU, _GAF, _CONTIG, _SYNC])  # fmt: skip

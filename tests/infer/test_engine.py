@@ -308,7 +308,7 @@ def test_norms_fused_into_the_projections_give_the_same_tokens(compiled: bool, r
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool) -> None:
-    """EngineConfig.fuse_swiglu_down: steps of at most 16 tokens run each MLP's SwiGLU inside its down projection,
+    """EngineConfig.fuse_swiglu_down: steps of at most 4 tokens run each MLP's SwiGLU inside its down projection,
     longer prefill chunks do not; greedy tokens unchanged. On the CPU the op computes with PyTorch ops (the Triton
     kernel is checked in tests/models/test_small_gemv.py): this checks the wiring."""
     from mcore_models.transformer import small_gemv as sg
@@ -341,10 +341,44 @@ def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool)
         sg.swiglu_down_reference = real  # type: ignore[assignment]
         layer_module.add_deferred = real_add  # type: ignore[assignment]
     assert [r.outputs[0].token_ids for r in res] == expected
-    assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
     # with fuse_residual (the default) the next layer adds the down projection's partial sums itself (seen at
     # trace time when compiled)
     assert 1 in added and 0 in added  # decode steps: partials; long prefill chunks: the plain output
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_output_projection_partials_give_the_same_tokens(compiled: bool) -> None:
+    """EngineConfig.fuse_proj_partials: steps of at most 4 tokens leave each attention output projection as
+    split-K partial sums that the layer's residual add sums; greedy tokens unchanged (the Triton kernel itself is
+    checked in tests/models/test_small_gemv.py; on the CPU the op computes with PyTorch ops)."""
+    from mcore_models.transformer import layer as layer_module
+
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
+    torch._dynamo.reset()
+    added: list[int] = []
+    real_add = layer_module.add_deferred
+
+    def add_spy(x, residual):  # type: ignore[no-untyped-def]
+        added.append(x.dim() - residual.dim())
+        return real_add(x, residual)
+
+    layer_module.add_deferred = add_spy  # type: ignore[assignment]
+    try:
+        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_proj_partials=True, fuse_residual=False)
+        res = llm.generate(prompts, GREEDY)
+    finally:
+        layer_module.add_deferred = real_add  # type: ignore[assignment]
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert 1 in added  # without fuse_residual, only the projection's partial sums reach add_deferred
+
+
+def test_fuse_proj_partials_is_checked() -> None:
+    with pytest.raises(ValueError, match="fuse_proj_partials.*add_bias_linear"):
+        _llm(tiny_model(add_bias_linear=True), fuse_proj_partials=True)
+    with pytest.raises(ValueError, match="fuse_proj_partials and fuse_norm_linear are exclusive"):
+        EngineConfig(fuse_proj_partials=True, fuse_norm_linear=True)
 
 
 def test_fuse_swiglu_down_is_checked() -> None:

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from mcore_models.transformer import small_gemv as sg
 from mcore_models.transformer.small_gemv import (
     LAUNCH_ENV,
+    PROJ_LAUNCH_ENV,
     add_deferred,
     gemv_partials,
+    linear_partials,
     swiglu_down,
     swiglu_down_partials,
 )
@@ -33,13 +35,14 @@ def _swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 320), (3, 130, 600), (16, 48, 256), (40, 33, 100)])
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-def test_partials_sum_to_the_float64_product(device: str, rows: int, n: int, k: int, splits: int,
-                                             swiglu: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize("block_n", [8, 32])
+def test_partials_sum_to_the_float64_product(device: str, rows: int, n: int, k: int, splits: int, swiglu: bool,
+                                             block_n: int) -> None:  # fmt: skip
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(rows + n + k)
     x = torch.randn(rows, (2 if swiglu else 1) * k, device=device, dtype=dtype)
     w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    parts = gemv_partials(x, w, splits, block_n=32, block_k=64, swiglu=swiglu)
+    parts = gemv_partials(x, w, splits, block_n=block_n, block_k=64, swiglu=swiglu)
     assert parts.shape == (splits, rows, n) and parts.dtype == torch.float32
     ref = _swiglu_ref(x, w) if swiglu else F.linear(x.double(), w.double())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -80,21 +83,66 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_default_launch_splits_narrow_outputs() -> None:
-    assert sg._heuristic_launch(2048, 8192, 132) == (4, 32)  # llama-1b's fc2: 64 blocks x 4 splits
-    assert sg._heuristic_launch(16384, 8192, 132) == (1, 32)  # already 512 programs
-    assert sg._heuristic_launch(2048, 512, 132) == (1, 32)  # K too short to split
+    Launch = sg.Launch
+    assert sg._heuristic_launch(2048, 8192, 132) == Launch(8, 16, 256, 4)  # llama-1b's fc2: 128 blocks x 8 splits
+    assert sg._heuristic_launch(2048, 2048, 132) == Launch(4, 16, 256, 4)  # its output projection: K allows 4
+    assert sg._heuristic_launch(16384, 8192, 132) == Launch(1, 16, 256, 4)  # already 1,024 programs
+    assert sg._heuristic_launch(2048, 512, 132) == Launch(1, 16, 256, 4)  # K too short to split
 
 
 def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LAUNCH_ENV, "8,64")
-    assert sg._launch_config(2048, 8192, 132) == (8, 64)
-    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", (2, 16))
-    assert sg._launch_config(2048, 8192, 132) == (2, 16)  # a sweep in this process wins
-    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", None)
-    for bad in ("4", "4,32,1", "a,32", "0,32", "4,24", "4,8"):
+    assert sg._launch_config(2048, 8192, 132) == sg.Launch(8, 64, 256, 4)
+    monkeypatch.setenv(LAUNCH_ENV, " 16, 8, 512, 8 ")
+    assert sg._launch_config(2048, 8192, 132) == sg.Launch(16, 8, 512, 8)
+    monkeypatch.setenv(PROJ_LAUNCH_ENV, "2,32")  # each op has its own variable
+    assert sg._launch_config(2048, 2048, 132, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
+    assert sg._launch_config(2048, 8192, 132) == sg.Launch(16, 8, 512, 8)
+    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {LAUNCH_ENV: sg.Launch(2, 16, 128, 2)})
+    assert sg._launch_config(2048, 8192, 132) == sg.Launch(2, 16, 128, 2)  # a sweep in this process wins
+    assert sg._launch_config(2048, 2048, 132, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
+    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {})
+    for bad, why in [
+        ("4", "1 values"),
+        ("4,32,1", "3 values"),
+        ("a,32", "not a list"),
+        ("0,32", "SPLITS"),
+        ("4,24", "BLOCK_N"),
+        ("4,4", "BLOCK_N"),
+        ("4,16,100,4", "BLOCK_K"),
+        ("4,16,256,3", "WARPS"),
+    ]:
         monkeypatch.setenv(LAUNCH_ENV, bad)
-        with pytest.raises(ValueError, match=f"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N"):
+        with pytest.raises(ValueError, match=rf"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N\[,BLOCK_K,WARPS\].*{why}"):
             sg._launch_config(2048, 8192, 132)
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("launch", ["1,16", "4,8,64,4", "3,32,128,2"])
+def test_linear_partials_sum_to_the_float64_product(device: str, rows: int, launch: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The output projection's partial sums (``fuse_proj_partials``) at several launches, added by add_deferred."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    monkeypatch.setenv(PROJ_LAUNCH_ENV, launch)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1, 700, device=device, dtype=dtype)
+    w = (torch.randn(90, 700, device=device) / 700**0.5).to(dtype)
+    parts = linear_partials(x, w)
+    assert parts.shape == (int(launch.split(",")[0]), rows, 1, 90) and parts.dtype == torch.float32
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(parts.double().sum(0), F.linear(x.double(), w.double()), rtol=tol, atol=tol)
+    residual = torch.randn(rows, 1, 90, device=device, dtype=dtype)
+    torch.testing.assert_close(add_deferred(parts, residual).double(), residual.double() + parts.double().sum(0),
+                               rtol=tol, atol=tol)  # fmt: skip
+
+
+def test_linear_partials_refuses_more_rows_than_the_row_kernel() -> None:
+    with pytest.raises(ValueError, match="at most 4 rows, got 5"):
+        linear_partials(torch.randn(5, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="x has 8 columns, the weight 6 inputs"):
+        linear_partials(torch.randn(1, 8), torch.randn(4, 6))
 
 
 @needs_kernel

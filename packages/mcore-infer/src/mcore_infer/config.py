@@ -54,9 +54,13 @@ class EngineConfig:
     residual add before it and SwiGLU after the up projection (one Triton kernel instead of three per norm; see
     ``GPTModel.fuse_norm_linear``). RMSNorm models with bias-free projections; the same results up to rounding."""
     fuse_swiglu_down: bool = False
-    """Steps of at most 16 tokens compute each MLP's SwiGLU inside its down projection (a split-K Triton GEMV that
+    """Steps of at most 4 tokens compute each MLP's SwiGLU inside its down projection (a split-K Triton GEMV that
     reads ``[gate | up]``; ``GPTModel.fuse_swiglu_down``): one kernel fewer per layer. SwiGLU models without linear
     biases at tp=1; the same results up to rounding. Not with ``fuse_norm_linear`` (whose layers bypass the MLP)."""
+    fuse_proj_partials: bool = False
+    """Steps of at most 4 tokens compute each attention output projection as split-K float32 partial sums that the
+    residual add after it sums (``GPTModel.fuse_proj_partials``; one Triton kernel, no cuBLAS split-K reduction).
+    Bias-free projections at tp=1; the same results up to one rounding."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0
@@ -76,6 +80,11 @@ class EngineConfig:
             problems.append(
                 "fuse_swiglu_down and fuse_norm_linear are exclusive (norm_linear layers bypass the MLP's "
                 "down-projection kernel); set one of them to False"
+            )
+        if self.fuse_proj_partials and self.fuse_norm_linear:
+            problems.append(
+                "fuse_proj_partials and fuse_norm_linear are exclusive (the fused norm reads the projection's "
+                "summed output); set one of them to False"
             )
         if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
             problems.append("max_num_batched_tokens must be positive")

@@ -89,6 +89,10 @@ class ModelRunner:
             model.fuse_swiglu_down(config.fuse_swiglu_down)
         except ValueError as e:
             raise ValueError(f"EngineConfig.fuse_swiglu_down=True: {e}; set it to False for this model") from e
+        try:
+            model.fuse_proj_partials(config.fuse_proj_partials)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.fuse_proj_partials=True: {e}; set it to False for this model") from e
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")

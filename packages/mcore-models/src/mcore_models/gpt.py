@@ -172,7 +172,7 @@ class GPTModel(nn.Module):
         )
 
     def fuse_swiglu_down(self, enable: bool = True) -> None:
-        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.MAX_ROWS` tokens compute each
+        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens compute each
         gated MLP's SwiGLU inside its down projection (:func:`~mcore_models.transformer.small_gemv.swiglu_down`: one
         split-K Triton kernel reads ``[gate | up]`` and the weight; the activation is no kernel of its own). Needs
         SwiGLU, a bias-free down projection and one tensor-parallel rank; the same results up to rounding."""
@@ -189,6 +189,24 @@ class GPTModel(nn.Module):
         layer: Any
         for layer in self.decoder.layers.values():
             layer.mlp.fuse_swiglu_down = enable
+
+    def fuse_proj_partials(self, enable: bool = True) -> None:
+        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens compute each
+        attention output projection as split-K float32 partial sums
+        (:func:`~mcore_models.transformer.small_gemv.linear_partials`, one Triton kernel) that the residual add after
+        it sums (the add and the next norm stay one compiled kernel): no cuBLAS split-K reduction kernel. Needs a
+        bias-free projection and one tensor-parallel rank; the same results up to one rounding."""
+        if enable:
+            problems = []
+            if self.config.add_bias_linear:
+                problems.append("linear biases (add_bias_linear)")
+            if self.ctx.tp.size > 1:
+                problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; the output projection's all-reduce)")
+            if problems:
+                raise ValueError(f"fuse_proj_partials cannot fuse this model: {'; '.join(problems)}")
+        layer: Any
+        for layer in self.decoder.layers.values():
+            layer.self_attention.proj_partials = enable
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""

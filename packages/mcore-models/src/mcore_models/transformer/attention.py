@@ -19,6 +19,7 @@ from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import build_norm
 from mcore_models.transformer.rope import apply_rotary
+from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, linear_partials
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
 if TYPE_CHECKING:
@@ -140,6 +141,9 @@ class SelfAttention(nn.Module):
             seed=ctx.seed_for(f"{prefix}.linear_proj.weight"),
             **common,
         )
+        # inference steps of at most FMA_MAX_ROWS tokens: the output projection as split-K partial sums (see
+        # GPTModel.fuse_proj_partials)
+        self.proj_partials = False
 
     def forward(
         self,
@@ -159,7 +163,7 @@ class SelfAttention(nn.Module):
         if inference_context is not None and fused_rope and getattr(inference_context, "fuses_rotary", False):
             # the context's kernels read q/k/v in place and rotate q and k as they load them
             q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
-            return self.linear_proj(inference_context.attention(q_grouped, k, v, rotary=rotary))
+            return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary), inference=True)
         if rotary is not None and self.q_layernorm is None:
             # queries and keys of every group rotated together: one set of elementwise kernels instead of two
             cos, sin = rotary
@@ -175,9 +179,16 @@ class SelfAttention(nn.Module):
                 cos, sin = rotary
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
-            out = inference_context.attention(q, k, v)
+            return self._project(inference_context.attention(q, k, v), inference=True)
         elif self.selective_recompute and self.training:
             out = self.ctx.recompute(self.core_attention, q, k, v)
         else:
             out = self.core_attention(q, k, v)
+        return self.linear_proj(out)
+
+    def _project(self, out: torch.Tensor, inference: bool) -> torch.Tensor:
+        """The output projection; for inference steps of at most ``FMA_MAX_ROWS`` tokens with ``proj_partials``
+        (``GPTModel.fuse_proj_partials``) its float32 split-K partial sums, which the layer's residual add sums."""
+        if inference and self.proj_partials and not self.training and out.numel() // out.shape[-1] <= FMA_MAX_ROWS:
+            return linear_partials(out, self.linear_proj.weight)
         return self.linear_proj(out)

@@ -66,7 +66,8 @@ class TransformerLayer(nn.Module):
             attn = self.self_attention(self.input_layernorm(x), rotary)
         else:  # inference: attention over the engine's KV cache (see InferenceContext)
             attn = self.self_attention(self.input_layernorm(x), rotary, inference_context)
-        x = self._dropout_add(attn, x)
+        # the output projection's split-K partial sums (GPTModel.fuse_proj_partials) are summed by this add
+        x = add_deferred(attn, x) if attn.dim() > x.dim() else self._dropout_add(attn, x)
         if defer_residual and getattr(self.mlp, "fuse_swiglu_down", False):
             out = self.mlp(self.pre_mlp_layernorm(x), partials=True)  # summed where the next layer adds them
         else:

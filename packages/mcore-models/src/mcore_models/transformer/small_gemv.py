@@ -11,15 +11,17 @@ ops round) as it loads it, so the activation is not a kernel of its own. Registe
 ``mcore_models::swiglu_down`` (a compiled layer keeps it in its graph); without Triton, or on the CPU outside
 ``TRITON_INTERPRET=1``, it computes the same with PyTorch ops.
 
-The launch (``SPLITS``, ``BLOCK_N``) comes from ``_LAUNCH_OVERRIDE`` (a benchmark sweep in this process), else the
-environment variable ``MCORE_SWIGLU_DOWN_LAUNCH`` (``SPLITS,BLOCK_N``, e.g. ``4,32``; a malformed value raises a
-``ValueError`` naming the variable), else :func:`_heuristic_launch`. ``bench/gemv_bench.py --swiglu-fc2`` times it.
+The launch (:class:`Launch`: ``SPLITS``, ``BLOCK_N``, ``BLOCK_K``, ``WARPS``) comes from ``_LAUNCH_OVERRIDE`` (a
+benchmark sweep in this process), else the environment variable ``MCORE_SWIGLU_DOWN_LAUNCH`` (or
+``MCORE_PROJ_PARTIALS_LAUNCH`` for :func:`linear_partials`; ``SPLITS,BLOCK_N[,BLOCK_K,WARPS]``, e.g. ``8,16,256,4``; a
+malformed value raises a ``ValueError`` naming the variable), else :func:`_heuristic_launch`. ``bench/gemv_bench.py
+--fma-sweep`` times the launches against cuBLAS and writes the best as environment lines.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +29,12 @@ import torch.nn.functional as F
 from mcore_models.transformer.norm_linear import MAX_ROWS, _use_triton
 
 __all__ = [
+    "FMA_MAX_ROWS",
     "LAUNCH_ENV",
     "MAX_ROWS",
+    "PROJ_LAUNCH_ENV",
+    "Launch",
+    "linear_partials",
     "add_deferred",
     "gemv_partials",
     "swiglu_down",
@@ -37,7 +43,9 @@ __all__ = [
 ]
 
 LAUNCH_ENV = "MCORE_SWIGLU_DOWN_LAUNCH"
+PROJ_LAUNCH_ENV = "MCORE_PROJ_PARTIALS_LAUNCH"
 BLOCK_K = 256
+FMA_MAX_ROWS = 4  # up to this many rows the kernel accumulates elementwise products instead of an MMA
 _KERNEL: Any = None
 
 
@@ -90,7 +98,50 @@ def _kernel() -> Any:
         tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
-    _KERNEL = gemv
+    @triton.jit  # type: ignore[misc]
+    def gemv_fma(  # type: ignore[no-untyped-def]
+        X,
+        W,
+        Y,
+        M,
+        N,
+        K,
+        K_PER,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        stride_ys,
+        M_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SWIGLU: tl.constexpr,
+    ):
+        # the same contract as ``gemv`` for a few rows (M_PAD <= FMA_MAX_ROWS): products accumulated elementwise in a
+        # float32 [rows, BLOCK_N, BLOCK_K] register tile and reduced over K once after the loop. An MMA of at least
+        # 16 padded rows wastes most of its work at one row, and compiles to ~250 registers per thread here
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        dtype = X.dtype.element_ty
+        rows = tl.arange(0, M_PAD)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            m2 = (rows[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
+            if SWIGLU:
+                up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                gate = x.to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+                x = (act * up).to(dtype)
+            w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)  # fmt: skip
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        out = tl.sum(acc, axis=2)
+        tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], out.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+
+    _KERNEL = (gemv, gemv_fma)
     return _KERNEL
 
 
@@ -106,66 +157,84 @@ def gemv_partials(
     block_k: int = BLOCK_K,
     swiglu: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """``[splits, M, N]`` partial products (in ``out_dtype``) whose sum over dim 0 is ``F.linear(x, weight)`` for
     ``x`` ``[M, K]`` (``[M, 2K]`` = ``[gate | up]`` with ``swiglu``: then of ``silu(gate) * up``), ``M`` at most 64,
-    ``weight`` ``[N, K]``. The Triton kernel: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``."""
+    ``weight`` ``[N, K]``. The Triton kernel: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``. Up to
+    :data:`FMA_MAX_ROWS` rows it accumulates elementwise products (no MMA of padded rows); more rows use ``tl.dot``."""
     m, kx = x.shape
     n, k = weight.shape
     if kx != (2 * k if swiglu else k):
         raise ValueError(f"x has {kx} columns, expected {'2 x ' if swiglu else ''}{k} for a weight of {k} inputs")
     if m > 64:
         raise ValueError(f"gemv_partials takes at most 64 rows, got {m}")
-    if splits < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"splits={splits} must be >= 1 and block_n={block_n} a power of two >= 16")
+    if splits < 1 or block_n < 8 or block_n & (block_n - 1):
+        raise ValueError(f"splits={splits} must be >= 1 and block_n={block_n} a power of two >= 8")
+    if m > FMA_MAX_ROWS and block_n < 16:
+        block_n = 16  # tl.dot's smallest tile
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
     per = _cdiv(_cdiv(k, splits), block_k) * block_k
     y = torch.empty(splits, m, n, dtype=out_dtype, device=x.device)
     if m:
-        _kernel()[(_cdiv(n, block_n), splits)](
+        dot, fma = _kernel()
+        small = m <= FMA_MAX_ROWS
+        (fma if small else dot)[(_cdiv(n, block_n), splits)](
             x, weight, y, m, n, k, per, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
-            M_PAD=max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=swiglu,
+            M_PAD=1 << (m - 1).bit_length() if small else max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n,
+            BLOCK_K=block_k, SWIGLU=swiglu, num_warps=num_warps,
         )  # fmt: skip
     return y
 
 
-def _parse_launch(text: str) -> tuple[int, int]:
-    source = f"{LAUNCH_ENV}={text!r} (expected SPLITS,BLOCK_N, e.g. 4,32)"
+class Launch(NamedTuple):
+    splits: int  # K split into this many ranges (float32 partial sums when more than one)
+    block_n: int  # output features per program (a power of two >= 8; >= 16 above FMA_MAX_ROWS rows)
+    block_k: int  # K elements per loop step (a power of two >= 16)
+    warps: int
+
+
+def _parse_launch(text: str, env: str) -> Launch:
+    source = f"{env}={text!r} (expected SPLITS,BLOCK_N[,BLOCK_K,WARPS], e.g. 8,16,256,4)"
     try:
         values = [int(p) for p in text.split(",")]
     except ValueError:
         raise ValueError(f"{source}: not a list of integers") from None
-    if len(values) != 2:
+    if len(values) not in (2, 4):
         raise ValueError(f"{source}: {len(values)} values")
-    splits, block_n = values
-    if splits < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"{source}: SPLITS must be >= 1 and BLOCK_N a power of two >= 16")
-    return splits, block_n
+    splits, block_n, block_k, warps = (*values, BLOCK_K, 4) if len(values) == 2 else values
+    if splits < 1 or block_n < 8 or block_n & (block_n - 1):
+        raise ValueError(f"{source}: SPLITS must be >= 1 and BLOCK_N a power of two >= 8")
+    if block_k < 16 or block_k & (block_k - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{source}: BLOCK_K must be a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16")
+    return Launch(splits, block_n, block_k, warps)
 
 
-# the launch forced by a benchmark sweep in this process; None: the environment variable, else the heuristic
-_LAUNCH_OVERRIDE: tuple[int, int] | None = None
+# the launch forced by a benchmark sweep in this process, per environment variable (LAUNCH_ENV, PROJ_LAUNCH_ENV);
+# absent: the environment variable, else the heuristic
+_LAUNCH_OVERRIDE: dict[str, Launch] = {}
 
 
-def _heuristic_launch(n: int, k: int, sms: int) -> tuple[int, int]:
-    """32 output features per program, and the fewest power-of-two splits of K giving every SM a program while
-    each split keeps at least two K steps (llama-1b's fc2, N=2048, K=8192, on 132 SMs: 4 splits, 256 programs).
-    Not yet tuned on a GPU: ``bench/gemv_bench.py --swiglu-fc2`` times the splits."""
-    block_n = 32
+def _heuristic_launch(n: int, k: int, sms: int) -> Launch:
+    """16 output features per program, 256 K elements per step, and the fewest power-of-two splits of K giving
+    each SM four programs while each split keeps at least two K steps (llama-1b's fc2, N=2048, K=8192, on 132 SMs:
+    8 splits, 1,024 programs; its output projection, K=2048: 4 splits). Single programs stream too few bytes to
+    hide the memory latency: the loop is not software-pipelined (no MMA), so parallelism comes from programs."""
+    block_n, block_k = 16, BLOCK_K
     splits = 1
-    while _cdiv(n, block_n) * splits < sms and k // (2 * splits) >= 2 * BLOCK_K:
+    while _cdiv(n, block_n) * splits < 4 * sms and k // (2 * splits) >= 2 * block_k:
         splits *= 2
-    return splits, block_n
+    return Launch(splits, block_n, block_k, 4)
 
 
-def _launch_config(n: int, k: int, sms: int) -> tuple[int, int]:
-    if _LAUNCH_OVERRIDE is not None:
-        return _LAUNCH_OVERRIDE
-    text = os.environ.get(LAUNCH_ENV, "").strip()
+def _launch_config(n: int, k: int, sms: int, env: str = LAUNCH_ENV) -> Launch:
+    if env in _LAUNCH_OVERRIDE:
+        return _LAUNCH_OVERRIDE[env]
+    text = os.environ.get(env, "").strip()
     if text:
-        return _parse_launch(text)
+        return _parse_launch(text, env)
     return _heuristic_launch(n, k, sms)
 
 
@@ -179,10 +248,10 @@ def _sms(x: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
 
 
-def _partial_splits(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """How many partial sums ``swiglu_down_partials`` returns for these inputs (1 on the PyTorch path)."""
+def _partial_splits(x: torch.Tensor, weight: torch.Tensor, env: str = LAUNCH_ENV) -> int:
+    """How many partial sums the partials ops return for these inputs (1 on the PyTorch path)."""
     n, k = weight.shape
-    return _launch_config(n, k, _sms(x))[0] if _use_triton(x) else 1
+    return _launch_config(n, k, _sms(x), env).splits if _use_triton(x) else 1
 
 
 @torch.library.custom_op("mcore_models::swiglu_down_partials", mutates_args=())
@@ -190,9 +259,10 @@ def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     n, k = weight.shape
     if not _use_triton(x):
         return swiglu_down_reference(x, weight).float()[None]
-    splits, block_n = _launch_config(n, k, _sms(x))
-    parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, splits, block_n, swiglu=True)
-    return parts.view(splits, *x.shape[:-1], n)
+    launch = _launch_config(n, k, _sms(x))
+    parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, launch.splits, launch.block_n, launch.block_k,
+                          swiglu=True, num_warps=launch.warps)  # fmt: skip
+    return parts.view(launch.splits, *x.shape[:-1], n)
 
 
 @_swiglu_down_partials_op.register_fake
@@ -206,11 +276,11 @@ def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return swiglu_down_reference(x, weight)
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
-    splits, block_n = _launch_config(n, k, _sms(x))
-    if splits == 1:
-        y = gemv_partials(x2, weight, 1, block_n, swiglu=True, out_dtype=x.dtype)[0]
+    sp, bn, bk, warps = _launch_config(n, k, _sms(x))
+    if sp == 1:
+        y = gemv_partials(x2, weight, 1, bn, bk, swiglu=True, out_dtype=x.dtype, num_warps=warps)[0]
     else:
-        y = gemv_partials(x2, weight, splits, block_n, swiglu=True).sum(0).to(x.dtype)
+        y = gemv_partials(x2, weight, sp, bn, bk, swiglu=True, num_warps=warps).sum(0).to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -242,6 +312,37 @@ def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     then one kernel, as without this fusion)."""
     _check(x, weight)
     result: torch.Tensor = _swiglu_down_partials_op(x, weight)
+    return result
+
+
+@torch.library.custom_op("mcore_models::linear_partials", mutates_args=())
+def _linear_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    if not _use_triton(x):
+        return F.linear(x, weight).float()[None]
+    launch = _launch_config(n, k, _sms(x), PROJ_LAUNCH_ENV)
+    parts = gemv_partials(x.reshape(-1, k), weight, launch.splits, launch.block_n, launch.block_k,
+                          num_warps=launch.warps)  # fmt: skip
+    return parts.view(launch.splits, *x.shape[:-1], n)
+
+
+@_linear_partials_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(_partial_splits(x, weight, PROJ_LAUNCH_ENV), *x.shape[:-1], weight.shape[0],
+                       dtype=torch.float32)  # fmt: skip
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows as float32 split-K partial sums
+    ``[splits, ..., N]`` (one on the PyTorch path) for :func:`add_deferred` (the residual add and norm after an
+    attention output projection then sum them: no sum kernel, and no cuBLAS split-K reduction). Launch:
+    ``MCORE_PROJ_PARTIALS_LAUNCH`` (as ``MCORE_SWIGLU_DOWN_LAUNCH``), else :func:`_heuristic_launch`."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > FMA_MAX_ROWS:
+        raise ValueError(f"linear_partials takes at most {FMA_MAX_ROWS} rows, got {rows}: use F.linear")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_partials: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
+    result: torch.Tensor = _linear_partials_op(x, weight)
     return result
 
 
