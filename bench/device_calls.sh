@@ -23,6 +23,7 @@
 #   bash bench/device_calls.sh s7-x2        # nvidia-h200-x2: the deferred loss read, 1 GPU and tp2 + SP; not run yet
 #   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep, split-K / SwiGLU GEMVs, batch 1; not run yet
 #   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
+#   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -308,6 +309,35 @@ case "${1:-}" in
     scale --measure-peak --cases tp2-sp-compile-symm-all --out "$OUT/s8-tp2.json" 2>&1 | tail -3 \
       | tee -a "$OUT/s8-train.log"
     cat "$OUT/s8-serve.log"
+    ;;
+  s9-serve)
+    # one H200 (~6 min, at most 8 files back), seventh session, issue 7: GPU tests of the row kernels, the launch
+    # sweep (output projection, fc2, SwiGLU + fc2, QKV, fc1), batch 1 and 64 with HF static cache + compile, then
+    # with every row-kernel fusion whose launch beat cuBLAS (profiled), then the same without row_gemv
+    summary() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], [(r['concurrency'], \
+      round(r['output_tok_s']), round(r['tpot_ms_p50'], 4)) for r in d['engine']], d.get('hf_static_compile'))" "$@"; }
+    timeout 150 python3 -m pytest -q tests/models/test_small_gemv.py tests/infer/test_gpu.py \
+      -k "row or partials or gemv or swiglu" -p no:cacheprovider 2>&1 | tail -1 > "$OUT/s9-serve.log"
+    timeout 170 python3 bench/gemv_bench.py --fma-sweep --json "$OUT/fma-sweep.json" --best-env "$OUT/fma.env" \
+      2>&1 | grep -E '^[{]|sweep|Error' >> "$OUT/s9-serve.log"
+    FUSE_FLAGS=""
+    # shellcheck disable=SC1091
+    [ -f "$OUT/fma.env" ] && source "$OUT/fma.env"
+    timeout 200 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,64 --http-concurrency 0 --hf \
+      --hf-batches 1,64 --out /tmp/serve-base.json > /tmp/serve-base.log 2>&1
+    cp /tmp/serve-base.json "$OUT/"; summary /tmp/serve-base.json base >> "$OUT/s9-serve.log"
+    # shellcheck disable=SC2086
+    timeout 130 python3 bench/serve_bench.py --compile --lookahead $FUSE_FLAGS --concurrency 1,64 \
+      --http-concurrency 0 --profile "$OUT/serve-profile-fused.txt" --out "$OUT/serve-fused.json" > /tmp/f.log 2>&1
+    summary "$OUT/serve-fused.json" "fused $FUSE_FLAGS" >> "$OUT/s9-serve.log"
+    if [[ "$FUSE_FLAGS" == *--row-gemv* ]]; then
+      # shellcheck disable=SC2086
+      timeout 100 python3 bench/serve_bench.py --compile --lookahead ${FUSE_FLAGS/--row-gemv/} --concurrency 1,64 \
+        --http-concurrency 0 --out /tmp/serve-partials.json > /tmp/p.log 2>&1
+      summary /tmp/serve-partials.json "without row_gemv" >> "$OUT/s9-serve.log"
+    fi
+    tail -5 /tmp/f.log >> "$OUT/s9-serve.log"
+    cat "$OUT/s9-serve.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

@@ -110,7 +110,7 @@ def swiglu_fc2_rows(rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-FMA_SWEEP = [f"{sp},{bn},{bk},{w}" for sp in (1, 2, 4, 8, 16) for bn in (8, 16, 32) for bk in (256, 512)
+FMA_SWEEP = [f"{sp},{bn},{bk},{w}" for sp in (1, 2, 4) for bn in (8, 16, 32) for bk in (256, 512, 1024)
              for w in (4, 8)]  # fmt: skip
 
 
@@ -122,7 +122,9 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
     and whether it beat the baseline."""
     from mcore_models.transformer.small_gemv import gemv_partials
 
-    cases = {"proj": (*SHAPES["proj"], False), "fc2": (*SHAPES["fc2"], False), "swiglu + fc2": (*SHAPES["fc2"], True)}
+    cases = {"proj": (*SHAPES["proj"], False), "fc2": (*SHAPES["fc2"], False), "swiglu + fc2": (*SHAPES["fc2"], True),
+             "qkv": (*SHAPES["qkv"], False), "fc1": (*SHAPES["fc1"], False)}  # fmt: skip
+    summed = ("qkv", "fc1")  # consumers that need the output summed (row_linear): one split, output in bf16
     out: dict[str, Any] = {}
 
     def unfused_swiglu(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -140,10 +142,13 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
         row: dict[str, Any] = {"shape": name, "rows": 1, "baseline_us": base, "us_by_launch": {}, "errors": {}}
         for launch in launches:
             sp, bn, bk, warps = (int(v) for v in launch.split(","))
+            if name in summed and sp != 1:
+                continue
+            dtype = x.dtype if name in summed else torch.float32
 
             def fn(x: torch.Tensor = x, w: torch.Tensor = w, sp: int = sp, bn: int = bn, bk: int = bk,
-                   warps: int = warps, swiglu: bool = swiglu) -> torch.Tensor:  # fmt: skip
-                return gemv_partials(x, w, sp, bn, bk, swiglu=swiglu, num_warps=warps)
+                   warps: int = warps, swiglu: bool = swiglu, dtype: torch.dtype = dtype) -> torch.Tensor:  # fmt: skip
+                return gemv_partials(x, w, sp, bn, bk, swiglu=swiglu, out_dtype=dtype, num_warps=warps)
 
             try:
                 err = (fn().double().sum(0) - ref).abs().max().item()
@@ -164,7 +169,7 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
 def write_fma_env(path: str, rows: dict[str, Any]) -> None:
     """Shell lines exporting the sweep's best launches for the engine's ops (or a comment where none beat the
     baseline: the serve run then leaves that fusion off; ``FUSE_FLAGS`` lists the serve_bench flags to use)."""
-    from mcore_models.transformer.small_gemv import LAUNCH_ENV, PROJ_LAUNCH_ENV
+    from mcore_models.transformer.small_gemv import LAUNCH_ENV, PROJ_LAUNCH_ENV, ROW_LAUNCH_ENV
 
     lines, flags = [], []
     for shape, env, flag in (("swiglu + fc2", LAUNCH_ENV, "--fuse-swiglu-down"),
@@ -175,6 +180,16 @@ def write_fma_env(path: str, rows: dict[str, Any]) -> None:
             flags.append(flag)
         else:
             lines.append(f"# {shape}: no launch beat the baseline")
+    qkv, fc1 = rows.get("qkv", {}), rows.get("fc1", {})
+    both = set(qkv.get("us_by_launch", {})) & set(fc1.get("us_by_launch", {}))
+    if both:  # one launch for both projections (MCORE_ROW_LINEAR_LAUNCH): the least total time
+        best = min(both, key=lambda launch: qkv["us_by_launch"][launch] + fc1["us_by_launch"][launch])
+        total, base = qkv["us_by_launch"][best] + fc1["us_by_launch"][best], qkv["baseline_us"] + fc1["baseline_us"]
+        if total < base:
+            lines.append(f"export {ROW_LAUNCH_ENV}={best}  # qkv + fc1 {total:.2f} us vs {base:.2f}")
+            flags.append("--row-gemv")
+        else:
+            lines.append(f"# qkv + fc1: no launch beat cuBLAS ({total:.2f} us vs {base:.2f})")
     lines.append(f"FUSE_FLAGS='{' '.join(flags)}'")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -69,6 +69,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         fuse_norm_linear=args.fuse_norm_linear,
         fuse_swiglu_down=args.fuse_swiglu_down,
         fuse_proj_partials=args.fuse_proj_partials,
+        row_gemv=args.row_gemv,
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")
@@ -263,6 +264,8 @@ def main() -> None:
     ap.add_argument("--fuse-norm-linear", action="store_true", help="EngineConfig.fuse_norm_linear: norm in GEMV")
     ap.add_argument("--fuse-swiglu-down", action="store_true",
                     help="EngineConfig.fuse_swiglu_down: SwiGLU inside the down projection's split-K GEMV")  # fmt: skip
+    ap.add_argument("--row-gemv", action="store_true",
+                    help="EngineConfig.row_gemv: the QKV and up projections with the one-row Triton GEMV")  # fmt: skip
     ap.add_argument("--fuse-proj-partials", action="store_true",
                     help="EngineConfig.fuse_proj_partials: the output projection as split-K partials")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")

@@ -153,7 +153,9 @@ def test_fused_rope_engine_matches_recompute(compiled: bool, residual: bool) -> 
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("fusion", ["fuse_norm_linear", "fuse_swiglu_down", "fuse_proj_partials", "both_partials"])
+@pytest.mark.parametrize(
+    "fusion", ["fuse_norm_linear", "fuse_swiglu_down", "fuse_proj_partials", "row_gemv", "all_row_kernels"]
+)
 def test_gemv_fusions_match_recompute(fusion: str, compiled: bool) -> None:
     """EngineConfig.fuse_norm_linear (norms inside the projections) and fuse_swiglu_down (SwiGLU inside the
     split-K down projection) on the GPU: the Triton kernels in CUDA graphs, with every other decode fusion; greedy
@@ -163,8 +165,8 @@ def test_gemv_fusions_match_recompute(fusion: str, compiled: bool) -> None:
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
                        compile=compiled, fuse_residual=True, fuse_kv_write=True,
-                       **({"fuse_swiglu_down": True, "fuse_proj_partials": True} if fusion == "both_partials"
-                          else {fusion: True}))  # fmt: skip
+                       **({"fuse_swiglu_down": True, "fuse_proj_partials": True, "row_gemv": True}
+                          if fusion == "all_row_kernels" else {fusion: True}))  # fmt: skip
     llm = LLM(model=tiny_model().cuda(), config=cfg)
     assert llm.runner.backend == "triton" and llm.runner.graphs
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))

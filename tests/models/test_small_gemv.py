@@ -82,12 +82,11 @@ def test_bad_shapes_are_refused() -> None:
         gemv_partials(torch.zeros(1, 6), torch.zeros(3, 4), 1, swiglu=True)
 
 
-def test_default_launch_splits_narrow_outputs() -> None:
+def test_default_launch_is_the_swept_one() -> None:
     Launch = sg.Launch
-    assert sg._heuristic_launch(2048, 8192, 132) == Launch(8, 16, 256, 4)  # llama-1b's fc2: 128 blocks x 8 splits
-    assert sg._heuristic_launch(2048, 2048, 132) == Launch(4, 16, 256, 4)  # its output projection: K allows 4
-    assert sg._heuristic_launch(16384, 8192, 132) == Launch(1, 16, 256, 4)  # already 1,024 programs
-    assert sg._heuristic_launch(2048, 512, 132) == Launch(1, 16, 256, 4)  # K too short to split
+    assert sg._heuristic_launch(2048, 8192, 132) == Launch(2, 16, 512, 4)  # llama-1b's fc2
+    assert sg._heuristic_launch(2048, 2048, 132) == Launch(2, 16, 512, 4)  # its output projection
+    assert sg._heuristic_launch(2048, 1024, 132) == Launch(1, 16, 512, 4)  # K too short to split
 
 
 def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,6 +135,25 @@ def test_linear_partials_sum_to_the_float64_product(device: str, rows: int, laun
     residual = torch.randn(rows, 1, 90, device=device, dtype=dtype)
     torch.testing.assert_close(add_deferred(parts, residual).double(), residual.double() + parts.double().sum(0),
                                rtol=tol, atol=tol)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("launch", ["", "1,8,64,4", "2,16,128,4"])
+def test_row_linear_equals_the_float64_product(device: str, launch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The QKV / up projection with the one-row kernel (``use_row_gemv``): the output in the input dtype, summed
+    (two splits are added by the op itself)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    monkeypatch.setenv(sg.ROW_LAUNCH_ENV, launch)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 1, 600, device=device, dtype=dtype)
+        w = (torch.randn(130, 600, device=device) / 600**0.5).to(dtype)
+        y = sg.row_linear(x, w)
+        assert y.shape == (rows, 1, 130) and y.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="row_linear takes at most 4 rows, got 5"):
+        sg.row_linear(torch.randn(5, 600, device=device, dtype=dtype), w)
 
 
 def test_linear_partials_refuses_more_rows_than_the_row_kernel() -> None:

@@ -61,6 +61,10 @@ class EngineConfig:
     """Steps of at most 4 tokens compute each attention output projection as split-K float32 partial sums that the
     residual add after it sums (``GPTModel.fuse_proj_partials``; one Triton kernel, no cuBLAS split-K reduction).
     Bias-free projections at tp=1; the same results up to one rounding."""
+    row_gemv: bool = False
+    """Steps of at most 4 tokens run the QKV and up projections with the one-row Triton GEMV instead of cuBLAS
+    (``GPTModel.use_row_gemv``). Bias-free projections at tp=1; the same results up to summation order. Not with
+    ``fuse_norm_linear`` (whose kernels are those projections)."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
     seed: int = 0
@@ -81,6 +85,8 @@ class EngineConfig:
                 "fuse_swiglu_down and fuse_norm_linear are exclusive (norm_linear layers bypass the MLP's "
                 "down-projection kernel); set one of them to False"
             )
+        if self.row_gemv and self.fuse_norm_linear:
+            problems.append("row_gemv and fuse_norm_linear are exclusive (both replace the QKV and up projections)")
         if self.fuse_proj_partials and self.fuse_norm_linear:
             problems.append(
                 "fuse_proj_partials and fuse_norm_linear are exclusive (the fused norm reads the projection's "

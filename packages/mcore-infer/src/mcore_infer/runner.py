@@ -93,6 +93,10 @@ class ModelRunner:
             model.fuse_proj_partials(config.fuse_proj_partials)
         except ValueError as e:
             raise ValueError(f"EngineConfig.fuse_proj_partials=True: {e}; set it to False for this model") from e
+        try:
+            model.use_row_gemv(config.row_gemv)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.row_gemv=True: {e}; set it to False for this model") from e
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")

@@ -208,6 +208,24 @@ class GPTModel(nn.Module):
         for layer in self.decoder.layers.values():
             layer.self_attention.proj_partials = enable
 
+    def use_row_gemv(self, enable: bool = True) -> None:
+        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens run each QKV
+        and up projection (fc1) with the one-row Triton GEMV (:func:`~mcore_models.transformer.small_gemv.
+        row_linear`) instead of cuBLAS. Needs bias-free projections and one tensor-parallel rank; the same results
+        up to float32 summation order."""
+        if enable:
+            problems = []
+            if self.config.add_bias_linear:
+                problems.append("linear biases (add_bias_linear)")
+            if self.ctx.tp.size > 1:
+                problems.append(f"tensor parallelism (tp={self.ctx.tp.size})")
+            if problems:
+                raise ValueError(f"use_row_gemv cannot apply to this model: {'; '.join(problems)}")
+        layer: Any
+        for layer in self.decoder.layers.values():
+            layer.self_attention.row_gemv = enable
+            layer.mlp.row_gemv = enable
+
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
         self.input_tensor = tensor

@@ -19,7 +19,7 @@ from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import build_norm
 from mcore_models.transformer.rope import apply_rotary
-from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, linear_partials
+from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, linear_partials, row_linear
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
 if TYPE_CHECKING:
@@ -144,6 +144,7 @@ class SelfAttention(nn.Module):
         # inference steps of at most FMA_MAX_ROWS tokens: the output projection as split-K partial sums (see
         # GPTModel.fuse_proj_partials)
         self.proj_partials = False
+        self.row_gemv = False  # the same steps: the QKV projection with the one-row kernel (GPTModel.use_row_gemv)
 
     def forward(
         self,
@@ -154,7 +155,10 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """``qkv``: the QKV projection of ``x`` computed already (a fused norm + projection); ``x`` is then unused."""
         if qkv is None:
-            qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+            if self.row_gemv and inference_context is not None and x.numel() // x.shape[-1] <= FMA_MAX_ROWS:
+                qkv = row_linear(x, self.linear_qkv.weight)  # GPTModel.use_row_gemv: one-row Triton kernel
+            else:
+                qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)

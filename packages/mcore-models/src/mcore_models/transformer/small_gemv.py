@@ -33,8 +33,10 @@ __all__ = [
     "LAUNCH_ENV",
     "MAX_ROWS",
     "PROJ_LAUNCH_ENV",
+    "ROW_LAUNCH_ENV",
     "Launch",
     "linear_partials",
+    "row_linear",
     "add_deferred",
     "gemv_partials",
     "swiglu_down",
@@ -44,6 +46,7 @@ __all__ = [
 
 LAUNCH_ENV = "MCORE_SWIGLU_DOWN_LAUNCH"
 PROJ_LAUNCH_ENV = "MCORE_PROJ_PARTIALS_LAUNCH"
+ROW_LAUNCH_ENV = "MCORE_ROW_LINEAR_LAUNCH"
 BLOCK_K = 256
 FMA_MAX_ROWS = 4  # up to this many rows the kernel accumulates elementwise products instead of an MMA
 _KERNEL: Any = None
@@ -218,24 +221,27 @@ _LAUNCH_OVERRIDE: dict[str, Launch] = {}
 
 
 def _heuristic_launch(n: int, k: int, sms: int) -> Launch:
-    """16 output features per program, 256 K elements per step, and the fewest power-of-two splits of K giving
-    each SM four programs while each split keeps at least two K steps (llama-1b's fc2, N=2048, K=8192, on 132 SMs:
-    8 splits, 1,024 programs; its output projection, K=2048: 4 splits). Single programs stream too few bytes to
-    hide the memory latency: the loop is not software-pipelined (no MMA), so parallelism comes from programs."""
-    block_n, block_k = 16, BLOCK_K
-    splits = 1
-    while _cdiv(n, block_n) * splits < 4 * sms and k // (2 * splits) >= 2 * block_k:
-        splits *= 2
-    return Launch(splits, block_n, block_k, 4)
+    """16 output features per program, 512 K elements per step, 4 warps, and K split in two where it spans at
+    least four steps. From the seventh session's sweep (one H200, one row, ``bench/gemv_bench.py --fma-sweep``, 60
+    launches): this launch was within 0.2-0.6 µs of the best one at each of llama-1b's output projection (3.53 µs
+    against cuBLAS's 4.85), fc2 (7.97 against 10.97) and SwiGLU + fc2 (8.26, the best, against 12.35 for the
+    compiled SwiGLU + cuBLAS); more splits lost (8 splits of 256: 4.96 / 9.57 / 10.69 µs). ``sms`` is kept for
+    launches that may depend on the GPU."""
+    del sms
+    block_n, block_k = 16, 512
+    return Launch(2 if k >= 4 * block_k else 1, block_n, block_k, 4)
 
 
-def _launch_config(n: int, k: int, sms: int, env: str = LAUNCH_ENV) -> Launch:
+def _launch_config(n: int, k: int, sms: int, env: str = LAUNCH_ENV, row: bool = False) -> Launch:
+    """The launch for an ``[n, k]`` weight: the sweep's override, else ``env``, else the heuristic (one split for
+    ``row``: an output the consumer needs summed)."""
     if env in _LAUNCH_OVERRIDE:
         return _LAUNCH_OVERRIDE[env]
     text = os.environ.get(env, "").strip()
     if text:
         return _parse_launch(text, env)
-    return _heuristic_launch(n, k, sms)
+    launch = _heuristic_launch(n, k, sms)
+    return launch._replace(splits=1) if row else launch
 
 
 def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -343,6 +349,38 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_partials: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
     result: torch.Tensor = _linear_partials_op(x, weight)
+    return result
+
+
+@torch.library.custom_op("mcore_models::row_linear", mutates_args=())
+def _row_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    if not _use_triton(x):
+        return F.linear(x, weight)
+    sp, bn, bk, warps = _launch_config(n, k, _sms(x), ROW_LAUNCH_ENV, row=True)
+    x2 = x.reshape(-1, k)
+    if sp == 1:
+        y = gemv_partials(x2, weight, 1, bn, bk, out_dtype=x.dtype, num_warps=warps)[0]
+    else:
+        y = gemv_partials(x2, weight, sp, bn, bk, num_warps=warps).sum(0).to(x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+@_row_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows with the one-row kernel, one split by
+    default (the output in ``x``'s dtype, for a consumer that needs it summed: the QKV projection, fc1). Launch:
+    ``MCORE_ROW_LINEAR_LAUNCH``, else one split of :func:`_heuristic_launch`'s blocks."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > FMA_MAX_ROWS:
+        raise ValueError(f"row_linear takes at most {FMA_MAX_ROWS} rows, got {rows}: use F.linear")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_linear: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
+    result: torch.Tensor = _row_linear_op(x, weight)
     return result
 
 
