@@ -339,6 +339,18 @@ case "${1:-}" in
     tail -5 /tmp/f.log >> "$OUT/s9-serve.log"
     cat "$OUT/s9-serve.log"
     ;;
+  s9-final)
+    # one H200 (~2.5 min), seventh session, issue 7: batch 1 (and 64) with the row kernels at their default launches
+    # (the s9-serve sweep's winners), HF static cache + compile at batch 1 in the same call; the argmax GPU test
+    timeout 40 python3 -m pytest -q tests/infer/test_sampling.py -k argmax -p no:cacheprovider 2>&1 | tail -1 \
+      > "$OUT/s9-final.log"
+    timeout 150 python3 bench/serve_bench.py --compile --lookahead --fuse-swiglu-down --fuse-proj-partials --row-gemv \
+      --concurrency 1,64 --http-concurrency 0 --hf --hf-batches 1 --out "$OUT/serve-final.json" > /tmp/s.log 2>&1
+    python3 -c "import json; d=json.load(open('$OUT/serve-final.json')); print([(r['concurrency'], \
+      round(r['output_tok_s']), r['tpot_ms_p50'], r['runs_output_tok_s']) for r in d['engine']], \
+      d.get('hf_static_compile'))" >> "$OUT/s9-final.log" 2>&1 || tail -20 /tmp/s.log >> "$OUT/s9-final.log"
+    cat "$OUT/s9-final.log"
+    ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
     timeout 120 python3 -m pytest -q tests/parallel/test_tp_nccl.py -p no:cacheprovider 2>&1 | tail -3 \

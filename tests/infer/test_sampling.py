@@ -129,3 +129,21 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
     alone = s(logits[1:2], [SampleRow(hot, [], [], s.request_generator(5))]).tokens
     assert out[1] == alone[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_pass_argmax_is_argmax_ties_included(device: str) -> None:
+    from mcore_infer.sampling import first_argmax
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 32768, device=device).to(dtype)
+        x[1, 300] = x[1, 9000] = x[1].max() + 1  # a tie across chunks: the first index
+        x[2, 4097] = x[2, 4100] = x[2].max() + 1  # a tie inside one chunk
+        x[3, 20000] = float("nan")  # nan wins, as in argmax
+        assert torch.equal(first_argmax(x), x.argmax(-1))
+        assert first_argmax(x)[1:3].tolist() == [300, 4097]
+    small = torch.randn(2, 1000, device=device)  # short or uneven vocabularies: plain argmax
+    assert torch.equal(first_argmax(small), small.argmax(-1))

@@ -84,9 +84,10 @@ def test_bad_shapes_are_refused() -> None:
 
 def test_default_launch_is_the_swept_one() -> None:
     Launch = sg.Launch
-    assert sg._heuristic_launch(2048, 8192, 132) == Launch(2, 16, 512, 4)  # llama-1b's fc2
-    assert sg._heuristic_launch(2048, 2048, 132) == Launch(2, 16, 512, 4)  # its output projection
-    assert sg._heuristic_launch(2048, 1024, 132) == Launch(1, 16, 512, 4)  # K too short to split
+    assert sg._heuristic_launch(2048, 8192, 132) == Launch(2, 8, 1024, 4)  # llama-1b's fc2
+    assert sg._heuristic_launch(2048, 2048, 132) == Launch(1, 8, 1024, 4)  # its output projection: K too short
+    assert sg._launch_config(3072, 2048, 132, sg.ROW_LAUNCH_ENV, row=True) == Launch(1, 8, 1024, 4)  # QKV
+    assert sg._launch_config(2048, 8192, 132, sg.ROW_LAUNCH_ENV, row=True).splits == 1  # a summed output
 
 
 def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

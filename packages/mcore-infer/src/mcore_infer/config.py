@@ -62,7 +62,7 @@ class EngineConfig:
     residual add after it sums (``GPTModel.fuse_proj_partials``; one Triton kernel, no cuBLAS split-K reduction).
     Bias-free projections at tp=1; the same results up to one rounding."""
     row_gemv: bool = False
-    """Steps of at most 4 tokens run the QKV and up projections with the one-row Triton GEMV instead of cuBLAS
+    """Steps of at most 4 tokens run the QKV projection with the one-row Triton GEMV instead of cuBLAS
     (``GPTModel.use_row_gemv``). Bias-free projections at tp=1; the same results up to summation order. Not with
     ``fuse_norm_linear`` (whose kernels are those projections)."""
     graph_batch_sizes: tuple[int, ...] | None = None

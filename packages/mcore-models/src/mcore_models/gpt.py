@@ -210,9 +210,9 @@ class GPTModel(nn.Module):
 
     def use_row_gemv(self, enable: bool = True) -> None:
         """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens run each QKV
-        and up projection (fc1) with the one-row Triton GEMV (:func:`~mcore_models.transformer.small_gemv.
-        row_linear`) instead of cuBLAS. Needs bias-free projections and one tensor-parallel rank; the same results
-        up to float32 summation order."""
+        projection with the one-row Triton GEMV (:func:`~mcore_models.transformer.small_gemv.row_linear`) instead of
+        cuBLAS (one H200, one row: 3.8 against 5.1 µs; the up projection stays on cuBLAS, 18.4 against 19.5). Needs
+        bias-free projections and one tensor-parallel rank; the same results up to float32 summation order."""
         if enable:
             problems = []
             if self.config.add_bias_linear:
@@ -224,7 +224,6 @@ class GPTModel(nn.Module):
         layer: Any
         for layer in self.decoder.layers.values():
             layer.self_attention.row_gemv = enable
-            layer.mlp.row_gemv = enable
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""

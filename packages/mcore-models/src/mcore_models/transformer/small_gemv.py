@@ -221,14 +221,13 @@ _LAUNCH_OVERRIDE: dict[str, Launch] = {}
 
 
 def _heuristic_launch(n: int, k: int, sms: int) -> Launch:
-    """16 output features per program, 512 K elements per step, 4 warps, and K split in two where it spans at
-    least four steps. From the seventh session's sweep (one H200, one row, ``bench/gemv_bench.py --fma-sweep``, 60
-    launches): this launch was within 0.2-0.6 µs of the best one at each of llama-1b's output projection (3.53 µs
-    against cuBLAS's 4.85), fc2 (7.97 against 10.97) and SwiGLU + fc2 (8.26, the best, against 12.35 for the
-    compiled SwiGLU + cuBLAS); more splits lost (8 splits of 256: 4.96 / 9.57 / 10.69 µs). ``sms`` is kept for
-    launches that may depend on the GPU."""
+    """8 output features per program, 1,024 K elements per step, 4 warps, and K split in two where it spans at
+    least four steps: the best of 54 launches at each of llama-1b's shapes in the seventh session's sweep (one H200,
+    one row, CUDA graphs, ``bench/gemv_bench.py --fma-sweep``): output projection 3.30 µs (cuBLAS 4.86), QKV 3.78
+    (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29). ``sms`` is kept for launches that
+    may come to depend on the GPU."""
     del sms
-    block_n, block_k = 16, 512
+    block_n, block_k = 8, 1024
     return Launch(2 if k >= 4 * block_k else 1, block_n, block_k, 4)
 
 
