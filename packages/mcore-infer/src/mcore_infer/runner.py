@@ -81,22 +81,16 @@ class ModelRunner:
         self.model = model.eval()
         self.config = config
         model.defer_residual_adds = config.fuse_residual
-        try:
-            model.fuse_norm_linear(config.fuse_norm_linear)
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.fuse_norm_linear=True: {e}; set it to False for this model") from e
-        try:
-            model.fuse_swiglu_down(config.fuse_swiglu_down)
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.fuse_swiglu_down=True: {e}; set it to False for this model") from e
-        try:
-            model.fuse_proj_partials(config.fuse_proj_partials)
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.fuse_proj_partials=True: {e}; set it to False for this model") from e
-        try:
-            model.use_row_gemv(config.row_gemv)
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.row_gemv=True: {e}; set it to False for this model") from e
+        for option, apply in (
+            ("fuse_norm_linear", model.fuse_norm_linear),
+            ("fuse_swiglu_down", model.fuse_swiglu_down),
+            ("fuse_proj_partials", model.fuse_proj_partials),
+            ("row_gemv", model.use_row_gemv),
+        ):
+            try:
+                apply(getattr(config, option))
+            except ValueError as e:
+                raise ValueError(f"EngineConfig.{option}=True: {e}; set it to False for this model") from e
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")

@@ -171,21 +171,27 @@ class GPTModel(nn.Module):
             and isinstance(self.decoder.final_layernorm, RMSNorm)
         )
 
+    def _check_row_kernel(self, name: str, tp_reason: str, extra: list[str] | None = None) -> None:
+        """The one-row GEMV fusions need bias-free projections and one tensor-parallel rank (``extra``: more
+        problems the caller found); raise a ValueError naming every problem."""
+        problems = list(extra or [])
+        if self.config.add_bias_linear:
+            problems.append("linear biases (add_bias_linear)")
+        if self.ctx.tp.size > 1:
+            problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; {tp_reason})")
+        if problems:
+            raise ValueError(f"{name} cannot apply to this model: {'; '.join(problems)}")
+
     def fuse_swiglu_down(self, enable: bool = True) -> None:
         """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens compute each
         gated MLP's SwiGLU inside its down projection (:func:`~mcore_models.transformer.small_gemv.swiglu_down`: one
         split-K Triton kernel reads ``[gate | up]`` and the weight; the activation is no kernel of its own). Needs
         SwiGLU, a bias-free down projection and one tensor-parallel rank; the same results up to rounding."""
         if enable:
-            problems = []
-            if self.config.activation != "swiglu":
-                problems.append(f"activation={self.config.activation!r} (needs swiglu)")
-            if self.config.add_bias_linear:
-                problems.append("linear biases (add_bias_linear)")
-            if self.ctx.tp.size > 1:
-                problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; the down projection's all-reduce)")
-            if problems:
-                raise ValueError(f"fuse_swiglu_down cannot fuse this model: {'; '.join(problems)}")
+            extra = (
+                [] if self.config.activation == "swiglu" else [f"activation={self.config.activation!r} (needs swiglu)"]
+            )
+            self._check_row_kernel("fuse_swiglu_down", "the down projection's all-reduce", extra)
         layer: Any
         for layer in self.decoder.layers.values():
             layer.mlp.fuse_swiglu_down = enable
@@ -197,13 +203,7 @@ class GPTModel(nn.Module):
         it sums (the add and the next norm stay one compiled kernel): no cuBLAS split-K reduction kernel. Needs a
         bias-free projection and one tensor-parallel rank; the same results up to one rounding."""
         if enable:
-            problems = []
-            if self.config.add_bias_linear:
-                problems.append("linear biases (add_bias_linear)")
-            if self.ctx.tp.size > 1:
-                problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; the output projection's all-reduce)")
-            if problems:
-                raise ValueError(f"fuse_proj_partials cannot fuse this model: {'; '.join(problems)}")
+            self._check_row_kernel("fuse_proj_partials", "the output projection's all-reduce")
         layer: Any
         for layer in self.decoder.layers.values():
             layer.self_attention.proj_partials = enable
@@ -214,13 +214,7 @@ class GPTModel(nn.Module):
         cuBLAS (one H200, one row: 3.8 against 5.1 µs; the up projection stays on cuBLAS, 18.4 against 19.5). Needs
         bias-free projections and one tensor-parallel rank; the same results up to float32 summation order."""
         if enable:
-            problems = []
-            if self.config.add_bias_linear:
-                problems.append("linear biases (add_bias_linear)")
-            if self.ctx.tp.size > 1:
-                problems.append(f"tensor parallelism (tp={self.ctx.tp.size})")
-            if problems:
-                raise ValueError(f"use_row_gemv cannot apply to this model: {'; '.join(problems)}")
+            self._check_row_kernel("use_row_gemv", "tensor-parallel shards")
         layer: Any
         for layer in self.decoder.layers.values():
             layer.self_attention.row_gemv = enable

@@ -275,18 +275,23 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(_partial_splits(x, weight), *x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
+def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
+    """The kernel's product in ``x``'s dtype: written directly at one split, else its float32 partials summed."""
+    x2 = x.reshape(-1, x.shape[-1])
+    sp, bn, bk, warps = launch
+    if sp == 1:
+        y = gemv_partials(x2, weight, 1, bn, bk, swiglu=swiglu, out_dtype=x.dtype, num_warps=warps)[0]
+    else:
+        y = gemv_partials(x2, weight, sp, bn, bk, swiglu=swiglu, num_warps=warps).sum(0).to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("mcore_models::swiglu_down", mutates_args=())
 def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight)
     n, k = weight.shape
-    x2 = x.reshape(-1, x.shape[-1])
-    sp, bn, bk, warps = _launch_config(n, k, _sms(x))
-    if sp == 1:
-        y = gemv_partials(x2, weight, 1, bn, bk, swiglu=True, out_dtype=x.dtype, num_warps=warps)[0]
-    else:
-        y = gemv_partials(x2, weight, sp, bn, bk, swiglu=True, num_warps=warps).sum(0).to(x.dtype)
-    return y.view(*x.shape[:-1], n)
+    return _summed(x, weight, _launch_config(n, k, _sms(x)), swiglu=True)
 
 
 @_swiglu_down_op.register_fake
@@ -356,13 +361,7 @@ def _row_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     if not _use_triton(x):
         return F.linear(x, weight)
-    sp, bn, bk, warps = _launch_config(n, k, _sms(x), ROW_LAUNCH_ENV, row=True)
-    x2 = x.reshape(-1, k)
-    if sp == 1:
-        y = gemv_partials(x2, weight, 1, bn, bk, out_dtype=x.dtype, num_warps=warps)[0]
-    else:
-        y = gemv_partials(x2, weight, sp, bn, bk, num_warps=warps).sum(0).to(x.dtype)
-    return y.view(*x.shape[:-1], n)
+    return _summed(x, weight, _launch_config(n, k, _sms(x), ROW_LAUNCH_ENV, row=True), swiglu=False)
 
 
 @_row_linear_op.register_fake
