@@ -345,7 +345,8 @@ case "${1:-}" in
     timeout 40 python3 -m pytest -q tests/infer/test_sampling.py -k argmax -p no:cacheprovider 2>&1 | tail -1 \
       > "$OUT/s9-final.log"
     timeout 150 python3 bench/serve_bench.py --compile --lookahead --fuse-swiglu-down --fuse-proj-partials --row-gemv \
-      --concurrency 1,64 --http-concurrency 0 --hf --hf-batches 1 --out "$OUT/serve-final.json" > /tmp/s.log 2>&1
+      --concurrency 1,64 --http-concurrency 0 --hf --hf-batches 1 --out "$OUT/serve-final.json" \
+      --profile "$OUT/s9-final-profile.txt" > /tmp/s.log 2>&1
     python3 -c "import json; d=json.load(open('$OUT/serve-final.json')); print([(r['concurrency'], \
       round(r['output_tok_s']), r['tpot_ms_p50'], r['runs_output_tok_s']) for r in d['engine']], \
       d.get('hf_static_compile'))" >> "$OUT/s9-final.log" 2>&1 || tail -20 /tmp/s.log >> "$OUT/s9-final.log"
