@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -147,3 +148,36 @@ def test_two_pass_argmax_is_argmax_ties_included(device: str) -> None:
         assert first_argmax(x)[1:3].tolist() == [300, 4097]
     small = torch.randn(2, 1000, device=device)  # short or uneven vocabularies: plain argmax
     assert torch.equal(first_argmax(small), small.argmax(-1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_drawn_result_is_the_draw_not_later_stream_work(device: str) -> None:
+    """The engine launches its lookahead step between ``draw`` and ``result``: the host copy of the tokens (and
+    log-probabilities) is taken at the draw, so later work on the stream neither changes the result nor delays it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40000, device=device)
+    want = logits.argmax(-1).tolist()
+    lp = SamplingParams(temperature=0.0, logprobs=2)
+    rows = [SampleRow(SamplingParams(temperature=0.0), [], []), SampleRow(lp, [], []), SampleRow(lp, [], [])]
+    want_lp = torch.log_softmax(logits.float(), -1)
+    for fast in (True, False):
+        x = logits.clone()
+        drawn = Sampler(device).draw(x, rows[:1] * 3 if fast else rows)
+        if device == "cuda":
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued after the draw (the lookahead step)
+        drawn.tokens.fill_(7)  # and the device tokens overwritten in stream order after it
+        x.add_(100.0)
+        t0 = time.perf_counter()
+        res = drawn.result()
+        waited = time.perf_counter() - t0
+        assert res.tokens == want
+        if not fast:
+            assert res.logprobs[1] == pytest.approx(float(want_lp[1, want[1]]), abs=1e-5)
+            top = want_lp[2].topk(2)
+            assert [t for t, _ in res.top[2]] == top.indices.tolist()
+            assert res.top[2][0][1] == pytest.approx(float(top.values[0]), abs=1e-5)
+        if device == "cuda":
+            assert waited < 0.25, f"result() waited {waited:.3f} s: it queued behind the later stream work"
+            torch.cuda.synchronize()

@@ -127,29 +127,55 @@ class SampleResult:
 
 
 class Drawn:
-    """Tokens chosen on the device (``tokens``, not yet waited for) and what :meth:`result` needs."""
+    """Tokens chosen on the device (``tokens``, not yet waited for) and what :meth:`result` needs.
+
+    The copies to the host start here, in stream order right after the sampling kernels: the engine launches its
+    lookahead step after drawing, and a copy started only in :meth:`result` would queue behind that whole step, so
+    the host would wait for the step ahead instead of overlapping its bookkeeping with it (measured on the H200 in
+    the eighth session: 1.28 ms per token at batch 1 with the copy in ``result``, GPU busy 0.89 ms of it).
+    """
 
     def __init__(self, tokens: torch.Tensor, rows: list[SampleRow], logp: torch.Tensor | None) -> None:
-        self.tokens, self.rows, self.logp = tokens, rows, logp
+        self.tokens, self.rows = tokens, rows
+        self._k = 0
+        parts = [tokens]
+        if logp is not None:
+            self._k = max(r.params.logprobs or 0 for r in rows)
+            parts.append(logp.gather(1, tokens[:, None])[:, 0])
+            top_v, top_i = logp.topk(self._k, dim=-1) if self._k > 0 else (logp[:, :0], logp[:, :0].long())
+            parts += [top_v, top_i]
+        self._host = [_start_host_copy(t) for t in parts]
+        self._ready: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(tokens.device))
 
     def result(self) -> SampleResult:
-        """The tokens (and log-probabilities) on the host: waits for the device."""
+        """The tokens (and log-probabilities) on the host: waits for the copies started at construction."""
+        if self._ready is not None:
+            self._ready.synchronize()
         n = len(self.rows)
-        token_list = self.tokens.tolist()
+        token_list = self._host[0].tolist()
         lps: list[float | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n
-        logp = self.logp
-        if logp is not None:
-            chosen = logp.gather(1, self.tokens[:, None])[:, 0].tolist()
-            k = max(r.params.logprobs or 0 for r in self.rows)
-            top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+        if len(self._host) > 1:
+            chosen, top_v_l, top_i_l = (t.tolist() for t in self._host[1:])
             for i, r in enumerate(self.rows):
                 if r.params.logprobs is not None:
                     lps[i] = chosen[i]
                     m = r.params.logprobs or 0
                     tops[i] = list(zip(top_i_l[i][:m], top_v_l[i][:m]))
         return SampleResult(token_list, lps, tops)
+
+
+def _start_host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t`` taken in stream order now (pinned and asynchronous from a GPU; complete on return on the
+    CPU), so that later writes to ``t`` or later work on the stream do not delay or change it."""
+    if t.is_cuda:
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        return h
+    return t.detach().clone()
 
 
 @dataclass
