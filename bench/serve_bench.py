@@ -262,12 +262,12 @@ def main() -> None:
         ap.add_argument(f"--fuse-{name}", action=argparse.BooleanOptionalAction, default=True,
                         help=f"EngineConfig.fuse_{name.replace('-', '_')} (default on): {what}")  # fmt: skip
     ap.add_argument("--fuse-norm-linear", action="store_true", help="EngineConfig.fuse_norm_linear: norm in GEMV")
-    ap.add_argument("--fuse-swiglu-down", action="store_true",
-                    help="EngineConfig.fuse_swiglu_down: SwiGLU inside the down projection's split-K GEMV")  # fmt: skip
-    ap.add_argument("--row-gemv", action="store_true",
-                    help="EngineConfig.row_gemv: the QKV and up projections with the one-row Triton GEMV")  # fmt: skip
-    ap.add_argument("--fuse-proj-partials", action="store_true",
-                    help="EngineConfig.fuse_proj_partials: the output projection as split-K partials")  # fmt: skip
+    ap.add_argument("--fuse-swiglu-down", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.fuse_swiglu_down (default auto): SwiGLU inside the down projection's split-K GEMV")  # fmt: skip
+    ap.add_argument("--row-gemv", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.row_gemv (default auto): the QKV projection with the one-row Triton GEMV")  # fmt: skip
+    ap.add_argument("--fuse-proj-partials", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.fuse_proj_partials (default auto): the output projection as split-K partials")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)

@@ -412,6 +412,46 @@ def test_fuse_proj_partials_is_checked() -> None:
         _llm(tiny_model(add_bias_linear=True), row_gemv=True)
 
 
+def test_row_kernels_default_to_auto() -> None:
+    """The one-row kernels default to None (auto): on for a compiled runner on CUDA with the Triton backend when the
+    model allows each one, off elsewhere and off (never an error) where the model does not allow it; an explicit
+    False stays off and an explicit True raises for a model that cannot take it (tested above)."""
+    from mcore_infer.config import ROW_KERNELS
+    from mcore_infer.runner import apply_row_kernels
+
+    def flags(m):
+        layers = list(m.decoder.layers.values())
+        got = {
+            "fuse_swiglu_down": {layer.mlp.fuse_swiglu_down for layer in layers},
+            "fuse_proj_partials": {layer.self_attention.proj_partials for layer in layers},
+            "row_gemv": {layer.self_attention.row_gemv for layer in layers},
+        }
+        assert all(len(v) == 1 for v in got.values())
+        return {k: v.pop() for k, v in got.items()}
+
+    assert all(getattr(EngineConfig(), k) is None for k in ROW_KERNELS)
+    all_on = dict.fromkeys(ROW_KERNELS, True)
+    all_off = dict.fromkeys(ROW_KERNELS, False)
+    m = tiny_model(num_layers=2)
+    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == all_on == flags(m)
+    for cfg, dev, backend in [
+        (EngineConfig(compile=True), "cpu", "plain"),
+        (EngineConfig(compile=True), "cuda", "plain"),
+        (EngineConfig(compile=False), "cuda", "triton"),
+        (EngineConfig(compile=True, fuse_norm_linear=True), "cuda", "triton"),
+    ]:
+        m = tiny_model(num_layers=2)
+        apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton")  # on first: auto must switch them off
+        assert apply_row_kernels(m, cfg, dev, backend) == all_off == flags(m), (cfg, dev, backend)
+    m = tiny_model(num_layers=2, activation="gelu")
+    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == {**all_on, "fuse_swiglu_down": False}
+    m = tiny_model(num_layers=2, add_bias_linear=True)
+    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == all_off == flags(m)
+    m = tiny_model(num_layers=2)
+    cfg = EngineConfig(compile=True, row_gemv=False)
+    assert apply_row_kernels(m, cfg, "cuda", "triton") == {**all_on, "row_gemv": False} == flags(m)
+
+
 def test_fuse_swiglu_down_is_checked() -> None:
     with pytest.raises(ValueError, match="fuse_swiglu_down.*activation='gelu'"):
         _llm(tiny_model(activation="gelu"), fuse_swiglu_down=True)

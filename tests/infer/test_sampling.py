@@ -133,24 +133,6 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_two_pass_argmax_is_argmax_ties_included(device: str) -> None:
-    from mcore_infer.sampling import first_argmax
-
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    torch.manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(5, 32768, device=device).to(dtype)
-        x[1, 300] = x[1, 9000] = x[1].max() + 1  # a tie across chunks: the first index
-        x[2, 4097] = x[2, 4100] = x[2].max() + 1  # a tie inside one chunk
-        x[3, 20000] = float("nan")  # nan wins, as in argmax
-        assert torch.equal(first_argmax(x), x.argmax(-1))
-        assert first_argmax(x)[1:3].tolist() == [300, 4097]
-    small = torch.randn(2, 1000, device=device)  # short or uneven vocabularies: plain argmax
-    assert torch.equal(first_argmax(small), small.argmax(-1))
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_drawn_result_is_the_draw_not_later_stream_work(device: str) -> None:
     """The engine launches its lookahead step between ``draw`` and ``result``: the host copy of the tokens (and
     log-probabilities) is taken at the draw, so later work on the stream neither changes the result nor delays it."""

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from mcore_infer.config import EngineConfig
+from mcore_infer.config import ROW_KERNELS, EngineConfig
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["main"]
@@ -31,6 +31,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each layer (fused elementwise ops)")
     p.add_argument("--lookahead", action="store_true", help="launch each decode step before reading the last one")
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
+    p.add_argument(
+        "--row-kernels",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="one-row Triton kernels of small decode steps (EngineConfig.fuse_swiglu_down, fuse_proj_partials, "
+        "row_gemv); auto: on with --compile on CUDA where the model allows them",
+    )
 
 
 def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
@@ -54,6 +61,7 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         compile=args.compile,
         lookahead=args.lookahead,
         attention_backend=args.attention,
+        **dict.fromkeys(ROW_KERNELS, {"auto": None, "on": True, "off": False}[args.row_kernels]),
     )
     return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)
 

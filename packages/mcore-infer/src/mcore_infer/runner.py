@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mcore_infer._triton_attention import triton_available
 from mcore_infer.attention import PagedAttentionContext, Segment
-from mcore_infer.config import EngineConfig
+from mcore_infer.config import ROW_KERNELS, EngineConfig
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_models import GPTModel
 from mcore_parallel import Group
@@ -72,6 +72,34 @@ class StepBatch:
             self.logits_index.extend(range(t0, t0 + n))
 
 
+def apply_row_kernels(model: GPTModel, config: EngineConfig, device_type: str, backend: str) -> dict[str, bool]:
+    """Switch ``fuse_norm_linear`` and the one-row kernels (:data:`~mcore_infer.config.ROW_KERNELS`) of ``model`` as
+    ``config`` says, the ``None`` (auto) ones resolved for this device, backend and model; returns what is on."""
+    try:
+        model.fuse_norm_linear(config.fuse_norm_linear)
+    except ValueError as e:
+        raise ValueError(f"EngineConfig.fuse_norm_linear=True: {e}; set it to False for this model") from e
+    apply = {
+        "fuse_swiglu_down": model.fuse_swiglu_down,
+        "fuse_proj_partials": model.fuse_proj_partials,
+        "row_gemv": model.use_row_gemv,
+    }
+    auto_ok = device_type == "cuda" and backend == "triton" and config.compile and not config.fuse_norm_linear
+    on: dict[str, bool] = {}
+    for option in ROW_KERNELS:
+        want = getattr(config, option)
+        try:
+            apply[option](bool(want) if want is not None else auto_ok)
+            on[option] = bool(want) if want is not None else auto_ok
+        except ValueError as e:
+            if want:
+                raise ValueError(f"EngineConfig.{option}=True: {e}; set it to False for this model") from e
+            log.info("EngineConfig.%s (auto) is off: %s", option, e)
+            apply[option](False)
+            on[option] = False
+    return on
+
+
 class ModelRunner:
     """Runs steps of one ``GPTModel`` (this rank's TP shard) over a paged KV cache."""
 
@@ -81,22 +109,17 @@ class ModelRunner:
         self.model = model.eval()
         self.config = config
         model.defer_residual_adds = config.fuse_residual
-        for option, apply in (
-            ("fuse_norm_linear", model.fuse_norm_linear),
-            ("fuse_swiglu_down", model.fuse_swiglu_down),
-            ("fuse_proj_partials", model.fuse_proj_partials),
-            ("row_gemv", model.use_row_gemv),
-        ):
-            try:
-                apply(getattr(config, option))
-            except ValueError as e:
-                raise ValueError(f"EngineConfig.{option}=True: {e}; set it to False for this model") from e
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and triton_available() else "plain"
+        self.backend = backend
+        self.row_kernels = apply_row_kernels(model, config, self.device.type, backend)
         if config.compile:
             model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")
         mc = model.config
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.block_size = config.block_size
@@ -108,10 +131,6 @@ class ModelRunner:
             nlayers, num_blocks, self.block_size, self.groups, mc.head_dim, self.dtype, self.device
         )
         self.blocks = BlockManager(num_blocks, self.block_size)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" and triton_available() else "plain"
-        self.backend = backend
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         self._static: dict[str, torch.Tensor] = {}
