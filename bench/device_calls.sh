@@ -24,6 +24,7 @@
 #   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep, split-K / SwiGLU GEMVs, batch 1; not run yet
 #   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
 #   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
+#   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
 #   bash bench/device_calls.sh x8           # nvidia-h200-x8: issue 10 (parity, dp scaling, llama3-8b, reshard)
@@ -351,6 +352,23 @@ case "${1:-}" in
       round(r['output_tok_s']), r['tpot_ms_p50'], r['runs_output_tok_s']) for r in d['engine']], \
       d.get('hf_static_compile'))" >> "$OUT/s9-final.log" 2>&1 || tail -20 /tmp/s.log >> "$OUT/s9-final.log"
     cat "$OUT/s9-final.log"
+    ;;
+  s10)
+    # one H200 (~8 min), eighth session, issue 7: the whole serve table with the engine's defaults (row kernels auto)
+    # after the lookahead copy fix: concurrency 1..256, HTTP at 64 (carry .whl), HF static + compile at 1..64; the
+    # infer GPU tests first
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    timeout 200 python3 -m pytest -q tests/infer/test_gpu.py tests/infer/test_sampling.py -m gpu -p no:cacheprovider \
+      2>&1 | tail -3 > "$OUT/s10.log"
+    timeout 390 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,8,32,64,256 --http-concurrency 64 \
+      --hf --hf-batches 1,8,32,64 --hf-deadline 140 --out "$OUT/serve-table.json" > /tmp/s.log 2>&1
+    python3 -c "import json; d=json.load(open('$OUT/serve-table.json')); print(d.get('row_kernels')); \
+      [print(r['concurrency'], round(r['output_tok_s']), round(r['tpot_ms_p50'], 3), round(r['ttft_ms_p50'], 1)) \
+      for r in d['engine']]; print('http', d.get('http')); print('hf', d.get('hf_static_compile'))" \
+      >> "$OUT/s10.log" 2>&1 || tail -20 /tmp/s.log >> "$OUT/s10.log"
+    cat "$OUT/s10.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

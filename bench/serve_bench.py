@@ -290,6 +290,7 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: dict[str, Any] = {"device": dev, "torch": torch.__version__, "engine": []}
     llm = build_llm(args)
+    results["row_kernels"] = llm.runner.row_kernels  # what EngineConfig's auto (None) resolved to
     for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
         engine_run(llm, c, 1)
     for c in args.concurrency:
