@@ -24,6 +24,7 @@
 #   bash bench/device_calls.sh s7-serve     # one GPU: norm_linear sweep, split-K / SwiGLU GEMVs, batch 1; not run yet
 #   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
 #   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
+#   bash bench/device_calls.sh s10-x2       # nvidia-h200-x2: issues 5 and 9, profiles with the deferred read, clocks
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
 #   bash bench/device_calls.sh gpu-tests    # 2 GPUs: every test marked gpu (NCCL parity, kernels, CUDA graphs)
@@ -369,6 +370,19 @@ case "${1:-}" in
       for r in d['engine']]; print('http', d.get('http')); print('hf', d.get('hf_static_compile'))" \
       >> "$OUT/s10.log" 2>&1 || tail -20 /tmp/s.log >> "$OUT/s10.log"
     cat "$OUT/s10.log"
+    ;;
+  s10-x2)
+    # nvidia-h200-x2 (~6 min), eighth session, issues 5 and 9: profiles of the one-GPU and the tp2 + SP cases with the
+    # deferred loss read (the last profiles predate it), and the GPUs' SM clock / power / throttle reasons meanwhile
+    q=index,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu
+    ( nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv,noheader,nounits -lms 1000 \
+      || nvidia-smi --query-gpu=$q,clocks_throttle_reasons.active --format=csv,noheader,nounits -lms 1000 ) \
+      > /tmp/smi.csv 2>&1 &
+    scale --profile "$OUT/prof" --cases 1gpu-compile-all tp2-sp-compile-symm-all --out "$OUT/s10-x2.json" 2>&1 \
+      | tail -4 | tee "$OUT/s10-x2.log"
+    pkill -f "nvidia-smi --query-gpu" || true
+    python3 bench/smi_summary.py /tmp/smi.csv >> "$OUT/s10-x2.log" 2>&1
+    cat "$OUT/s10-x2.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
