@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,6 +24,16 @@ def test_profiled_window_writes_a_summary_and_a_trace(tmp_path: Path) -> None:
     row = re.search(r"^\| gemm \| ([0-9.]+) \|", text, re.M)
     assert row is not None and float(row.group(1)) > 0, text
     assert (tmp_path / "trace-rank0.json").stat().st_size > 1000
+
+
+def test_windows_with_profiled_steps_are_flagged(tmp_path: Path) -> None:
+    """A logging window holding a profiled step, or the step after the window (enqueued only once the profile was
+    written), reports a throughput that includes the profiler: the record says so, the others do not."""
+    pretrain(config("training.train_iters=8", f"logging.dir={tmp_path}", "logging.log_interval=2",
+                    "logging.profile_steps=[3,5]"))  # fmt: skip
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    flagged = {r["step"]: bool(r.get("profiled")) for r in records if "tokens_per_s" in r}
+    assert flagged == {2: False, 4: True, 6: True, 8: False}, flagged
 
 
 def test_a_run_that_stops_before_the_window_ends_writes_nothing(tmp_path: Path) -> None:

@@ -302,7 +302,7 @@ def train(run: Run) -> TrainResult:
     result = TrainResult(run.step, None, "train_iters")
     iterators = run.train_iterators()
     start_time = time.monotonic()
-    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0}
+    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "profiled": False}
     clock = _WindowClock(_timed_on_device(st.device))
     staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
@@ -330,6 +330,8 @@ def train(run: Run) -> TrainResult:
             window["n"] += 1
         window["tokens"] += f.global_batch * cfg.data.seq_length
         window["samples"] += f.global_batch
+        # the profiler's steps and the step after them (enqueued only once the profile is written) run slower
+        window["profiled"] = window["profiled"] or profiler.covers(f.step)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{f.lr:.2e}")
@@ -352,12 +354,14 @@ def train(run: Run) -> TrainResult:
                 "skipped_steps": run.skipped_steps,
                 **memory_stats(st.device),
             }
+            if window["profiled"]:
+                record["profiled"] = True  # its throughput includes the profiler's overhead: not a measurement
             if peak:
                 record["mfu"] = tflops / peak
             if is_logger:
                 writer.write(f.step, record)
                 _log_line(run, f.step, record)
-            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0}
+            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "profiled": False}
         return want_stop
 
     try:

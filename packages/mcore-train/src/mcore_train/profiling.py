@@ -294,6 +294,10 @@ class StepProfiler:
         self._prof: Any = None
         self._t0 = 0.0
 
+    def covers(self, step: int) -> bool:
+        """Whether ``step`` ran under the profiler or right after it (its host waited for the profile's export)."""
+        return self.enabled and self.start <= step <= self.end
+
     def before_step(self, step: int) -> None:
         if not self.enabled or step != self.start:
             return
