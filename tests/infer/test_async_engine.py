@@ -48,29 +48,3 @@ def test_a_slow_caller_gets_the_outputs_it_missed_in_one_batch() -> None:
         assert asyncio.run(plain()) == expected.text
     finally:
         engine.shutdown(timeout=2.0)
-
-
-def test_the_engine_thread_runs_with_a_short_gil_switch_interval() -> None:
-    """While the engine thread runs, the interpreter's switch interval is AsyncEngine's (the thread takes the GIL
-    back from a busy event loop after each device wait within it, not after Python's 5 ms); shutdown restores it."""
-    import sys
-
-    import pytest
-
-    llm = LLM(model=tiny_model(max_position_embeddings=256), config=EngineConfig(**CFG))
-    before = sys.getswitchinterval()
-    engine = AsyncEngine(llm.engine, switch_interval=0.0002)
-    engine.start()
-    try:
-        assert sys.getswitchinterval() == pytest.approx(0.0002)
-    finally:
-        engine.shutdown(timeout=2.0)
-    assert sys.getswitchinterval() == before
-    engine = AsyncEngine(llm.engine, switch_interval=None)
-    engine.start()
-    try:
-        assert sys.getswitchinterval() == before
-    finally:
-        engine.shutdown(timeout=2.0)
-    with pytest.raises(ValueError, match="switch_interval=0"):
-        AsyncEngine(llm.engine, switch_interval=0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -30,18 +29,8 @@ def _deliver(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], Req
 
 
 class AsyncEngine:
-    """``switch_interval``: while the engine thread runs, the interpreter's GIL switch interval
-    (:func:`sys.setswitchinterval`; None leaves it alone). Each step the engine thread waits for the device with the GIL
-    released; to take it back from a busy event loop it waits up to the interval (Python's default is 5 ms), and a
-    server streaming to many clients keeps its loop busy, so every decode step would pay it. The previous interval is
-    restored at :meth:`shutdown`."""
-
-    def __init__(self, engine: LLMEngine, switch_interval: float | None = 0.0005) -> None:
-        if switch_interval is not None and not switch_interval > 0:
-            raise ValueError(f"switch_interval={switch_interval}: a positive number of seconds, or None")
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.switch_interval = switch_interval
-        self._saved_switch_interval: float | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -52,10 +41,6 @@ class AsyncEngine:
     # --------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._thread is None:
-            if self.switch_interval is not None:
-                self._saved_switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(self.switch_interval)
-                log.info("GIL switch interval %.2g s while the engine thread runs", self.switch_interval)
             self._thread = threading.Thread(target=self._loop, name="mcore-infer-engine", daemon=True)
             self._thread.start()
 
@@ -79,9 +64,6 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10.0)
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
         self.engine.runner.stop_followers()
 
     # ------------------------------------------------------------------------------------------------ loop
