@@ -110,6 +110,11 @@ CASES["1gpu-compile-mb16-gbs64-all"] = (1, ["training.micro_batch_size=16", "tra
 CASES["1gpu-compile-all-sync"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
 CASES["tp2-sp-compile-symm-all-sync"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
                                              _SWIGLU, _GAF, _CONTIG, _SYNC])  # fmt: skip
+# the levers without the contiguous q/k/v copies (model.attention_contiguous), at micro-batch 4 and at tp2 + SP: the
+# seventh session's only measurement of it was one of the invalid host-timed rows
+CASES["1gpu-compile-swiglu-gaf"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF])
+CASES["tp2-sp-compile-symm-swiglu-gaf"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
+                                               _SWIGLU, _GAF])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
