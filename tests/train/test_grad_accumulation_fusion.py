@@ -78,3 +78,56 @@ def test_training_is_unchanged_under_tensor_and_sequence_parallelism() -> None:
     fused, calls = run_distributed(_losses_and_fused_calls, 2, [*base, "parallel.gradient_accumulation_fusion=true"])[0]
     assert calls > 0
     assert fused == pytest.approx(plain, abs=1e-6)
+
+
+def test_side_stream_needs_the_fusion() -> None:
+    from mcore_parallel.ddp import DDPConfig
+    from mcore_train import ConfigError
+
+    with pytest.raises(ConfigError, match="wgrad_side_stream=true needs gradient_accumulation_fusion=true"):
+        config("parallel.wgrad_side_stream=true")
+    with pytest.raises(ValueError, match="wgrad_side_stream=True needs gradient_accumulation_fusion=True"):
+        DDPConfig(wgrad_side_stream=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_side_stream_weight_grads_are_the_same_and_waited_for() -> None:
+    """``wgrad_side_stream``: the same GEMMs into main_grad, on a second stream; whatever runs on the current stream
+    after the backward (the optimizer, clipping) sees them finished, even when the side stream is slow."""
+    from mcore_parallel.tensor import mappings
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    layer = ColumnParallelLinear(256, 512, tp=Group("tp", (0,), 0), bias=False).to(dev, torch.bfloat16).train()
+    w = layer.weight
+    w.fuse_wgrad_accumulation = True
+    xs = [torch.randn(8, 64, 256, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    gs = [torch.randn(8, 64, 512, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    results = []
+    for side in (False, True):
+        w.main_grad = torch.zeros(w.shape, device=dev, dtype=torch.float32)
+        w.wgrad_side_stream = side
+        for x, g in zip(xs, gs):
+            if side and dev in mappings._WGRAD_STREAMS:
+                with torch.cuda.stream(mappings._WGRAD_STREAMS[dev]):
+                    torch.cuda._sleep(50_000_000)  # a slow side stream: a missing wait would read a stale sum
+            layer(x).backward(g)
+            w.grad = None
+        results.append(w.main_grad.clone())  # on the current stream, right after the backward passes
+    assert not mappings._WGRAD_PENDING  # the end of each backward pass waited
+    assert mappings._WGRAD_STREAMS  # and the GEMMs did run on the side stream
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_side_stream_training_is_unchanged_on_cuda() -> None:
+    """bf16 parameters (the side stream takes the bf16 x bf16 -> float32 GEMMs); the attention backward's atomics
+    leave run-to-run noise, hence the tolerance."""
+    base = ["training.train_iters=4", "training.device=cuda", "model.params_dtype=bfloat16",
+            "parallel.gradient_accumulation_fusion=true"]  # fmt: skip
+    fused = _losses(base)
+    side, calls = _losses_and_fused_calls([*base, "parallel.wgrad_side_stream=true"])
+    assert calls > 0
+    assert side == pytest.approx(fused, rel=2e-3)
