@@ -25,7 +25,7 @@
 #   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
 #   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
 #   bash bench/device_calls.sh s10-x2       # nvidia-h200-x2: issues 5 and 9, profiles with the deferred read, clocks
-#   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5 with and without the contiguous q/k/v copies
+#   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5, wgrad side stream, no contiguous q/k/v
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
@@ -404,18 +404,27 @@ case "${1:-}" in
     cat "$OUT/s11.log"
     ;;
   s12-x2)
-    # nvidia-h200-x2 (~8 min), eighth session, issues 9 and 5: the best cases with and without the contiguous q/k/v
-    # copies (the seventh session measured "without" only in its invalid host-timed rows); GPU 0 micro-batch 8,
-    # GPU 1 micro-batch 4 at the same time, then tp2 + SP without them against the same call's one-GPU rows
-    CUDA_VISIBLE_DEVICES=1 scale --cases 1gpu-compile-all 1gpu-compile-swiglu-gaf --out "$OUT/s12-mb4.json" \
-      > /tmp/s12-mb4.log 2>&1 &
+    # nvidia-h200-x2 (~8 min), eighth session, issues 9 and 5: the weight-gradient GEMMs on a side stream
+    # (parallel.wgrad_side_stream) and the levers without the contiguous q/k/v copies, each next to the best case of
+    # the same call. GPU 1: the side stream's GPU tests, then micro-batch 4; GPU 0 at the same time: micro-batch 8;
+    # then both GPUs: tp2 + SP
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      timeout 120 python3 -m pytest -q tests/train/test_grad_accumulation_fusion.py -m gpu -p no:cacheprovider 2>&1 \
+        | tail -3 > /tmp/s12-tests.log
+      scale --cases 1gpu-compile-all 1gpu-compile-all-side 1gpu-compile-swiglu-gaf --out "$OUT/s12-mb4.json" \
+        > /tmp/s12-mb4.log 2>&1
+    ) &
     mb4=$!
-    CUDA_VISIBLE_DEVICES=0 scale --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb8-gbs64-swiglu-gaf \
-      --out "$OUT/s12-mb8.json" 2>&1 | tail -4 | tee "$OUT/s12-x2.log"
+    CUDA_VISIBLE_DEVICES=0 scale --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb8-gbs64-all-side \
+      1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-mb8-gbs64-swiglu-gaf-side --out "$OUT/s12-mb8.json" 2>&1 \
+      | tail -6 > "$OUT/s12-x2.log"
     wait "$mb4"
-    tail -4 /tmp/s12-mb4.log | tee -a "$OUT/s12-x2.log"
-    scale --cases tp2-sp-compile-symm-swiglu-gaf tp2-sp-compile-symm-all --out "$OUT/s12-tp2.json" 2>&1 | tail -4 \
-      | tee -a "$OUT/s12-x2.log"
+    cat /tmp/s12-tests.log >> "$OUT/s12-x2.log"
+    tail -5 /tmp/s12-mb4.log >> "$OUT/s12-x2.log"
+    scale --cases tp2-sp-compile-symm-all tp2-sp-compile-symm-all-side tp2-sp-compile-symm-swiglu-gaf \
+      --out "$OUT/s12-tp2.json" 2>&1 | tail -5 >> "$OUT/s12-x2.log"
+    cat "$OUT/s12-x2.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first

@@ -115,6 +115,13 @@ CASES["tp2-sp-compile-symm-all-sync"] = (2, [*_TP2_SYMM, "training.micro_batch_s
 CASES["1gpu-compile-swiglu-gaf"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF])
 CASES["tp2-sp-compile-symm-swiglu-gaf"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
                                                _SWIGLU, _GAF])  # fmt: skip
+# the weight-gradient GEMMs on a second stream beside the backward's input-gradient chain (parallel.wgrad_side_stream)
+_SIDE = "parallel.wgrad_side_stream=true"
+CASES["1gpu-compile-all-side"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SIDE])
+CASES["1gpu-compile-mb8-gbs64-all-side"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SIDE])
+CASES["1gpu-compile-mb8-gbs64-swiglu-gaf-side"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _SIDE])
+CASES["tp2-sp-compile-symm-all-side"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
+                                             _SWIGLU, _GAF, _CONTIG, _SIDE])  # fmt: skip
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
