@@ -66,9 +66,6 @@ class ParallelSection:
     gradient_accumulation_fusion: bool = False
     """Linear layers add weight gradients straight into the float32 main_grad from their GEMM (no bf16 gradient
     and no separate add per micro-batch)."""
-    wgrad_side_stream: bool = False
-    """With gradient_accumulation_fusion on CUDA: the weight-gradient GEMMs run on a second stream beside the rest of
-    the backward (see ``mcore_parallel.ddp.DDPConfig.wgrad_side_stream``); same results."""
     bucket_size: int | None = 40_000_000
     """Gradient bucket size in elements."""
     backend: str | None = None
@@ -97,11 +94,6 @@ class ParallelSection:
             problems.append(
                 "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "
                 "main_grad in place; turn one of them off"
-            )
-        if self.wgrad_side_stream and not self.gradient_accumulation_fusion:
-            problems.append(
-                "wgrad_side_stream=true needs gradient_accumulation_fusion=true (the weight-gradient GEMM adds into "
-                "main_grad): set both"
             )
         if self.tp_comm_in_graph and self.tp_comm == "nccl":
             problems.append("tp_comm_in_graph=true applies to symmetric memory: set tp_comm=auto or symmetric_memory")

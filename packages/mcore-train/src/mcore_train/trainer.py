@@ -205,7 +205,6 @@ def setup(config: TrainConfig) -> Run:
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
-        wgrad_side_stream=config.parallel.wgrad_side_stream,
     )
     ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]
     sync_shared_embedding_weights(ddp, state)

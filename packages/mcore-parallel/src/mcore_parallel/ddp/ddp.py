@@ -30,7 +30,6 @@ from torch import nn
 from mcore_parallel.ddp.buffer import GradBuffer
 from mcore_parallel.state import ParallelState
 from mcore_parallel.tensor import _comm
-from mcore_parallel.tensor.mappings import wait_weight_grads
 
 __all__ = ["DDPConfig", "DistributedDataParallel"]
 
@@ -53,17 +52,7 @@ class DDPConfig:
     every weight gradient fewer per micro-batch. Marks the parameters; the layers of ``mcore_parallel.tensor`` honour
     it for weights they own."""
 
-    wgrad_side_stream: bool = False
-    """With ``gradient_accumulation_fusion`` on CUDA: the weight-gradient GEMMs run on a second stream, concurrently
-    with the input-gradient chain of the backward (norm, activation and attention backward kernels that do not fill
-    the GPU), and the current stream waits for them at the end of each backward pass and before a bucket's
-    collective. Same results (the same GEMMs, in the same order per weight)."""
-
     def __post_init__(self) -> None:
-        if self.wgrad_side_stream and not self.gradient_accumulation_fusion:
-            raise ValueError(
-                "wgrad_side_stream=True needs gradient_accumulation_fusion=True (the GEMM adds into main_grad)"
-            )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size={self.bucket_size} must be a positive number of elements or None")
 
@@ -92,7 +81,6 @@ class DistributedDataParallel(nn.Module):
         if self.config.gradient_accumulation_fusion:
             for p in params:
                 p.fuse_wgrad_accumulation = True  # type: ignore[attr-defined]
-                p.wgrad_side_stream = self.config.wgrad_side_stream  # type: ignore[attr-defined]
         self.is_last_microbatch = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if state.rank == 0:
@@ -142,7 +130,6 @@ class DistributedDataParallel(nn.Module):
             bucket = buf.bucket_of[param]  # type: ignore[index]
             bucket.ready.add(id(param))
             if len(bucket.ready) == len(bucket.params) and not bucket.deferred:
-                wait_weight_grads(param.device)  # the side stream's GEMMs into this bucket are done first
                 buf.start_grad_reduce(bucket)
 
     @torch.no_grad()
@@ -153,7 +140,6 @@ class DistributedDataParallel(nn.Module):
         dp. Sequence-parallel parameters are summed over tp after the data-parallel reduction (every tp rank has
         the same buffer layout, so under the distributed optimizer the owned shard ranges agree).
         """
-        wait_weight_grads()
         for buf in self.grad_buffers:
             for bucket in buf.buckets:
                 if bucket.deferred:

@@ -108,59 +108,16 @@ def fuses_wgrad(weight: torch.Tensor) -> bool:
     return bool(getattr(weight, "fuse_wgrad_accumulation", False)) and hasattr(weight, "main_grad")
 
 
-# device -> the stream that runs weight-gradient GEMMs beside the backward's input-gradient chain (wgrad_side_stream)
-_WGRAD_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-# devices whose side stream has work the current stream has not waited for yet, with that current stream
-_WGRAD_PENDING: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def wait_weight_grads(device: torch.device | None = None) -> None:
-    """Make the current stream wait for the weight-gradient GEMMs launched on the side stream (see
-    ``DDPConfig.wgrad_side_stream``): before anything reads ``main_grad``. A no-op when none are pending. The end of
-    each backward pass calls it by itself; the DDP hooks call it before a bucket's collective."""
-    devices = list(_WGRAD_PENDING) if device is None else [device]
-    for dev in devices:
-        cur = _WGRAD_PENDING.pop(dev, None)
-        if cur is not None:
-            cur.wait_stream(_WGRAD_STREAMS[dev])
-
-
-def _side_stream_addmm(main: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> None:
-    """``main += g2ᵀ x2`` (float32 out) on the device's weight-gradient stream, after the current stream's work so far;
-    the current stream waits for it at the end of the backward pass (or earlier, :func:`wait_weight_grads`)."""
-    dev = main.device
-    cur = torch.cuda.current_stream(dev)
-    side = _WGRAD_STREAMS.get(dev)
-    if side is None:
-        side = _WGRAD_STREAMS[dev] = torch.cuda.Stream(dev)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        torch.ops.aten.addmm.dtype_out(main, g2.t(), x2, torch.float32, out=main)
-    # the inputs' memory is not handed to another tensor before the side stream has read it
-    g2.record_stream(side)
-    x2.record_stream(side)
-    if dev not in _WGRAD_PENDING:
-        _WGRAD_PENDING[dev] = cur
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: wait_weight_grads(dev))
-        except RuntimeError:  # not inside a backward pass: wait now
-            wait_weight_grads(dev)
-
-
 def weight_grad(weight: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, fuse: bool) -> torch.Tensor:
     """``g2ᵀ x2``, the gradient of ``weight`` in ``y = x Wᵀ`` (2-D views). With ``fuse`` it is added into
     ``weight.main_grad`` by the GEMM itself (float32 accumulation of bf16/fp16 inputs on CUDA) and an uninitialised
     placeholder is returned so that autograd's accumulation hooks still run; the DDP hook sees
-    ``grad_added_to_main_grad`` and drops it. A weight marked ``wgrad_side_stream`` (``DDPConfig``) has that GEMM run
-    on a second CUDA stream, beside the rest of the backward."""
+    ``grad_added_to_main_grad`` and drops it."""
     if not fuse:
         return g2.t().matmul(x2)
     main = weight.main_grad  # type: ignore[attr-defined]
     if main.is_cuda and g2.dtype in (torch.bfloat16, torch.float16) and main.dtype == torch.float32:
-        if getattr(weight, "wgrad_side_stream", False):
-            _side_stream_addmm(main, g2, x2)
-        else:
-            torch.ops.aten.addmm.dtype_out(main, g2.t(), x2, torch.float32, out=main)
+        torch.ops.aten.addmm.dtype_out(main, g2.t(), x2, torch.float32, out=main)
     elif g2.dtype == main.dtype:
         main.addmm_(g2.t(), x2)
     else:  # reduced precision on the CPU: the same GEMM as the unfused path, then the float32 add
