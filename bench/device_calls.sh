@@ -25,7 +25,8 @@
 #   bash bench/device_calls.sh s8           # nvidia-h200-x2: row-kernel sweep + serve (GPU 1) next to training (GPU 0)
 #   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
 #   bash bench/device_calls.sh s10-x2       # nvidia-h200-x2: issues 5 and 9, profiles with the deferred read, clocks
-#   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5, wgrad side stream, no contiguous q/k/v
+#   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5 without the contiguous q/k/v copies
+#   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
 #   bash bench/device_calls.sh pending-x2   # nvidia-h200-x2: issue 5, tp2 + SP with the overlapped backward
@@ -404,27 +405,26 @@ case "${1:-}" in
     cat "$OUT/s11.log"
     ;;
   s12-x2)
-    # nvidia-h200-x2 (~8 min), eighth session, issues 9 and 5: the weight-gradient GEMMs on a side stream
-    # (parallel.wgrad_side_stream) and the levers without the contiguous q/k/v copies, each next to the best case of
-    # the same call. GPU 1: the side stream's GPU tests, then micro-batch 4; GPU 0 at the same time: micro-batch 8;
-    # then both GPUs: tp2 + SP
-    (
-      export CUDA_VISIBLE_DEVICES=1
-      timeout 120 python3 -m pytest -q tests/train/test_grad_accumulation_fusion.py -m gpu -p no:cacheprovider 2>&1 \
-        | tail -3 > /tmp/s12-tests.log
-      scale --cases 1gpu-compile-all 1gpu-compile-all-side 1gpu-compile-swiglu-gaf --out "$OUT/s12-mb4.json" \
-        > /tmp/s12-mb4.log 2>&1
-    ) &
+    # nvidia-h200-x2 (~6 min), eighth session, issues 9 and 5: the levers without the contiguous q/k/v copies next to
+    # the best cases of the same call (GPU 0 micro-batch 8, GPU 1 micro-batch 4 at the same time, then tp2 + SP). As
+    # run, it also measured the weight-gradient GEMMs on a side stream (-side cases, since removed: no gain).
+    CUDA_VISIBLE_DEVICES=1 scale --cases 1gpu-compile-all 1gpu-compile-swiglu-gaf --out "$OUT/s12-mb4.json" \
+      > /tmp/s12-mb4.log 2>&1 &
     mb4=$!
-    CUDA_VISIBLE_DEVICES=0 scale --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb8-gbs64-all-side \
-      1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-mb8-gbs64-swiglu-gaf-side --out "$OUT/s12-mb8.json" 2>&1 \
-      | tail -6 > "$OUT/s12-x2.log"
+    CUDA_VISIBLE_DEVICES=0 scale --cases 1gpu-compile-mb8-gbs64-all 1gpu-compile-mb8-gbs64-swiglu-gaf \
+      --out "$OUT/s12-mb8.json" 2>&1 | tail -6 > "$OUT/s12-x2.log"
     wait "$mb4"
-    cat /tmp/s12-tests.log >> "$OUT/s12-x2.log"
     tail -5 /tmp/s12-mb4.log >> "$OUT/s12-x2.log"
-    scale --cases tp2-sp-compile-symm-all tp2-sp-compile-symm-all-side tp2-sp-compile-symm-swiglu-gaf \
-      --out "$OUT/s12-tp2.json" 2>&1 | tail -5 >> "$OUT/s12-x2.log"
+    scale --cases tp2-sp-compile-symm-all tp2-sp-compile-symm-swiglu-gaf --out "$OUT/s12-tp2.json" 2>&1 | tail -5 \
+      >> "$OUT/s12-x2.log"
     cat "$OUT/s12-x2.log"
+    ;;
+  s13)
+    # one H200 (~5 min), eighth session, issue 9: the best levers (no contiguous q/k/v copies) at global batch 64 and
+    # at a pretraining-sized 256 (1M tokens a step), with the bf16 matmul rate measured in the same call (MFU)
+    python3 bench/train_scaling_bench.py --preset llama-1b --steps 6 --case-timeout 200 --measure-peak \
+      --cases 1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-mb8-gbs256-swiglu-gaf --out "$OUT/s13.json" 2>&1 \
+      | tail -5 | tee "$OUT/s13.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
