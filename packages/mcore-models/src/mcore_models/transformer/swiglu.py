@@ -7,8 +7,8 @@ the ``[tokens, ffn]`` elements once, reading gate, up and the incoming gradient 
 gradient (2.5 bytes moved per element pair instead of ~4). It is a ``torch.library`` custom op, so compiled layers
 call it as one opaque kernel; the CUDA implementation is a Triton kernel, everything else uses PyTorch ops.
 
-``TransformerConfig.swiglu_backward``: ``torch`` (default; PyTorch/inductor's own backward) or ``triton`` (the
-one-pass kernel on CUDA, PyTorch ops elsewhere).
+``TransformerConfig.swiglu_backward``: ``triton`` (the default: the one-pass kernel on CUDA, PyTorch ops elsewhere) or
+``torch`` (PyTorch/inductor's own backward).
 """
 
 from __future__ import annotations
