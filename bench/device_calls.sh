@@ -26,6 +26,7 @@
 #   bash bench/device_calls.sh s9-serve     # one GPU: row-kernel sweep incl. QKV / fc1, serve with the winners
 #   bash bench/device_calls.sh s10-x2       # nvidia-h200-x2: issues 5 and 9, profiles with the deferred read, clocks
 #   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5 without the contiguous q/k/v copies
+#   bash bench/device_calls.sh s14-table    # one GPU: issue 9's side-by-side table with the best case (next session)
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -425,6 +426,18 @@ case "${1:-}" in
     python3 bench/train_scaling_bench.py --preset llama-1b --steps 6 --case-timeout 200 --measure-peak \
       --cases 1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-mb8-gbs256-swiglu-gaf --out "$OUT/s13.json" 2>&1 \
       | tail -5 | tee "$OUT/s13.log"
+    ;;
+  s14-table)
+    # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
+    # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
+    # batch 256 and 64 (no contiguous q/k/v copies) and micro-batch 4 (memory), the matmul rate measured in the call
+    for c in "" "--compile"; do
+      timeout 150 python3 bench/train_step_bench.py --reference hf --micro-batch 4 $c \
+        --json "$OUT/table-hf${c:+-compile}.json" 2>&1 | grep '^|' | tail -1 | tee -a "$OUT/s14-table.log"
+    done
+    python3 bench/train_scaling_bench.py --preset llama-1b --steps 6 --case-timeout 200 --measure-peak \
+      --cases 1gpu-compile-mb8-gbs256-swiglu-gaf 1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-swiglu-gaf \
+      --out "$OUT/table-mcore.json" 2>&1 | tail -5 | tee -a "$OUT/s14-table.log"
     ;;
   pending-x2)
     # nvidia-h200-x2 (~5 min): tp2 + SP after the backward reduce-scatter overlap (issue 5), NCCL layer parity first
