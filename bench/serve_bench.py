@@ -256,7 +256,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
-    ap.add_argument("--lookahead", action="store_true", help="EngineConfig.lookahead: overlap host and GPU steps")
+    ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.lookahead (default on): overlap host and GPU steps")  # fmt: skip
     for name, what in (("rope", "RoPE inside the Triton kernels"), ("residual", "add + norm across layers"),
                        ("kv-write", "KV write in attention")):  # fmt: skip
         ap.add_argument(f"--fuse-{name}", action=argparse.BooleanOptionalAction, default=True,

@@ -28,8 +28,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile each layer (fused elementwise ops)")
-    p.add_argument("--lookahead", action="store_true", help="launch each decode step before reading the last one")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each layer (fused elementwise ops); default: on for a CUDA device")  # fmt: skip
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before reading the last one (default on; one TP rank)")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
     p.add_argument(
         "--row-kernels",
@@ -58,7 +60,7 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
-        compile=args.compile,
+        compile=args.compile if args.compile is not None else str(device).startswith("cuda"),
         lookahead=args.lookahead,
         attention_backend=args.attention,
         **dict.fromkeys(ROW_KERNELS, {"auto": None, "on": True, "off": False}[args.row_kernels]),

@@ -37,13 +37,16 @@ class EngineConfig:
     """``plain`` (gather + SDPA), ``triton`` (paged kernel) or ``auto`` (triton on CUDA when installed)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (GPU only)."""
-    lookahead: bool = False
+    lookahead: bool = True
     """Launch the next decode step before the host has read this step's tokens (the sampled ids feed the next step
     on the device), so scheduling and bookkeeping overlap the GPU. Only in steady decoding (no prefill, nobody
-    waiting) and with one TP rank; outputs are identical to stepping without it."""
+    waiting) and with one TP rank; outputs are identical to stepping without it (on by default since the eighth
+    session: llama-1b on an H200, batch 1 0.912 ms per token with it)."""
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
-    SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before."""
+    SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes run as before. Off by default
+    in the Python API (compiling takes ~25 s on the first steps); ``mcore-infer serve`` / ``generate`` turn it on for a
+    CUDA device unless ``--no-compile``."""
     fuse_rope: bool = True
     """Apply RoPE inside the Triton KV-write and paged-attention kernels (they read q, k and v straight from the QKV
     projection's output), instead of in kernels of their own: two fewer kernels per layer and step. Triton backend
