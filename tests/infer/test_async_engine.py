@@ -48,3 +48,22 @@ def test_a_slow_caller_gets_the_outputs_it_missed_in_one_batch() -> None:
         assert asyncio.run(plain()) == expected.text
     finally:
         engine.shutdown(timeout=2.0)
+
+
+def test_streamed_outputs_combine_into_the_whole_completion() -> None:
+    import pytest
+
+    from mcore_infer.engine import RequestOutput
+
+    llm = LLM(model=tiny_model(max_position_embeddings=256), config=EngineConfig(**CFG))
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
+    deltas = list(llm.generate_stream("Hello there", params))
+    assert len(deltas) > 1
+    whole = RequestOutput.combine(deltas)
+    assert whole.finished and whole.new_token_ids == whole.token_ids and len(whole.token_ids) == 7
+    assert whole.new_text == whole.text and whole.new_logprobs == whole.logprobs
+    assert whole.new_top_logprobs == whole.top_logprobs
+    assert RequestOutput.combine(deltas[:1]) is deltas[0]
+    other = RequestOutput("x", [], "", None, None, False)
+    with pytest.raises(ValueError, match="one request"):
+        RequestOutput.combine([deltas[0], other])

@@ -222,3 +222,63 @@ def test_disconnecting_clients_free_their_blocks(srv: Server) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{srv.url}/v1/completions", json=body, timeout=0.3)
     assert srv.idle() and srv.llm.engine.num_aborted == aborted + 5
+
+
+class _SlowLoop(AsyncEngine):
+    """After each request's first streamed batch, the server's event loop is blocked for a while (as when it has many
+    streams to write): the engine thread keeps stepping meanwhile, so several tokens wait for each stream."""
+
+    async def generate_batches(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        first = True
+        async for outs in super().generate_batches(*args, **kwargs):
+            yield outs
+            if first:
+                time.sleep(0.4)
+                first = False
+
+
+def test_a_stream_that_fell_behind_gets_one_event_per_choice_with_every_token() -> None:
+    """What waited for a client is sent as one event per choice (its tokens, text and log-probabilities combined),
+    and the stream still adds up to the whole completion."""
+    model = tiny_model(max_position_embeddings=512)
+    reference = LLM(model=model, config=EngineConfig(**CFG))
+    llm = LLM(model=model, config=EngineConfig(**CFG))
+    app = build_app(_SlowLoop(llm.engine), llm.tokenizer, "tiny", shutdown_timeout=2.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        want = reference.generate("Hello", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))
+        want_out = want[0].outputs[0]
+        chunks = [c for c in client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                                       logprobs=2, stream=True, extra_body={"ignore_eos": True})
+                  if c.choices]  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks) == want_out.text
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        lps = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+        assert len(tokens) == 12 and lps == pytest.approx(want_out.logprobs, abs=1e-4)
+        assert max(len(c.choices[0].logprobs.tokens) for c in chunks) > 1  # the waiting tokens came as one event
+        assert len(chunks) < 12
+        # n > 1: one event per choice and batch, each choice adding up
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=10, n=2, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        texts = {0: "", 1: ""}
+        events = 0
+        for c in chat:
+            for ch in c.choices:
+                texts[ch.index] += ch.delta.content or ""
+                events += 1
+        ref = reference.generate(apply_chat_template([{"role": "user", "content": "Hi"}]),
+                                 SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].text  # fmt: skip
+        assert texts == {0: ref, 1: ref}
+        assert events < 2 * (10 + 1)  # fewer events than one per token (plus the role event) per choice
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,6 +53,24 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def combine(outs: list[RequestOutput]) -> RequestOutput:
+        """Consecutive streamed outputs of one request as one: the new tokens, text and log-probabilities of all of
+        them, everything else from the last (a server whose client fell behind sends one event for them)."""
+        if len(outs) == 1:
+            return outs[0]
+        if len({o.request_id for o in outs}) != 1:
+            raise ValueError("combine() takes outputs of one request")
+        lps = None if outs[-1].new_logprobs is None else [x for o in outs for x in o.new_logprobs or []]
+        tops = None if outs[-1].new_top_logprobs is None else [x for o in outs for x in o.new_top_logprobs or []]
+        return replace(
+            outs[-1],
+            new_token_ids=[t for o in outs for t in o.new_token_ids],
+            new_text="".join(o.new_text for o in outs),
+            new_logprobs=lps,
+            new_top_logprobs=tops,
+        )
 
 
 class LLMEngine:

@@ -170,11 +170,12 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
     async def merged(
         jobs: list[tuple[int, list[int], SamplingParams]],
     ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-        """Every job's streamed outputs, in batches of what arrived since the last one (one client write each)."""
+        """Every job's streamed outputs, in batches of what arrived since the last one (one client write each), each
+        job's outputs in a batch combined into one (one event per choice, however many tokens it carries)."""
         if len(jobs) == 1:  # the usual n=1 request: straight from the engine, no extra task and queue
             idx, ids, p = jobs[0]
             async for outs in engine.generate_batches(ids, p, stream=True):
-                yield [(idx, o) for o in outs]
+                yield [(idx, RequestOutput.combine(outs))]
             return
         q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
@@ -193,14 +194,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
                 items = [await q.get()]
                 while not q.empty():
                     items.append(q.get_nowait())
-                batch: list[tuple[int, RequestOutput]] = []
+                by_job: dict[int, list[RequestOutput]] = {}
                 for idx, item in items:
                     if isinstance(item, BaseException):
                         raise item
                     if item.finished:
                         left -= 1
-                    batch.append((idx, item))
-                yield batch
+                    by_job.setdefault(idx, []).append(item)
+                yield [(idx, RequestOutput.combine(outs)) for idx, outs in by_job.items()]
         finally:
             for t in tasks:
                 t.cancel()
