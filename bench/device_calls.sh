@@ -462,7 +462,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|agree|pending|pending-x2|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|call1|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac
