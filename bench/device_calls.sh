@@ -42,6 +42,13 @@ OUT="${OUT:-/tmp/mcore-device-out}"
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u
   python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$OUT/env.txt" 2>&1
+# the HTTP server's wheels when carried to the device (.whl; the device has no network)
+server_wheels() {
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+}
 scale() { python3 bench/train_scaling_bench.py --preset llama-1b --steps 10 --case-timeout 170 "$@"; }
 
 case "${1:-}" in
@@ -105,9 +112,7 @@ case "${1:-}" in
     # what 2026-11-30's sessions left unmeasured on one GPU (~7 min): the first async save after reserve() in a fresh
     # process (issue 6), the loop log vs train_step_bench at the same work (issue 9), and the HTTP row of the serve
     # bench with the current engine (issue 7; needs the server wheels: carry .whl, see the device README)
-    if ls .whl/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
+    server_wheels
     timeout 150 python3 bench/checkpoint_bench.py --preset llama-1b --dir /tmp/ckf --first-save-only reserved \
       --json "$OUT/first-reserved.json" 2>&1 | grep -v Warning | tail -3 | tee "$OUT/pending.log"
     bash "$0" agree >> "$OUT/pending.log" 2>&1
@@ -362,9 +367,7 @@ case "${1:-}" in
     # one H200 (~8 min), eighth session, issue 7: the whole serve table with the engine's defaults (row kernels auto)
     # after the lookahead copy fix: concurrency 1..256, HTTP at 64 (carry .whl), HF static + compile at 1..64; the
     # infer GPU tests first
-    if ls .whl/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
+    server_wheels
     timeout 200 python3 -m pytest -q tests/infer/test_gpu.py tests/infer/test_sampling.py -m gpu -p no:cacheprovider \
       2>&1 | tail -3 > "$OUT/s10.log"
     timeout 390 python3 bench/serve_bench.py --compile --lookahead --concurrency 1,8,32,64,256 --http-concurrency 64 \
@@ -392,9 +395,7 @@ case "${1:-}" in
     # one H200 (~3 min), eighth session: the HTTP row (issue 7) cold and warm (carry .whl; the call that ran here
     # swept the engine thread's GIL switch interval instead: no gain, removed), and the bf16 matmul rate burst vs
     # sustained at the power cap (issue 9's ceiling)
-    if ls .whl/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
+    server_wheels
     timeout 60 python3 bench/matmul_sustained.py --seconds 20 --json "$OUT/matmul-sustained.json" 2>&1 | tail -1 \
       > "$OUT/s11.log"
     timeout 300 python3 bench/serve_bench.py --compile --lookahead --concurrency 64 --http-concurrency 64 \

@@ -275,72 +275,80 @@ def test_requests_joining_and_aborting_with_lookahead(model, lookahead: bool) ->
         assert eng.num_lookahead_steps > 0
 
 
+FUSED_PROMPTS = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+
+
+@pytest.fixture(scope="module")
+def fused_expected() -> list[list[int]]:
+    """The plain recompute loop's greedy tokens for FUSED_PROMPTS (computed before any test installs its spies)."""
+    return [reference_greedy(tiny_model(num_layers=3), p, 10) for p in FUSED_PROMPTS]
+
+
+def _spy_rows(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Record the token count (rows of the first argument) of every call to ``module.name``."""
+    rows: list[int] = []
+    real = getattr(module, name)
+
+    def spy(x, *a):  # type: ignore[no-untyped-def]
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *a)
+
+    monkeypatch.setattr(module, name, spy)
+    return rows
+
+
+def _spy_deferred_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record, for every ``add_deferred`` of the layers, how many dims its output had over the residual (1: the
+    output was split-K partial sums)."""
+    from mcore_models.transformer import layer as layer_module
+
+    added: list[int] = []
+    real = layer_module.add_deferred
+
+    def spy(x, residual):  # type: ignore[no-untyped-def]
+        added.append(x.dim() - residual.dim())
+        return real(x, residual)
+
+    monkeypatch.setattr(layer_module, "add_deferred", spy)
+    return added
+
+
+def _assert_same_greedy_tokens(expected: list[list[int]], **cfg: object) -> None:
+    torch._dynamo.reset()
+    res = _llm(tiny_model(num_layers=3), **cfg).generate(FUSED_PROMPTS, GREEDY)
+    assert [r.outputs[0].token_ids for r in res] == expected
+
+
 @pytest.mark.parametrize(
     ("compiled", "residual"), [(False, False), (True, True)], ids=["eager", "compiled-fuse_residual"]
 )
-def test_norms_fused_into_the_projections_give_the_same_tokens(compiled: bool, residual: bool) -> None:
+def test_norms_fused_into_the_projections_give_the_same_tokens(
+    compiled: bool, residual: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EngineConfig.fuse_norm_linear: steps of at most 16 tokens run each norm inside the projection after it (with
     the residual add and SwiGLU), prefill chunks above 16 tokens do not; greedy tokens unchanged. On the CPU the op
     computes with PyTorch ops (the Triton kernel is checked in tests/models/test_norm_linear.py): this checks the
     layer wiring (residual stream, attention from the fused QKV, SwiGLU, the fused output layer)."""
     from mcore_models.transformer import norm_linear as nl
 
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
-    torch._dynamo.reset()
-    rows: list[int] = []
-    real = nl.norm_linear_reference
-
-    def spy(x, *a):  # type: ignore[no-untyped-def]
-        rows.append(x.numel() // x.shape[-1])
-        return real(x, *a)
-
-    nl.norm_linear_reference = spy  # type: ignore[assignment]
-    try:
-        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_residual=residual, fuse_norm_linear=True)
-        res = llm.generate(prompts, GREEDY)
-    finally:
-        nl.norm_linear_reference = real  # type: ignore[assignment]
-    assert [r.outputs[0].token_ids for r in res] == expected
+    rows = _spy_rows(monkeypatch, nl, "norm_linear_reference")
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_residual=residual, fuse_norm_linear=True)
     # 2 norms per layer + the final norm, on every step of at most 16 tokens: decode steps (1-4 rows) ran fused
     assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 7 == 0
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool) -> None:
+def test_swiglu_inside_the_down_projection_gives_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EngineConfig.fuse_swiglu_down: steps of at most 4 tokens run each MLP's SwiGLU inside its down projection,
     longer prefill chunks do not; greedy tokens unchanged. On the CPU the op computes with PyTorch ops (the Triton
     kernel is checked in tests/models/test_small_gemv.py): this checks the wiring."""
     from mcore_models.transformer import small_gemv as sg
 
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
-    torch._dynamo.reset()
-    rows: list[int] = []
-    real = sg.swiglu_down_reference
-
-    def spy(x, w):  # type: ignore[no-untyped-def]
-        rows.append(x.numel() // x.shape[-1])
-        return real(x, w)
-
-    from mcore_models.transformer import layer as layer_module
-
-    added: list[int] = []  # how many dims the deferred output had over the residual (1: partial sums)
-    real_add = layer_module.add_deferred
-
-    def add_spy(x, residual):  # type: ignore[no-untyped-def]
-        added.append(x.dim() - residual.dim())
-        return real_add(x, residual)
-
-    sg.swiglu_down_reference = spy  # type: ignore[assignment]
-    layer_module.add_deferred = add_spy  # type: ignore[assignment]
-    try:
-        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_swiglu_down=True)
-        res = llm.generate(prompts, GREEDY)
-    finally:
-        sg.swiglu_down_reference = real  # type: ignore[assignment]
-        layer_module.add_deferred = real_add  # type: ignore[assignment]
-    assert [r.outputs[0].token_ids for r in res] == expected
+    rows = _spy_rows(monkeypatch, sg, "swiglu_down_reference")
+    added = _spy_deferred_adds(monkeypatch)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_swiglu_down=True)
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
     # with fuse_residual (the default) the next layer adds the down projection's partial sums itself (seen at
     # trace time when compiled)
@@ -348,56 +356,28 @@ def test_swiglu_inside_the_down_projection_gives_the_same_tokens(compiled: bool)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_output_projection_partials_give_the_same_tokens(compiled: bool) -> None:
+def test_output_projection_partials_give_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EngineConfig.fuse_proj_partials: steps of at most 4 tokens leave each attention output projection as
     split-K partial sums that the layer's residual add sums; greedy tokens unchanged (the Triton kernel itself is
     checked in tests/models/test_small_gemv.py; on the CPU the op computes with PyTorch ops)."""
-    from mcore_models.transformer import layer as layer_module
-
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
-    torch._dynamo.reset()
-    added: list[int] = []
-    real_add = layer_module.add_deferred
-
-    def add_spy(x, residual):  # type: ignore[no-untyped-def]
-        added.append(x.dim() - residual.dim())
-        return real_add(x, residual)
-
-    layer_module.add_deferred = add_spy  # type: ignore[assignment]
-    try:
-        llm = _llm(tiny_model(num_layers=3), compile=compiled, fuse_proj_partials=True, fuse_residual=False)
-        res = llm.generate(prompts, GREEDY)
-    finally:
-        layer_module.add_deferred = real_add  # type: ignore[assignment]
-    assert [r.outputs[0].token_ids for r in res] == expected
+    added = _spy_deferred_adds(monkeypatch)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_proj_partials=True, fuse_residual=False)
     assert 1 in added  # without fuse_residual, only the projection's partial sums reach add_deferred
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_row_gemv_projections_give_the_same_tokens(compiled: bool) -> None:
+def test_row_gemv_projections_give_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EngineConfig.row_gemv (with the projection and SwiGLU partials too): steps of at most 4 tokens run the QKV
     projection through the row_linear op, longer steps through cuBLAS; greedy tokens unchanged."""
     from mcore_models.transformer import attention as attention_module
 
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    expected = [reference_greedy(tiny_model(num_layers=3), p, 10) for p in prompts]
-    torch._dynamo.reset()
-    rows: list[int] = []
-    real = attention_module.row_linear
-
-    def spy(x, w):  # type: ignore[no-untyped-def]
-        rows.append(x.numel() // x.shape[-1])
-        return real(x, w)
-
-    attention_module.row_linear = spy  # type: ignore[assignment]
-    try:
-        llm = _llm(tiny_model(num_layers=3), compile=compiled, row_gemv=True, fuse_swiglu_down=True,
-                   fuse_proj_partials=True)  # fmt: skip
-        res = llm.generate(prompts, GREEDY)
-    finally:
-        attention_module.row_linear = real  # type: ignore[assignment]
-    assert [r.outputs[0].token_ids for r in res] == expected
+    rows = _spy_rows(monkeypatch, attention_module, "row_linear")
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, row_gemv=True, fuse_swiglu_down=True,
+                               fuse_proj_partials=True)  # fmt: skip
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
 
 

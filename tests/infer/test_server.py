@@ -25,11 +25,11 @@ CFG = dict(block_size=16, num_blocks=160, max_num_seqs=16, max_num_batched_token
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, engine_cls: type[AsyncEngine] = AsyncEngine) -> None:
         self.model = tiny_model(max_position_embeddings=512)
         self.reference = LLM(model=self.model, config=EngineConfig(**CFG))  # same weights, its own engine
         self.llm = LLM(model=self.model, config=EngineConfig(**CFG))
-        self.app = build_app(AsyncEngine(self.llm.engine), self.llm.tokenizer, "tiny", shutdown_timeout=2.0)
+        self.app = build_app(engine_cls(self.llm.engine), self.llm.tokenizer, "tiny", shutdown_timeout=2.0)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -54,13 +54,16 @@ class Server:
             time.sleep(0.02)
         return False
 
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Server]:
     s = Server()
     yield s
-    s.server.should_exit = True
-    s.thread.join(timeout=10)
+    s.close()
 
 
 def test_models_and_health(srv: Server) -> None:
@@ -240,19 +243,8 @@ class _SlowLoop(AsyncEngine):
 def test_a_stream_that_fell_behind_gets_one_event_per_choice_with_every_token() -> None:
     """What waited for a client is sent as one event per choice (its tokens, text and log-probabilities combined),
     and the stream still adds up to the whole completion."""
-    model = tiny_model(max_position_embeddings=512)
-    reference = LLM(model=model, config=EngineConfig(**CFG))
-    llm = LLM(model=model, config=EngineConfig(**CFG))
-    app = build_app(_SlowLoop(llm.engine), llm.tokenizer, "tiny", shutdown_timeout=2.0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    srv = Server(_SlowLoop)
+    client, reference = srv.client, srv.reference
     try:
         want = reference.generate("Hello", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))
         want_out = want[0].outputs[0]
@@ -280,5 +272,4 @@ def test_a_stream_that_fell_behind_gets_one_event_per_choice_with_every_token() 
         assert texts == {0: ref, 1: ref}
         assert events < 2 * (10 + 1)  # fewer events than one per token (plus the role event) per choice
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        srv.close()

@@ -84,23 +84,23 @@ def test_bad_shapes_are_refused() -> None:
 
 def test_default_launch_is_the_swept_one() -> None:
     Launch = sg.Launch
-    assert sg._heuristic_launch(2048, 8192, 132) == Launch(2, 8, 1024, 4)  # llama-1b's fc2
-    assert sg._heuristic_launch(2048, 2048, 132) == Launch(1, 8, 1024, 4)  # its output projection: K too short
-    assert sg._launch_config(3072, 2048, 132, sg.ROW_LAUNCH_ENV, row=True) == Launch(1, 8, 1024, 4)  # QKV
-    assert sg._launch_config(2048, 8192, 132, sg.ROW_LAUNCH_ENV, row=True).splits == 1  # a summed output
+    assert sg._heuristic_launch(8192) == Launch(2, 8, 1024, 4)  # llama-1b's fc2
+    assert sg._heuristic_launch(2048) == Launch(1, 8, 1024, 4)  # its output projection: K too short
+    assert sg._launch_config(2048, sg.ROW_LAUNCH_ENV, row=True) == Launch(1, 8, 1024, 4)  # QKV
+    assert sg._launch_config(8192, sg.ROW_LAUNCH_ENV, row=True).splits == 1  # a summed output
 
 
 def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LAUNCH_ENV, "8,64")
-    assert sg._launch_config(2048, 8192, 132) == sg.Launch(8, 64, 256, 4)
+    assert sg._launch_config(8192) == sg.Launch(8, 64, 256, 4)
     monkeypatch.setenv(LAUNCH_ENV, " 16, 8, 512, 8 ")
-    assert sg._launch_config(2048, 8192, 132) == sg.Launch(16, 8, 512, 8)
+    assert sg._launch_config(8192) == sg.Launch(16, 8, 512, 8)
     monkeypatch.setenv(PROJ_LAUNCH_ENV, "2,32")  # each op has its own variable
-    assert sg._launch_config(2048, 2048, 132, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
-    assert sg._launch_config(2048, 8192, 132) == sg.Launch(16, 8, 512, 8)
+    assert sg._launch_config(2048, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
+    assert sg._launch_config(8192) == sg.Launch(16, 8, 512, 8)
     monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {LAUNCH_ENV: sg.Launch(2, 16, 128, 2)})
-    assert sg._launch_config(2048, 8192, 132) == sg.Launch(2, 16, 128, 2)  # a sweep in this process wins
-    assert sg._launch_config(2048, 2048, 132, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
+    assert sg._launch_config(8192) == sg.Launch(2, 16, 128, 2)  # a sweep in this process wins
+    assert sg._launch_config(2048, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
     monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {})
     for bad, why in [
         ("4", "1 values"),
@@ -114,7 +114,7 @@ def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     ]:
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=rf"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N\[,BLOCK_K,WARPS\].*{why}"):
-            sg._launch_config(2048, 8192, 132)
+            sg._launch_config(8192)
 
 
 @needs_kernel

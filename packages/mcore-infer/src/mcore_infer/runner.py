@@ -88,14 +88,14 @@ def apply_row_kernels(model: GPTModel, config: EngineConfig, device_type: str, b
     on: dict[str, bool] = {}
     for option in ROW_KERNELS:
         want = getattr(config, option)
+        on[option] = auto_ok if want is None else bool(want)
         try:
-            apply[option](bool(want) if want is not None else auto_ok)
-            on[option] = bool(want) if want is not None else auto_ok
+            apply[option](on[option])
         except ValueError as e:
             if want:
                 raise ValueError(f"EngineConfig.{option}=True: {e}; set it to False for this model") from e
             log.info("EngineConfig.%s (auto) is off: %s", option, e)
-            apply[option](False)
+            apply[option](False)  # the check raised before switching: undo an earlier True
             on[option] = False
     return on
 

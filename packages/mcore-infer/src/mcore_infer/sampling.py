@@ -124,12 +124,11 @@ class Drawn:
 
     def __init__(self, tokens: torch.Tensor, rows: list[SampleRow], logp: torch.Tensor | None) -> None:
         self.tokens, self.rows = tokens, rows
-        self._k = 0
         parts = [tokens]
         if logp is not None:
-            self._k = max(r.params.logprobs or 0 for r in rows)
+            k = max(r.params.logprobs or 0 for r in rows)
             parts.append(logp.gather(1, tokens[:, None])[:, 0])
-            top_v, top_i = logp.topk(self._k, dim=-1) if self._k > 0 else (logp[:, :0], logp[:, :0].long())
+            top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
             parts += [top_v, top_i]
         self._host = [_start_host_copy(t) for t in parts]
         self._ready: torch.cuda.Event | None = None

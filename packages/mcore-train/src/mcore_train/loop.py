@@ -190,15 +190,14 @@ class _WindowClock:
         self.start: Any = _mark_end() if cuda else time.perf_counter()
 
     def lap(self, end: Any) -> float:
-        """Seconds from the window's start to ``end`` (a step's end event, or None: now on the host's clock); the
-        next window starts there."""
+        """Seconds from the window's start to ``end`` (a step's end event on CUDA; None elsewhere: now on the host's
+        clock); the next window starts there."""
         if end is None:
-            now = time.perf_counter()
-            seconds = now - self.start if isinstance(self.start, float) else float("nan")
-            self.start = now
-            return seconds
-        end.synchronize()
-        seconds = self.start.elapsed_time(end) / 1e3 if not isinstance(self.start, float) else float("nan")
+            end = time.perf_counter()
+            seconds = end - self.start
+        else:
+            end.synchronize()
+            seconds = self.start.elapsed_time(end) / 1e3
         self.start = end
         return seconds
 
@@ -252,6 +251,11 @@ def save_checkpoint(run: Run, reason: str) -> None:
     run.last_saved_step = run.step
 
 
+def _empty_window() -> dict[str, Any]:
+    """A logging window's running sums (and whether it holds a profiled step)."""
+    return {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "profiled": False}
+
+
 def _every(step: int, interval: int | None) -> bool:
     return interval is not None and interval > 0 and step % interval == 0
 
@@ -302,7 +306,7 @@ def train(run: Run) -> TrainResult:
     result = TrainResult(run.step, None, "train_iters")
     iterators = run.train_iterators()
     start_time = time.monotonic()
-    window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "profiled": False}
+    window = _empty_window()
     clock = _WindowClock(_timed_on_device(st.device))
     staging_reserved = False  # async saves: host staging buffer allocated in the background after the first step
     evaluation_index = 0
@@ -361,7 +365,7 @@ def train(run: Run) -> TrainResult:
             if is_logger:
                 writer.write(f.step, record)
                 _log_line(run, f.step, record)
-            window = {"loss": 0.0, "n": 0, "tokens": 0, "samples": 0, "profiled": False}
+            window = _empty_window()
         return want_stop
 
     try:

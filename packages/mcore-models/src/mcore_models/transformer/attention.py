@@ -167,7 +167,7 @@ class SelfAttention(nn.Module):
         if inference_context is not None and fused_rope and getattr(inference_context, "fuses_rotary", False):
             # the context's kernels read q/k/v in place and rotate q and k as they load them
             q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
-            return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary), inference=True)
+            return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary))
         if rotary is not None and self.q_layernorm is None:
             # queries and keys of every group rotated together: one set of elementwise kernels instead of two
             cos, sin = rotary
@@ -183,16 +183,17 @@ class SelfAttention(nn.Module):
                 cos, sin = rotary
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
-            return self._project(inference_context.attention(q, k, v), inference=True)
+            return self._project(inference_context.attention(q, k, v))
         elif self.selective_recompute and self.training:
             out = self.ctx.recompute(self.core_attention, q, k, v)
         else:
             out = self.core_attention(q, k, v)
         return self.linear_proj(out)
 
-    def _project(self, out: torch.Tensor, inference: bool) -> torch.Tensor:
-        """The output projection; for inference steps of at most ``FMA_MAX_ROWS`` tokens with ``proj_partials``
-        (``GPTModel.fuse_proj_partials``) its float32 split-K partial sums, which the layer's residual add sums."""
-        if inference and self.proj_partials and not self.training and out.numel() // out.shape[-1] <= FMA_MAX_ROWS:
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of an inference step; for steps of at most ``FMA_MAX_ROWS`` tokens with
+        ``proj_partials`` (``GPTModel.fuse_proj_partials``) its float32 split-K partial sums, which the layer's
+        residual add sums."""
+        if self.proj_partials and not self.training and out.numel() // out.shape[-1] <= FMA_MAX_ROWS:
             return linear_partials(out, self.linear_proj.weight)
         return self.linear_proj(out)

@@ -220,26 +220,24 @@ def _parse_launch(text: str, env: str) -> Launch:
 _LAUNCH_OVERRIDE: dict[str, Launch] = {}
 
 
-def _heuristic_launch(n: int, k: int, sms: int) -> Launch:
+def _heuristic_launch(k: int) -> Launch:
     """8 output features per program, 1,024 K elements per step, 4 warps, and K split in two where it spans at
     least four steps: the best of 54 launches at each of llama-1b's shapes in the seventh session's sweep (one H200,
     one row, CUDA graphs, ``bench/gemv_bench.py --fma-sweep``): output projection 3.30 µs (cuBLAS 4.86), QKV 3.78
-    (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29). ``sms`` is kept for launches that
-    may come to depend on the GPU."""
-    del sms
+    (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29)."""
     block_n, block_k = 8, 1024
     return Launch(2 if k >= 4 * block_k else 1, block_n, block_k, 4)
 
 
-def _launch_config(n: int, k: int, sms: int, env: str = LAUNCH_ENV, row: bool = False) -> Launch:
-    """The launch for an ``[n, k]`` weight: the sweep's override, else ``env``, else the heuristic (one split for
+def _launch_config(k: int, env: str = LAUNCH_ENV, row: bool = False) -> Launch:
+    """The launch for a weight of ``k`` inputs: the sweep's override, else ``env``, else the heuristic (one split for
     ``row``: an output the consumer needs summed)."""
     if env in _LAUNCH_OVERRIDE:
         return _LAUNCH_OVERRIDE[env]
     text = os.environ.get(env, "").strip()
     if text:
         return _parse_launch(text, env)
-    launch = _heuristic_launch(n, k, sms)
+    launch = _heuristic_launch(k)
     return launch._replace(splits=1) if row else launch
 
 
@@ -249,30 +247,28 @@ def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.linear(F.silu(gate) * up, weight)
 
 
-def _sms(x: torch.Tensor) -> int:
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-
-
 def _partial_splits(x: torch.Tensor, weight: torch.Tensor, env: str = LAUNCH_ENV) -> int:
     """How many partial sums the partials ops return for these inputs (1 on the PyTorch path)."""
-    n, k = weight.shape
-    return _launch_config(n, k, _sms(x), env).splits if _use_triton(x) else 1
+    return _launch_config(weight.shape[1], env).splits if _use_triton(x) else 1
 
 
 @torch.library.custom_op("mcore_models::swiglu_down_partials", mutates_args=())
 def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
     if not _use_triton(x):
         return swiglu_down_reference(x, weight).float()[None]
-    launch = _launch_config(n, k, _sms(x))
-    parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, launch.splits, launch.block_n, launch.block_k,
-                          swiglu=True, num_warps=launch.warps)  # fmt: skip
-    return parts.view(launch.splits, *x.shape[:-1], n)
+    return _partials(x, weight, _launch_config(weight.shape[1]), swiglu=True)
 
 
 @_swiglu_down_partials_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(_partial_splits(x, weight), *x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+def _partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
+    """The kernel's float32 partial sums ``[splits, ..., N]``."""
+    parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, launch.splits, launch.block_n, launch.block_k,
+                          swiglu=swiglu, num_warps=launch.warps)  # fmt: skip
+    return parts.view(launch.splits, *x.shape[:-1], weight.shape[0])
 
 
 def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
@@ -290,8 +286,7 @@ def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool)
 def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight)
-    n, k = weight.shape
-    return _summed(x, weight, _launch_config(n, k, _sms(x)), swiglu=True)
+    return _summed(x, weight, _launch_config(weight.shape[1]), swiglu=True)
 
 
 @_swiglu_down_op.register_fake
@@ -327,13 +322,9 @@ def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("mcore_models::linear_partials", mutates_args=())
 def _linear_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
     if not _use_triton(x):
         return F.linear(x, weight).float()[None]
-    launch = _launch_config(n, k, _sms(x), PROJ_LAUNCH_ENV)
-    parts = gemv_partials(x.reshape(-1, k), weight, launch.splits, launch.block_n, launch.block_k,
-                          num_warps=launch.warps)  # fmt: skip
-    return parts.view(launch.splits, *x.shape[:-1], n)
+    return _partials(x, weight, _launch_config(weight.shape[1], PROJ_LAUNCH_ENV), swiglu=False)
 
 
 @_linear_partials_op.register_fake
@@ -358,10 +349,9 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("mcore_models::row_linear", mutates_args=())
 def _row_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
     if not _use_triton(x):
         return F.linear(x, weight)
-    return _summed(x, weight, _launch_config(n, k, _sms(x), ROW_LAUNCH_ENV, row=True), swiglu=False)
+    return _summed(x, weight, _launch_config(weight.shape[1], ROW_LAUNCH_ENV, row=True), swiglu=False)
 
 
 @_row_linear_op.register_fake
