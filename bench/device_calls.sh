@@ -27,6 +27,7 @@
 #   bash bench/device_calls.sh s10-x2       # nvidia-h200-x2: issues 5 and 9, profiles with the deferred read, clocks
 #   bash bench/device_calls.sh s12-x2       # nvidia-h200-x2: issues 9 and 5 without the contiguous q/k/v copies
 #   bash bench/device_calls.sh s14-table    # one GPU: issue 9's side-by-side table with the best case (next session)
+#   bash bench/device_calls.sh s15-x2       # nvidia-h200-x2: issue 5, mcore's own sequence-parallel exchange (tp_comm=p2p)
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -428,6 +429,16 @@ case "${1:-}" in
       --cases 1gpu-compile-mb8-gbs64-swiglu-gaf 1gpu-compile-mb8-gbs256-swiglu-gaf --out "$OUT/s13.json" 2>&1 \
       | tail -5 | tee "$OUT/s13.log"
     ;;
+  s15-x2)
+    # nvidia-h200-x2 (~8 min), ninth session, issue 5: mcore's own sequence-parallel exchange (parallel.tp_comm=p2p)
+    # next to PyTorch's fused ops and the one-GPU case of the same call; its GPU parity tests first; then a profile
+    timeout 200 python3 -m pytest -q tests/parallel/test_tp_nccl.py -k "symmetric_memory or many_calls" \
+      -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/s15-x2.log"
+    scale --cases 1gpu-compile-swiglu-gaf tp2-sp-compile-symm-swiglu-gaf tp2-sp-compile-p2p-swiglu-gaf \
+      --out "$OUT/s15-tp2.json" 2>&1 | tail -5 | tee -a "$OUT/s15-x2.log"
+    scale --cases tp2-sp-compile-p2p-swiglu-gaf --profile "$OUT/profile" --out /tmp/s15-prof.json 2>&1 | tail -3 \
+      | tee -a "$OUT/s15-x2.log"
+    ;;
   s14-table)
     # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
     # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
@@ -463,7 +474,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|pending-x2|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -124,6 +124,12 @@ CASES["1gpu-compile-mb8-gbs128-swiglu-gaf"] = (1, ["training.micro_batch_size=8"
 CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
                                                "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
+# mcore's own exchange over symmetric memory (one barrier per exchange, no local-shard copy on the compute stream),
+# next to PyTorch's fused ops in tp2-sp-compile-symm-swiglu-gaf
+CASES["tp2-sp-compile-p2p-swiglu-gaf"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE,
+                                              "parallel.tp_comm=p2p", "training.micro_batch_size=8",
+                                              "training.global_batch_size=32", _SWIGLU, _GAF])  # fmt: skip
+
 
 def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     run_dir = workdir / name

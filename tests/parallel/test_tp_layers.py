@@ -202,16 +202,17 @@ def test_divisibility_error_names_the_sizes() -> None:
     run_distributed(_divisibility, 4, 4)
 
 
-def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
-    """The sequence-parallel linears through the symmetric-memory fused ops. On CPU the ops are PyTorch's own
-    reference implementations of them (all-gather / reduce-scatter then matmul, over gloo): what is tested is this
-    package's use of them (shapes, gather and scatter dimensions, the backward formulas)."""
+def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu", exchange: str = "torch") -> None:
+    """The sequence-parallel linears through symmetric memory. With PyTorch's fused ops on CPU, the ops are PyTorch's
+    own reference implementations of them (all-gather / reduce-scatter then matmul, over gloo): what is tested is
+    this package's use of them (shapes, gather and scatter dimensions, the backward formulas). mcore's exchange runs
+    for real on CPU (shared-memory buffers)."""
     from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
 
     state = _state(tp, True)
     real_ops = mappings._fused_ops
     calls = {"gather": 0, "scatter": 0}
-    if device == "cpu":
+    if device == "cpu" and exchange == "torch":
         from torch.distributed import _symmetric_memory as symm
 
         def gather(*a: object, **k: object) -> object:
@@ -222,8 +223,8 @@ def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu") -> N
             calls["scatter"] += 1
             return symm._fused_matmul_reduce_scatter_fallback(*a)  # type: ignore[arg-type]
 
-        mappings._fused_ops = lambda: (gather, scatter)  # type: ignore[assignment]
-    enable_symmetric_memory(state.tp)
+        mappings._fused_ops = lambda name: (gather, scatter)  # type: ignore[assignment]
+    enable_symmetric_memory(state.tp, exchange=exchange)
     try:
         if kind == "column":
             _column(tp, True, dtype, False, device)
@@ -232,14 +233,78 @@ def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu") -> N
     finally:
         disable_symmetric_memory(state.tp)
         mappings._fused_ops = real_ops  # type: ignore[method-assign]  # worker processes run later tests too
-    if device == "cpu":
+    if device == "cpu" and exchange == "torch":
         assert calls == {"gather": 1, "scatter": 1}, calls  # forward one op, backward the other
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: int) -> None:
-    run_distributed(_symmetric, tp, kind, tp, torch.float32)
+@pytest.mark.parametrize("exchange", ["torch", "mcore"])
+def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: int, exchange: str) -> None:
+    run_distributed(_symmetric, tp, kind, tp, torch.float32, "cpu", exchange)
+
+
+def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    """mcore's exchange over many calls: three column -> relu -> row blocks, two forward/backward passes of
+    different batch sizes (the workspace grows in the second), so exchanges alternate between the workspace's two
+    slots and each slot is rewritten after the peers read it. Outputs and gradients equal the float64 reference."""
+    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
+
+    state = _state(tp, True)
+    r, n = state.tp.rank, state.tp.size
+    torch.manual_seed(11)
+    refs = [(torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64), torch.nn.Linear(H_OUT, H_IN, bias=False,
+             dtype=torch.float64)) for _ in range(3)]  # fmt: skip
+    layers = []
+    for ref1, ref2 in refs:
+        col = ColumnParallelLinear(H_IN, H_OUT, tp=state.tp, sequence_parallel=True, dtype=dtype, device=device)
+        row = RowParallelLinear(H_OUT, H_IN, tp=state.tp, sequence_parallel=True, input_is_parallel=True, bias=False,
+                                dtype=dtype, device=device)  # fmt: skip
+        with torch.no_grad():
+            col.weight.copy_(ref1.weight.chunk(n, 0)[r])
+            col.bias.copy_(ref1.bias.chunk(n, 0)[r])
+            row.weight.copy_(ref2.weight.chunk(n, 1)[r])
+        layers.append((col, row))
+    enable_symmetric_memory(state.tp, exchange="mcore")
+    try:
+        workspace = mappings._SYMMETRIC_GROUPS[str(state.tp.pg.group_name)].workspace
+        for batch in (B, 2 * B):
+            x = torch.randn(S, batch, H_IN, dtype=torch.float64, requires_grad=True)
+            dy = torch.randn(S, batch, H_IN, dtype=torch.float64)
+            h_ref = x
+            for ref1, ref2 in refs:
+                h_ref = h_ref + ref2(torch.relu(ref1(h_ref)))
+            (h_ref * dy).sum().backward()
+            x_local = _seq_chunk(x.detach(), state, True).to(device, dtype).requires_grad_()
+            h = x_local
+            for col, row in layers:
+                h = h + row(torch.relu(col(h)))
+            _close(h, _seq_chunk(h_ref.detach(), state, True), dtype, f"output, batch {batch}")
+            (h * _seq_chunk(dy, state, True).to(device, dtype)).sum().backward()
+            _close(x_local.grad, _seq_chunk(x.grad, state, True), dtype, f"input grad, batch {batch}")
+        assert workspace is not None and workspace.exchanges == 2 * 12  # 6 linears, forward and backward, twice
+    finally:
+        disable_symmetric_memory(state.tp)
+    for (ref1, ref2), (col, row) in zip(refs, layers, strict=True):  # accumulated over both passes
+        _close(col.weight.grad, ref1.weight.grad.chunk(n, 0)[r], dtype, "column weight grad")
+        _close(col.bias.grad, ref1.bias.grad.chunk(n, 0)[r], dtype, "column bias grad")
+        _close(row.weight.grad, ref2.weight.grad.chunk(n, 1)[r], dtype, "row weight grad")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mcore_exchange_over_many_calls(tp: int) -> None:
+    run_distributed(_exchange_stack, tp, tp, torch.float32)
+
+
+def test_mcore_exchange_argument_errors() -> None:
+    from mcore_parallel import Group
+    from mcore_parallel.tensor import enable_symmetric_memory
+
+    group = Group("tp", (0, 1), 0)
+    with pytest.raises(ValueError, match="exchange='nvshmem' must be one of torch, mcore"):
+        enable_symmetric_memory(group, exchange="nvshmem")
+    with pytest.raises(ValueError, match="in_graph=True traces PyTorch's fused ops"):
+        enable_symmetric_memory(group, in_graph=True, exchange="mcore")
 
 
 _CPU_SYMM_LIB: list[object] = []

@@ -34,9 +34,20 @@ def test_tp_layers_nccl(tp: int, sp: bool, dtype: torch.dtype) -> None:
 @needs_gpus
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_sequence_parallel_linears_through_symmetric_memory(tp: int, dtype: torch.dtype) -> None:
-    """``parallel.tp_comm=symmetric_memory``: PyTorch's fused all-gather-matmul / matmul-reduce-scatter ops on the
-    GPUs' symmetric buffers give the float64 reference's outputs and gradients."""
+@pytest.mark.parametrize("exchange", ["torch", "mcore"])
+def test_sequence_parallel_linears_through_symmetric_memory(tp: int, dtype: torch.dtype, exchange: str) -> None:
+    """``parallel.tp_comm=symmetric_memory`` / ``p2p``: PyTorch's fused all-gather-matmul / matmul-reduce-scatter
+    ops, or mcore's exchange, on the GPUs' symmetric buffers give the float64 reference's outputs and gradients."""
     torch.backends.cuda.matmul.allow_tf32 = False
     for kind in ("column", "row"):
-        run_distributed(t._symmetric, tp, kind, tp, dtype, "cuda", backend="nccl")
+        run_distributed(t._symmetric, tp, kind, tp, dtype, "cuda", exchange, backend="nccl")
+
+
+@needs_gpus
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_mcore_exchange_over_many_calls_on_gpus(tp: int, dtype: torch.dtype) -> None:
+    """mcore's exchange on GPUs over many calls (both workspace slots reused, the workspace grown mid-run): the
+    copies run on a side stream, so a missing wait between streams or ranks shows up here as wrong numbers."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    run_distributed(t._exchange_stack, tp, tp, dtype, "cuda", backend="nccl")

@@ -95,8 +95,10 @@ def test_tp_comm_in_graph_combinations_are_checked() -> None:
 
     with pytest.raises(ConfigError, match="tp_comm_in_graph=true with gradient_accumulation_fusion=true"):
         config("parallel.tp_comm_in_graph=true", "parallel.gradient_accumulation_fusion=true")
-    with pytest.raises(ConfigError, match="tp_comm_in_graph=true applies to symmetric memory"):
+    with pytest.raises(ConfigError, match=r"tp_comm_in_graph=true traces PyTorch's fused ops \(tp_comm=nccl\)"):
         config("parallel.tp_comm_in_graph=true", "parallel.tp_comm=nccl")
+    with pytest.raises(ConfigError, match=r"tp_comm_in_graph=true traces PyTorch's fused ops \(tp_comm=p2p\)"):
+        config("parallel.tp_comm_in_graph=true", "parallel.tp_comm=p2p")
 
 
 @pytest.mark.gpu

@@ -101,10 +101,12 @@ def test_example_yaml_files_load(path: Path) -> None:
 
 
 def test_tp_comm_choices_are_checked() -> None:
-    with pytest.raises(ConfigError, match="tp_comm='ring' must be auto, nccl or symmetric_memory"):
+    with pytest.raises(ConfigError, match="tp_comm='ring' must be auto, nccl, symmetric_memory or p2p"):
         config("parallel.tp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
         config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
+    with pytest.raises(ConfigError, match="tp_comm=p2p applies to sequence-parallel layers"):
+        config("parallel.tp_comm=p2p", "parallel.tp=2")
 
 
 def test_tp_comm_auto_picks_symmetric_memory_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:

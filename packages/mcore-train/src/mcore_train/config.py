@@ -73,9 +73,11 @@ class ParallelSection:
     tp_comm: str = "auto"
     """How sequence-parallel linears exchange the sequence: nccl (collectives overlapped with the GEMMs),
     symmetric_memory (PyTorch's fused all-gather-matmul / matmul-reduce-scatter over peer-to-peer copies between the
-    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel; +5% tokens/s at tp2 + SP on 2x H200) or auto
-    (symmetric_memory where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
-    on this host with peer access to this GPU; else nccl)."""
+    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel; +5% tokens/s at tp2 + SP on 2x H200), p2p (mcore's
+    own exchange over the same symmetric memory: one barrier per exchange instead of three and no copy of the local
+    shard on the compute stream; see ``mcore_parallel.tensor.p2p``) or auto (symmetric_memory where it applies: CUDA,
+    tp > 1 with sequence_parallel, every rank of the tensor-parallel group on this host with peer access to this
+    GPU; else nccl)."""
 
     tp_comm_in_graph: bool = False
     """Experimental, with symmetric memory: let ``training.compile=layers`` trace the sequence-parallel linears into
@@ -83,11 +85,11 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.tp_comm not in ("auto", "nccl", "symmetric_memory"):
-            problems.append(f"tp_comm={self.tp_comm!r} must be auto, nccl or symmetric_memory")
-        elif self.tp_comm == "symmetric_memory" and (self.tp < 2 or not self.sequence_parallel):
+        if self.tp_comm not in ("auto", "nccl", "symmetric_memory", "p2p"):
+            problems.append(f"tp_comm={self.tp_comm!r} must be auto, nccl, symmetric_memory or p2p")
+        elif self.tp_comm in ("symmetric_memory", "p2p") and (self.tp < 2 or not self.sequence_parallel):
             problems.append(
-                f"tp_comm=symmetric_memory applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
+                f"tp_comm={self.tp_comm} applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
                 "sequence_parallel=true, or use tp_comm=nccl"
             )
         if self.tp_comm_in_graph and self.gradient_accumulation_fusion:
@@ -95,8 +97,11 @@ class ParallelSection:
                 "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "
                 "main_grad in place; turn one of them off"
             )
-        if self.tp_comm_in_graph and self.tp_comm == "nccl":
-            problems.append("tp_comm_in_graph=true applies to symmetric memory: set tp_comm=auto or symmetric_memory")
+        if self.tp_comm_in_graph and self.tp_comm in ("nccl", "p2p"):
+            problems.append(
+                f"tp_comm_in_graph=true traces PyTorch's fused ops (tp_comm={self.tp_comm}): set tp_comm=auto or "
+                "symmetric_memory"
+            )
         if self.cp != 1:
             problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
         if self.ep != 1:

@@ -17,6 +17,7 @@ group has one member, so a TP=1 model pays nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
+from mcore_parallel.tensor.p2p import PeerWorkspace, gather_matmul, matmul_scatter
 
 __all__ = [
     "copy_to_tp_region",
@@ -248,31 +250,50 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-# process-group name -> whether torch.compile may trace that group's symmetric-memory linears (``in_graph``)
-_SYMMETRIC_GROUPS: dict[str, bool] = {}
+@dataclass
+class _Exchange:
+    """How a group's sequence-parallel linears exchange through symmetric memory: PyTorch's fused ops (traced by
+    ``torch.compile`` when ``in_graph``) or, with a ``workspace``, mcore's own exchange (:mod:`.p2p`)."""
+
+    in_graph: bool
+    workspace: PeerWorkspace | None = None
 
 
-def enable_symmetric_memory(group: Group, in_graph: bool = False) -> None:
-    """Route ``group``'s sequence-parallel linears through PyTorch's symmetric-memory fused ops.
+# process-group name -> its exchange
+_SYMMETRIC_GROUPS: dict[str, _Exchange] = {}
+EXCHANGES = ("torch", "mcore")
 
-    ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` ("async TP") exchange the
-    sequence chunks with peer-to-peer copies between the GPUs' symmetric buffers, micro-pipelined with the GEMM, so the
-    exchange runs on the copy engines instead of competing with the GEMM's persistent kernels for SMs (with NCCL
-    kernels, 2x H200 profiles showed the collectives serialised behind the GEMMs). CUDA GPUs of one host (NVLink or
-    PCIe peer access) only; the results equal the NCCL path's up to summation order.
 
-    ``in_graph`` (experimental) lets ``torch.compile`` trace these linears into compiled layers (the fused ops are
-    PyTorch custom ops with shape functions) instead of leaving the graph at each of them: four graph breaks fewer
-    per layer, so less host work per step (tp2 + SP on 2x H200 left the GPU idle between the compiled pieces).
+def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str = "torch") -> None:
+    """Route ``group``'s sequence-parallel linears through symmetric memory: buffers of the group's GPUs that every
+    rank can address, exchanged by peer-to-peer copies on the copy engines, pipelined with the GEMM, so the exchange
+    does not compete with the GEMM's persistent kernels for SMs (with NCCL kernels, 2x H200 profiles showed the
+    collectives serialised behind the GEMMs). GPUs of one host with peer access only; the results equal the NCCL
+    path's up to summation order.
+
+    ``exchange="torch"`` uses PyTorch's fused ops (``torch.ops.symm_mem.fused_all_gather_matmul`` /
+    ``fused_matmul_reduce_scatter``, "async TP"); ``exchange="mcore"`` uses mcore's own (:mod:`mcore_parallel.tensor.
+    p2p`: one barrier per exchange instead of three, no copy of the local shard on the compute stream). The mcore
+    exchange also runs on CPU (shared-memory buffers over gloo), for tests.
+
+    ``in_graph`` (PyTorch's ops only, experimental) lets ``torch.compile`` trace these linears into compiled layers
+    (the fused ops are PyTorch custom ops with shape functions) instead of leaving the graph at each of them.
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} must be one of {', '.join(EXCHANGES)}")
+    if in_graph and exchange != "torch":
+        raise ValueError("in_graph=True traces PyTorch's fused ops: use exchange='torch'")
     if group.size == 1:
         return
     if group.pg is None:
         raise ValueError(f"the {group.kind} group has no process group: symmetric memory needs torch.distributed")
+    if exchange == "mcore":
+        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, PeerWorkspace(group))
+        return
     from torch.distributed import _symmetric_memory
 
     _symmetric_memory.enable_symm_mem_for_group(group.pg.group_name)
-    _SYMMETRIC_GROUPS[group.pg.group_name] = in_graph
+    _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(in_graph)
 
 
 def disable_symmetric_memory(group: Group) -> None:
@@ -288,9 +309,22 @@ def _symmetric_name(group: Group) -> str | None:
     return name if name in _SYMMETRIC_GROUPS else None
 
 
-def _fused_ops() -> tuple[Any, Any]:
-    """(all-gather then matmul, matmul then reduce-scatter): the ``symm_mem`` ops (a seam for CPU tests)."""
-    return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
+def _fused_ops(name: str) -> tuple[Any, Any]:
+    """(all-gather then matmul, matmul then reduce-scatter) for the group ``name``, with the signatures of the
+    ``symm_mem`` ops: PyTorch's, or mcore's exchange behind the same signatures (a seam for CPU tests)."""
+    workspace = _SYMMETRIC_GROUPS[name].workspace
+    if workspace is None:
+        return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
+    ws = workspace
+
+    def gather(a: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str, return_A: bool = True) -> Any:
+        full, y = gather_matmul(ws, a, bs[0])
+        return full, [y]
+
+    def scatter(a: torch.Tensor, b: torch.Tensor, op: str, dim: int, group_name: str) -> torch.Tensor:
+        return matmul_scatter(ws, a, b)
+
+    return gather, scatter
 
 
 class _SymmetricColumnLinear(torch.autograd.Function):
@@ -301,7 +335,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str, size: int, fuse: bool
     ) -> torch.Tensor:
-        gather_mm, _ = _fused_ops()
+        gather_mm, _ = _fused_ops(name)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # sequence-major rows: gathering rows gathers the sequence
         full, (y,) = gather_mm(x2, [weight.t()], 0, name, return_A=True)
         if bias is not None:
@@ -313,7 +347,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         full, weight = ctx.saved_tensors
-        _, mm_scatter = _fused_ops()
+        _, mm_scatter = _fused_ops(ctx.name)
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -331,7 +365,7 @@ class _SymmetricRowLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, name: str, size: int, fuse: bool) -> torch.Tensor:
         if x.shape[0] % size:
             raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
-        _, mm_scatter = _fused_ops()
+        _, mm_scatter = _fused_ops(name)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = mm_scatter(x2, weight.t(), "sum", 0, name)
         ctx.save_for_backward(x2, weight)
@@ -341,7 +375,7 @@ class _SymmetricRowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        gather_mm, _ = _fused_ops()
+        gather_mm, _ = _fused_ops(ctx.name)
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         full, (grad_x2,) = gather_mm(g2, [weight], 0, ctx.name, return_A=True)
         grad_x = grad_x2.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
@@ -378,7 +412,7 @@ def sequence_parallel_linear(
 
 def _symmetric(fn: Any, name: str, *args: Any) -> torch.Tensor:
     """A symmetric-memory linear: traced by ``torch.compile`` when its group was enabled ``in_graph``, else eager."""
-    return fn(*args) if _SYMMETRIC_GROUPS[name] else _eager(fn, *args)
+    return fn(*args) if _SYMMETRIC_GROUPS[name].in_graph else _eager(fn, *args)
 
 
 @torch.compiler.disable

@@ -1,0 +1,221 @@
+"""mcore's own sequence-parallel exchange for the GPUs of one host: peer-to-peer copies out of buffers that every rank
+of the tensor-parallel group can address, one barrier per exchange.
+
+PyTorch's fused ops (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``) use one
+workspace per group and synchronise each call with three barriers (one before the local shard is copied into the
+workspace, one after, one at the end) and copy the local shard twice on the compute stream (into the workspace and
+into the gathered output). At tp2 on 2x H200 the barriers and those copies sat on the critical path of every
+sequence-parallel linear. Here the workspace has two slots used by alternate exchanges, which makes one barrier per
+exchange enough:
+
+* an exchange writes only its own slot of this rank's workspace, and only after the barrier of the previous exchange;
+* every read of a peer's slot ends (the compute stream waits for it) before this rank's next barrier;
+* so when an exchange writes slot ``k % 2``, every peer has passed the barrier of exchange ``k - 1``, which follows
+  its reads of slot ``k % 2`` in exchange ``k - 2``.
+
+All-gather then matmul (``gather_matmul``): copy the local rows into the slot, barrier, then the peers' rows are
+pulled on a side stream (copy engines, no SMs) while the local rows are multiplied; each peer's rows are multiplied
+as they arrive. The local rows are copied into the gathered output on the side stream, beside the last GEMM.
+
+Matmul then reduce-scatter (``matmul_scatter``): the rows bound for each peer are multiplied straight into the slot,
+barrier, then each peer's partial sums for this rank's rows are pulled while this rank's own rows are multiplied,
+and added.
+
+The exchange itself only needs addressable buffers and a barrier: on CUDA these are PyTorch's symmetric memory
+(``torch.distributed._symmetric_memory``); on CPU (tests, gloo) they are shared-memory files mapped by every rank of
+the group and the barrier is the process group's, so the same protocol is tested multi-process without GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_parallel.state import Group
+
+__all__ = ["PeerWorkspace", "gather_matmul", "matmul_scatter"]
+
+_ALIGN = 256  # bytes: every slot starts aligned for any dtype and for vectorised copies
+
+
+class PeerWorkspace:
+    """Two equal slots of this rank's exchange buffer, readable by every rank of ``group``.
+
+    Every rank must make the same calls in the same order (they are collective where the buffer grows); the
+    sequence-parallel linears do, since every rank of a tensor-parallel group runs the same layers.
+    """
+
+    def __init__(self, group: Group) -> None:
+        if group.pg is None or group.size < 2:
+            raise ValueError(f"a peer workspace needs a process group of at least 2 ranks (the {group.kind} group)")
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.slot_bytes = 0
+        self.exchanges = 0  # exchanges so far: the next one uses slot ``exchanges % 2``
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._handle: Any = None  # CUDA: the symmetric-memory handle
+        self._files: list[torch.Tensor] = []  # CPU: every rank's buffer, mapped here
+        self._side: torch.cuda.Stream | None = None
+
+    # -- the buffer -------------------------------------------------------------------------------------------------
+    def reserve(self, nbytes: int, device: torch.device) -> None:
+        """Make each slot at least ``nbytes`` long (collective when it grows)."""
+        if nbytes <= self.slot_bytes:
+            return
+        slot = -(-nbytes // _ALIGN) * _ALIGN
+        if device.type == "cuda":
+            self._grow_cuda(slot, device)
+        else:
+            self._grow_cpu(slot)
+        self.slot_bytes = slot
+        self._views.clear()
+
+    def _grow_cuda(self, slot: int, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the peer workspace of the {self.group.kind} group must grow to {2 * slot} bytes during CUDA graph "
+                "capture; run one step before capturing"
+            )
+        torch.cuda.current_stream(device).synchronize()  # the old buffer may still be read by in-flight exchanges
+        name = self.group.pg.group_name  # type: ignore[union-attr]
+        symm.enable_symm_mem_for_group(name)
+        with torch.cuda.device(device):
+            self._handle = symm.get_symm_mem_workspace(name, min_size=2 * slot)
+
+    def _grow_cpu(self, slot: int) -> None:
+        pg = self.group.pg
+        token = [uuid.uuid4().hex if self.rank == 0 else ""]
+        dist.broadcast_object_list(token, src=self.group.ranks[0], group=pg)
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        paths = [os.path.join(root, f"mcore-p2p-{token[0]}-{r}") for r in range(self.size)]
+        mine = torch.from_file(paths[self.rank], shared=True, size=2 * slot, dtype=torch.uint8)
+        dist.barrier(group=pg)  # every file exists
+        files = [mine if r == self.rank else torch.from_file(p, shared=True, size=2 * slot, dtype=torch.uint8)
+                 for r, p in enumerate(paths)]  # fmt: skip
+        dist.barrier(group=pg)  # every rank has mapped every file: the names can go
+        os.unlink(paths[self.rank])
+        self._files = files
+
+    def view(self, rank: int, slot: int, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """``shape`` elements of ``dtype`` at element ``offset`` of ``rank``'s slot ``slot`` (cached views)."""
+        key = (rank, slot, offset, tuple(shape), dtype)
+        t = self._views.get(key)
+        if t is None:
+            elt = torch.empty((), dtype=dtype).element_size()
+            if self.slot_bytes % elt:
+                raise AssertionError(f"slot size {self.slot_bytes} is not a multiple of {elt}")
+            start = slot * self.slot_bytes // elt + offset
+            n = 1
+            for d in shape:
+                n *= d
+            if (offset + n) * elt > self.slot_bytes:
+                raise AssertionError(f"view of {n} x {dtype} at {offset} overruns a slot of {self.slot_bytes} bytes")
+            if self._handle is not None:
+                t = self._handle.get_buffer(rank, list(shape), dtype, start)
+            else:
+                t = self._files[rank].view(dtype)[start : start + n].view(shape)
+            self._views[key] = t
+        return t
+
+    def next_slot(self) -> int:
+        slot = self.exchanges % 2
+        self.exchanges += 1
+        return slot
+
+    def barrier(self) -> None:
+        """Every rank has enqueued (CUDA: executed) everything before this point on its compute stream."""
+        if self._handle is not None:
+            self._handle.barrier(channel=0)
+        else:
+            dist.barrier(group=self.group.pg)
+
+    # -- streams ----------------------------------------------------------------------------------------------------
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)
+        return self._side
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def _wait(waiter: torch.cuda.Stream | None, stream: torch.cuda.Stream | None) -> None:
+    if waiter is not None and stream is not None:
+        waiter.wait_stream(stream)
+
+
+def gather_matmul(ws: PeerWorkspace, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(full, full @ b)`` with ``full`` the group's rows of ``x`` gathered in rank order: ``x`` is this rank's
+    ``[m, k]`` rows (contiguous), ``b`` a ``[k, n]`` matrix (any strides ``torch.mm`` takes)."""
+    n_ranks, me, m = ws.size, ws.rank, x.shape[0]
+    ws.reserve(x.numel() * x.element_size(), x.device)
+    slot = ws.next_slot()
+    ws.view(me, slot, 0, x.shape, x.dtype).copy_(x)
+    ws.barrier()
+    full = torch.empty((n_ranks * m, x.shape[1]), dtype=x.dtype, device=x.device)
+    y = torch.empty((n_ranks * m, b.shape[1]), dtype=x.dtype, device=x.device)
+    current = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
+    side = ws.side_stream(x.device)
+    _wait(side, current)
+    peers = [(me + step) % n_ranks for step in range(1, n_ranks)]
+    arrived = []
+    with _on(side):
+        for r in peers:
+            full[r * m : (r + 1) * m].copy_(ws.view(r, slot, 0, x.shape, x.dtype))
+            if side is not None:
+                arrived.append(side.record_event())
+    torch.mm(x, b, out=y[me * m : (me + 1) * m])
+    for i, r in enumerate(peers):
+        if current is not None:
+            current.wait_event(arrived[i])
+        torch.mm(full[r * m : (r + 1) * m], b, out=y[r * m : (r + 1) * m])
+    with _on(side):
+        full[me * m : (me + 1) * m].copy_(x)  # for the weight gradient, beside the last GEMM
+    _wait(current, side)  # the peers' slots are read and x is copied before anything else on this stream
+    return full, y
+
+
+def matmul_scatter(ws: PeerWorkspace, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of ``sum over ranks (a @ b)``: ``a`` is ``[size * m, k]`` (contiguous), every rank's
+    ``m`` rows in rank order; the result is ``[m, n]``."""
+    n_ranks, me = ws.size, ws.rank
+    if a.shape[0] % n_ranks:
+        raise ValueError(f"dimension 0 of size {a.shape[0]} is not divisible by the group size {n_ranks}")
+    m, n = a.shape[0] // n_ranks, b.shape[1]
+    shape = torch.Size((m, n))
+    ws.reserve(n_ranks * m * n * a.element_size(), a.device)
+    slot = ws.next_slot()
+    peers = [(me + step) % n_ranks for step in range(1, n_ranks)]
+    for r in peers:  # the partial sums bound for each peer, straight into this rank's slot
+        torch.mm(a[r * m : (r + 1) * m], b, out=ws.view(me, slot, r * m * n, shape, a.dtype))
+    ws.barrier()
+    current = torch.cuda.current_stream(a.device) if a.device.type == "cuda" else None
+    side = ws.side_stream(a.device)
+    pulled = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in peers]
+    _wait(side, current)
+    with _on(side):
+        for r, dst in zip(peers, pulled, strict=True):
+            dst.copy_(ws.view(r, slot, me * m * n, shape, a.dtype))
+    y = torch.mm(a[me * m : (me + 1) * m], b)
+    _wait(current, side)
+    for p in pulled:
+        y.add_(p)
+    return y
