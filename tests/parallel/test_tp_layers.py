@@ -247,7 +247,9 @@ def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: i
 def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
     """mcore's exchange over many calls: three column -> relu -> row blocks, two forward/backward passes of
     different batch sizes (the workspace grows in the second), so exchanges alternate between the workspace's two
-    slots and each slot is rewritten after the peers read it. Outputs and gradients equal the float64 reference."""
+    slots and each slot is rewritten after the peers read it. Outputs and gradients equal the float64 reference
+    (float32); in bfloat16, whose rounding grows through the blocks, they are no further from it than the NCCL
+    path's (gloo on CPU) run on the same inputs."""
     from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
 
     state = _state(tp, True)
@@ -265,35 +267,56 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
             col.bias.copy_(ref1.bias.chunk(n, 0)[r])
             row.weight.copy_(ref2.weight.chunk(n, 1)[r])
         layers.append((col, row))
-    enable_symmetric_memory(state.tp, exchange="mcore")
-    try:
-        workspace = mappings._SYMMETRIC_GROUPS[str(state.tp.pg.group_name)].workspace
-        for batch in (B, 2 * B):
-            x = torch.randn(S, batch, H_IN, dtype=torch.float64, requires_grad=True)
-            dy = torch.randn(S, batch, H_IN, dtype=torch.float64)
-            h_ref = x
-            for ref1, ref2 in refs:
-                h_ref = h_ref + ref2(torch.relu(ref1(h_ref)))
-            (h_ref * dy).sum().backward()
-            x_local = _seq_chunk(x.detach(), state, True).to(device, dtype).requires_grad_()
+    inputs = [(torch.randn(S, batch, H_IN, dtype=torch.float64), torch.randn(S, batch, H_IN, dtype=torch.float64))
+              for batch in (B, 2 * B)]  # fmt: skip
+
+    expected: list[torch.Tensor] = []  # per batch: output, input grad; then every weight and bias grad
+    for x, dy in inputs:
+        x = x.clone().requires_grad_()
+        h_ref = x
+        for ref1, ref2 in refs:
+            h_ref = h_ref + ref2(torch.relu(ref1(h_ref)))
+        (h_ref * dy).sum().backward()
+        expected += [_seq_chunk(h_ref.detach(), state, True), _seq_chunk(x.grad, state, True)]
+    for ref1, ref2 in refs:  # accumulated over both passes
+        expected += [ref1.weight.grad.chunk(n, 0)[r], ref1.bias.grad.chunk(n, 0)[r], ref2.weight.grad.chunk(n, 1)[r]]
+
+    def run() -> list[torch.Tensor]:
+        for col, row in layers:
+            col.weight.grad = col.bias.grad = row.weight.grad = None
+        got = []
+        for x, dy in inputs:
+            x_local = _seq_chunk(x, state, True).to(device, dtype).requires_grad_()
             h = x_local
             for col, row in layers:
                 h = h + row(torch.relu(col(h)))
-            _close(h, _seq_chunk(h_ref.detach(), state, True), dtype, f"output, batch {batch}")
             (h * _seq_chunk(dy, state, True).to(device, dtype)).sum().backward()
-            _close(x_local.grad, _seq_chunk(x.grad, state, True), dtype, f"input grad, batch {batch}")
+            got += [h.detach(), x_local.grad]
+        for col, row in layers:
+            got += [col.weight.grad, col.bias.grad, row.weight.grad]
+        return got
+
+    nccl = run()
+    enable_symmetric_memory(state.tp, exchange="mcore")
+    try:
+        workspace = mappings._SYMMETRIC_GROUPS[str(state.tp.pg.group_name)].workspace
+        mcore = run()
         assert workspace is not None and workspace.exchanges == 2 * 12  # 6 linears, forward and backward, twice
     finally:
         disable_symmetric_memory(state.tp)
-    for (ref1, ref2), (col, row) in zip(refs, layers, strict=True):  # accumulated over both passes
-        _close(col.weight.grad, ref1.weight.grad.chunk(n, 0)[r], dtype, "column weight grad")
-        _close(col.bias.grad, ref1.bias.grad.chunk(n, 0)[r], dtype, "column bias grad")
-        _close(row.weight.grad, ref2.weight.grad.chunk(n, 1)[r], dtype, "row weight grad")
+    for i, (got, base, ref) in enumerate(zip(mcore, nccl, expected, strict=True)):
+        if dtype == torch.float32:
+            _close(got, ref, dtype, f"tensor {i}")
+        else:
+            err = (got.double().cpu() - ref).abs().max().item()
+            base_err = (base.double().cpu() - ref).abs().max().item()
+            assert err <= 2 * base_err + 1e-2, f"tensor {i}: error {err:.3g}, the NCCL path's {base_err:.3g}"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_mcore_exchange_over_many_calls(tp: int) -> None:
-    run_distributed(_exchange_stack, tp, tp, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mcore_exchange_over_many_calls(tp: int, dtype: torch.dtype) -> None:
+    run_distributed(_exchange_stack, tp, tp, dtype)
 
 
 def test_mcore_exchange_argument_errors() -> None:
