@@ -109,7 +109,7 @@ def test_tp_comm_choices_are_checked() -> None:
         config("parallel.tp_comm=p2p", "parallel.tp=2")
 
 
-def test_tp_comm_auto_picks_symmetric_memory_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tp_comm_auto_picks_the_p2p_exchange_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace as NS
 
     import torch
@@ -126,8 +126,8 @@ def test_tp_comm_auto_picks_symmetric_memory_only_where_it_applies(monkeypatch: 
         dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
         return NS(rank=rank, local_rank=local, device=dev, tp=NS(size=len(tp_ranks), ranks=tp_ranks))
 
-    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "symmetric_memory"
-    assert resolve_tp_comm("auto", True, state(5, (4, 5))) == "symmetric_memory"  # second host, its own GPUs 0, 1
+    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "p2p"
+    assert resolve_tp_comm("auto", True, state(5, (4, 5))) == "p2p"  # second host, its own GPUs 0, 1
     assert resolve_tp_comm("auto", False, state(0, (0, 1))) == "nccl"  # no sequence parallelism
     assert resolve_tp_comm("auto", True, state(0, (0,))) == "nccl"  # tp = 1
     assert resolve_tp_comm("auto", True, state(0, (0, 1), "cpu")) == "nccl"

@@ -79,8 +79,8 @@ class Run:
 
 
 def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
-    """``parallel.tp_comm`` for this run: ``auto`` becomes ``symmetric_memory`` when the sequence-parallel linears
-    can use it (CUDA, tp > 1 with sequence parallelism, every tensor-parallel rank on this host with peer access to
+    """``parallel.tp_comm`` for this run: ``auto`` becomes ``p2p`` (mcore's exchange over symmetric memory) when the
+    sequence-parallel linears can use it (CUDA, tp > 1 with sequence parallelism, every tensor-parallel rank on this host with peer access to
     this GPU; ranks are placed on hosts as torchrun does: ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU =
     local rank), else ``nccl``."""
     if tp_comm != "auto":
@@ -104,8 +104,8 @@ def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState)
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError:
         return "nccl"
-    logger.info("parallel.tp_comm=auto: sequence-parallel linears through symmetric memory")
-    return "symmetric_memory"
+    logger.info("parallel.tp_comm=auto: sequence-parallel linears through mcore's exchange over symmetric memory (p2p)")
+    return "p2p"
 
 
 def build_model_chunks(
@@ -187,6 +187,8 @@ def setup(config: TrainConfig) -> Run:
     )
     config.check_layout(state.world_size)
     tp_comm = resolve_tp_comm(config.parallel.tp_comm, config.parallel.sequence_parallel, state)
+    if tp_comm == "p2p" and config.parallel.tp_comm_in_graph:  # tracing the linears needs PyTorch's fused ops
+        tp_comm = "symmetric_memory"
     if tp_comm == "symmetric_memory":
         if state.device.type != "cuda":
             raise ConfigError(
