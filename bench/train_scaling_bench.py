@@ -129,6 +129,9 @@ CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch
 CASES["tp2-sp-compile-p2p-swiglu-gaf"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE,
                                               "parallel.tp_comm=p2p", "training.micro_batch_size=8",
                                               "training.global_batch_size=32", _SWIGLU, _GAF])  # fmt: skip
+# the same with each peer's rows pulled in one piece (as first measured) instead of parallel.tp_comm_chunks=2
+CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
+                                                 "parallel.tp_comm_chunks=1"])  # fmt: skip
 
 
 def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -244,7 +244,7 @@ def test_sequence_parallel_linears_through_symmetric_memory_ops(kind: str, tp: i
     run_distributed(_symmetric, tp, kind, tp, torch.float32, "cpu", exchange)
 
 
-def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
+def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: int = 2) -> None:
     """mcore's exchange over many calls: three column -> relu -> row blocks, two forward/backward passes of
     different batch sizes (the workspace grows in the second), so exchanges alternate between the workspace's two
     slots and each slot is rewritten after the peers read it. Outputs and gradients equal the float64 reference
@@ -297,7 +297,7 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu") -> None:
         return got
 
     nccl = run()
-    enable_symmetric_memory(state.tp, exchange="mcore")
+    enable_symmetric_memory(state.tp, exchange="mcore", chunks=chunks)
     try:
         workspace = mappings._SYMMETRIC_GROUPS[str(state.tp.pg.group_name)].workspace
         mcore = run()
@@ -319,6 +319,11 @@ def test_mcore_exchange_over_many_calls(tp: int, dtype: torch.dtype) -> None:
     run_distributed(_exchange_stack, tp, tp, dtype)
 
 
+@pytest.mark.parametrize("chunks", [1, 5])  # 5 pieces of 12 or 24 rows: unequal pieces
+def test_mcore_exchange_in_any_number_of_pieces(chunks: int) -> None:
+    run_distributed(_exchange_stack, 2, 2, torch.float32, "cpu", chunks)
+
+
 def test_mcore_exchange_argument_errors() -> None:
     from mcore_parallel import Group
     from mcore_parallel.tensor import enable_symmetric_memory
@@ -326,6 +331,8 @@ def test_mcore_exchange_argument_errors() -> None:
     group = Group("tp", (0, 1), 0)
     with pytest.raises(ValueError, match="exchange='nvshmem' must be one of torch, mcore"):
         enable_symmetric_memory(group, exchange="nvshmem")
+    with pytest.raises(ValueError, match="chunks=0 must be at least 1"):
+        enable_symmetric_memory(group, exchange="mcore", chunks=0)
     with pytest.raises(ValueError, match="in_graph=True traces PyTorch's fused ops"):
         enable_symmetric_memory(group, in_graph=True, exchange="mcore")
 

@@ -105,6 +105,8 @@ def test_tp_comm_choices_are_checked() -> None:
         config("parallel.tp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
         config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
+    with pytest.raises(ConfigError, match="tp_comm_chunks=0 must be at least 1"):
+        config("parallel.tp_comm_chunks=0")
     with pytest.raises(ConfigError, match="tp_comm=p2p applies to sequence-parallel layers"):
         config("parallel.tp_comm=p2p", "parallel.tp=2")
 

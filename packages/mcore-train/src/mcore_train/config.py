@@ -79,6 +79,9 @@ class ParallelSection:
     nccl) or auto (p2p where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
     on this host with peer access to this GPU; else nccl)."""
 
+    tp_comm_chunks: int = 2
+    """With tp_comm=p2p: each peer's rows are pulled in this many pieces, each multiplied (or added) as soon as it
+    arrives, so less of the copy waits after the local GEMM."""
     tp_comm_in_graph: bool = False
     """Experimental, with symmetric memory: let ``training.compile=layers`` trace the sequence-parallel linears into
     the compiled layers instead of breaking each layer's graph at them (less host work per step)."""
@@ -92,6 +95,8 @@ class ParallelSection:
                 f"tp_comm={self.tp_comm} applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
                 "sequence_parallel=true, or use tp_comm=nccl"
             )
+        if self.tp_comm_chunks < 1:
+            problems.append(f"tp_comm_chunks={self.tp_comm_chunks} must be at least 1")
         if self.tp_comm_in_graph and self.gradient_accumulation_fusion:
             problems.append(
                 "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "

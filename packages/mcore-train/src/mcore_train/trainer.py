@@ -199,7 +199,7 @@ def setup(config: TrainConfig) -> Run:
             )
         enable_symmetric_memory(state.tp, in_graph=config.parallel.tp_comm_in_graph)
     elif tp_comm == "p2p":  # on CPU through shared memory (tests); on GPUs through symmetric memory
-        enable_symmetric_memory(state.tp, exchange="mcore")
+        enable_symmetric_memory(state.tp, exchange="mcore", chunks=config.parallel.tp_comm_chunks)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip

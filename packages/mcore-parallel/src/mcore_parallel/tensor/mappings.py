@@ -264,7 +264,7 @@ _SYMMETRIC_GROUPS: dict[str, _Exchange] = {}
 EXCHANGES = ("torch", "mcore")
 
 
-def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str = "torch") -> None:
+def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str = "torch", chunks: int = 2) -> None:
     """Route ``group``'s sequence-parallel linears through symmetric memory: buffers of the group's GPUs that every
     rank can address, exchanged by peer-to-peer copies on the copy engines, pipelined with the GEMM, so the exchange
     does not compete with the GEMM's persistent kernels for SMs (with NCCL kernels, 2x H200 profiles showed the
@@ -273,14 +273,17 @@ def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str 
 
     ``exchange="torch"`` uses PyTorch's fused ops (``torch.ops.symm_mem.fused_all_gather_matmul`` /
     ``fused_matmul_reduce_scatter``, "async TP"); ``exchange="mcore"`` uses mcore's own (:mod:`mcore_parallel.tensor.
-    p2p`: one barrier per exchange instead of three, no copy of the local shard on the compute stream). The mcore
-    exchange also runs on CPU (shared-memory buffers over gloo), for tests.
+    p2p`: one barrier per exchange instead of three, no copy of the local shard on the compute stream; each peer's
+    rows pulled in ``chunks`` pieces, each multiplied or added as it arrives). The mcore exchange also runs on CPU
+    (shared-memory buffers over gloo), for tests.
 
     ``in_graph`` (PyTorch's ops only, experimental) lets ``torch.compile`` trace these linears into compiled layers
     (the fused ops are PyTorch custom ops with shape functions) instead of leaving the graph at each of them.
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {', '.join(EXCHANGES)}")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be at least 1")
     if in_graph and exchange != "torch":
         raise ValueError("in_graph=True traces PyTorch's fused ops: use exchange='torch'")
     if group.size == 1:
@@ -288,7 +291,7 @@ def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str 
     if group.pg is None:
         raise ValueError(f"the {group.kind} group has no process group: symmetric memory needs torch.distributed")
     if exchange == "mcore":
-        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, PeerWorkspace(group))
+        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, PeerWorkspace(group, chunks))
         return
     from torch.distributed import _symmetric_memory
 

@@ -29,6 +29,7 @@ the group and the barrier is the process group's, so the same protocol is tested
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import tempfile
 import uuid
@@ -48,11 +49,12 @@ _ALIGN = 256  # bytes: every slot starts aligned for any dtype and for vectorise
 class PeerWorkspace:
     """Two equal slots of this rank's exchange buffer, readable by every rank of ``group``.
 
-    Every rank must make the same calls in the same order (they are collective where the buffer grows); the
+    ``chunks``: each peer's rows are pulled in this many pieces, so that the GEMM (or the add) of one piece runs while
+    the next arrives. Every rank must make the same calls in the same order (they are collective where the buffer grows); the
     sequence-parallel linears do, since every rank of a tensor-parallel group runs the same layers.
     """
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, chunks: int = 2) -> None:
         if group.pg is None or group.size < 2:
             raise ValueError(f"a peer workspace needs a process group of at least 2 ranks (the {group.kind} group)")
         self.group = group
@@ -60,6 +62,7 @@ class PeerWorkspace:
         self.size = group.size
         self.slot_bytes = 0
         self.exchanges = 0  # exchanges so far: the next one uses slot ``exchanges % 2``
+        self.chunks = chunks
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._handle: Any = None  # CUDA: the symmetric-memory handle
         self._files: list[torch.Tensor] = []  # CPU: every rank's buffer, mapped here
@@ -162,9 +165,16 @@ def _wait(waiter: torch.cuda.Stream | None, stream: torch.cuda.Stream | None) ->
         waiter.wait_stream(stream)
 
 
+def _pieces(m: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` row ranges covering ``range(m)`` (fewer when ``m`` is small)."""
+    bounds = sorted({m * i // chunks for i in range(chunks + 1)})
+    return list(itertools.pairwise(bounds))
+
+
 def gather_matmul(ws: PeerWorkspace, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(full, full @ b)`` with ``full`` the group's rows of ``x`` gathered in rank order: ``x`` is this rank's
-    ``[m, k]`` rows (contiguous), ``b`` a ``[k, n]`` matrix (any strides ``torch.mm`` takes)."""
+    ``[m, k]`` rows (contiguous), ``b`` a ``[k, n]`` matrix (any strides ``torch.mm`` takes). Each peer's rows
+    arrive in ``ws.chunks`` pieces, each multiplied as soon as it is here."""
     n_ranks, me, m = ws.size, ws.rank, x.shape[0]
     ws.reserve(x.numel() * x.element_size(), x.device)
     slot = ws.next_slot()
@@ -175,27 +185,30 @@ def gather_matmul(ws: PeerWorkspace, x: torch.Tensor, b: torch.Tensor) -> tuple[
     current = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
     side = ws.side_stream(x.device)
     _wait(side, current)
-    peers = [(me + step) % n_ranks for step in range(1, n_ranks)]
+    rows = [(r * m + lo, r * m + hi) for r in ((me + i) % n_ranks for i in range(1, n_ranks))
+            for lo, hi in _pieces(m, ws.chunks)]  # fmt: skip
     arrived = []
     with _on(side):
-        for r in peers:
-            full[r * m : (r + 1) * m].copy_(ws.view(r, slot, 0, x.shape, x.dtype))
+        for lo, hi in rows:
+            r = lo // m
+            full[lo:hi].copy_(ws.view(r, slot, (lo - r * m) * x.shape[1], torch.Size((hi - lo, x.shape[1])), x.dtype))
             if side is not None:
                 arrived.append(side.record_event())
     torch.mm(x, b, out=y[me * m : (me + 1) * m])
-    for i, r in enumerate(peers):
+    for i, (lo, hi) in enumerate(rows):
         if current is not None:
             current.wait_event(arrived[i])
-        torch.mm(full[r * m : (r + 1) * m], b, out=y[r * m : (r + 1) * m])
+        torch.mm(full[lo:hi], b, out=y[lo:hi])
     with _on(side):
-        full[me * m : (me + 1) * m].copy_(x)  # for the weight gradient, beside the last GEMM
+        full[me * m : (me + 1) * m].copy_(x)  # for the weight gradient, beside the last GEMMs
     _wait(current, side)  # the peers' slots are read and x is copied before anything else on this stream
     return full, y
 
 
 def matmul_scatter(ws: PeerWorkspace, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """This rank's rows of ``sum over ranks (a @ b)``: ``a`` is ``[size * m, k]`` (contiguous), every rank's
-    ``m`` rows in rank order; the result is ``[m, n]``."""
+    ``m`` rows in rank order; the result is ``[m, n]``. Each peer's partial sums arrive in ``ws.chunks`` pieces,
+    each added as soon as it is here."""
     n_ranks, me = ws.size, ws.rank
     if a.shape[0] % n_ranks:
         raise ValueError(f"dimension 0 of size {a.shape[0]} is not divisible by the group size {n_ranks}")
@@ -209,13 +222,20 @@ def matmul_scatter(ws: PeerWorkspace, a: torch.Tensor, b: torch.Tensor) -> torch
     ws.barrier()
     current = torch.cuda.current_stream(a.device) if a.device.type == "cuda" else None
     side = ws.side_stream(a.device)
-    pulled = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in peers]
+    pulled = torch.empty((len(peers), m, n), dtype=a.dtype, device=a.device)
+    pieces = [(i, lo, hi) for i in range(len(peers)) for lo, hi in _pieces(m, ws.chunks)]
+    arrived = []
     _wait(side, current)
     with _on(side):
-        for r, dst in zip(peers, pulled, strict=True):
-            dst.copy_(ws.view(r, slot, me * m * n, shape, a.dtype))
+        for i, lo, hi in pieces:
+            src = ws.view(peers[i], slot, (me * m + lo) * n, torch.Size((hi - lo, n)), a.dtype)
+            pulled[i, lo:hi].copy_(src)
+            if side is not None:
+                arrived.append(side.record_event())
     y = torch.mm(a[me * m : (me + 1) * m], b)
+    for k, (i, lo, hi) in enumerate(pieces):
+        if current is not None:
+            current.wait_event(arrived[k])
+        y[lo:hi].add_(pulled[i, lo:hi])
     _wait(current, side)
-    for p in pulled:
-        y.add_(p)
     return y
