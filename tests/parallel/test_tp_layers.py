@@ -248,8 +248,9 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: in
     """mcore's exchange over many calls: three column -> relu -> row blocks, two forward/backward passes of
     different batch sizes (the workspace grows in the second), so exchanges alternate between the workspace's two
     slots and each slot is rewritten after the peers read it. Outputs and gradients equal the float64 reference
-    (float32); in bfloat16, whose rounding grows through the blocks, they are no further from it than the NCCL
-    path's (gloo on CPU) run on the same inputs."""
+    (float32); in bfloat16, whose rounding grows through the blocks, they are about as far from it as the NCCL
+    path's run on the same inputs (at most twice its error plus 3% of the tensor's largest element: wrong rows or a
+    stale slot are off by the size of the elements themselves)."""
     from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
 
     state = _state(tp, True)
@@ -310,7 +311,10 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: in
         else:
             err = (got.double().cpu() - ref).abs().max().item()
             base_err = (base.double().cpu() - ref).abs().max().item()
-            assert err <= 2 * base_err + 1e-2, f"tensor {i}: error {err:.3g}, the NCCL path's {base_err:.3g}"
+            scale = ref.abs().max().item()  # a few bf16 ulps of the largest element (2**-8 relative) are noise
+            assert err <= 2 * base_err + 0.03 * scale, (
+                f"tensor {i}: error {err:.3g}, the NCCL path's {base_err:.3g}, largest element {scale:.3g}"
+            )
 
 
 @pytest.mark.parametrize("tp", [2, 4])
