@@ -129,6 +129,11 @@ CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch
 CASES["tp2-sp-compile-p2p-swiglu-gaf"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE,
                                               "parallel.tp_comm=p2p", "training.micro_batch_size=8",
                                               "training.global_batch_size=32", _SWIGLU, _GAF])  # fmt: skip
+# data parallelism (ZeRO-1, the recipe's default) with the one-GPU levers, with and without the overlapped reduce-scatter
+CASES["dp2-compile-swiglu-gaf"] = (2, ["training.micro_batch_size=4", "training.global_batch_size=32", _COMPILE,
+                                       _SWIGLU, _GAF])  # fmt: skip
+CASES["dp2-compile-swiglu-gaf-no-overlap"] = (2, [*CASES["dp2-compile-swiglu-gaf"][1],
+                                                  "parallel.overlap_grad_reduce=false"])  # fmt: skip
 # the same with each peer's rows pulled in one piece (as first measured) instead of parallel.tp_comm_chunks=2
 CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
                                                  "parallel.tp_comm_chunks=1"])  # fmt: skip
