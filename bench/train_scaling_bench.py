@@ -134,6 +134,10 @@ CASES["dp2-compile-swiglu-gaf"] = (2, ["training.micro_batch_size=4", "training.
                                        _SWIGLU, _GAF])  # fmt: skip
 CASES["dp2-compile-swiglu-gaf-no-overlap"] = (2, [*CASES["dp2-compile-swiglu-gaf"][1],
                                                   "parallel.overlap_grad_reduce=false"])  # fmt: skip
+# (since the ninth session parallel.dp_comm=auto exchanges peer to peer on GPUs of one host; these pin NCCL)
+CASES["dp2-compile-swiglu-gaf-nccl"] = (2, [*CASES["dp2-compile-swiglu-gaf"][1], "parallel.dp_comm=nccl"])
+CASES["dp2-compile-swiglu-gaf-nccl-no-overlap"] = (2, [*CASES["dp2-compile-swiglu-gaf-no-overlap"][1],
+                                                       "parallel.dp_comm=nccl"])  # fmt: skip
 # the same with each peer's rows pulled in one piece (as first measured) instead of parallel.tp_comm_chunks=2
 CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
                                                  "parallel.tp_comm_chunks=1"])  # fmt: skip

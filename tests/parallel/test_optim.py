@@ -23,8 +23,23 @@ ADAM = dict(optimizer="adam", lr=1e-2, clip_grad=0.3, adam_eps=1e-6)  # clip_gra
         (Spec(tp=2, sp=True, micro=2, dist_opt=True, optimizer=ADAM, bucket_size=None), 4),
         (Spec(tp=2, pp=2, micro=2, dist_opt=True, optimizer=ADAM, steps=2), 8),
         (Spec(pp=2, micro=2, dist_opt=False, optimizer=ADAM, overlap=False), 4),
+        (Spec(micro=2, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 2),
+        (Spec(micro=2, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 4),
+        (Spec(tp=2, sp=True, micro=2, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 4),
+        (Spec(pp=2, micro=2, dist_opt=False, optimizer=ADAM, overlap=False, dp_exchange="p2p"), 4),
+        (Spec(micro=2, dist_opt=False, optimizer=ADAM, dp_exchange="p2p", bucket_size=1), 4),
     ],
-    ids=["dp4-distopt", "tp2-dp2-sp-distopt", "tp2-pp2-dp2-distopt", "pp2-dp2-adam"],
+    ids=[
+        "dp4-distopt",
+        "tp2-dp2-sp-distopt",
+        "tp2-pp2-dp2-distopt",
+        "pp2-dp2-adam",
+        "dp2-distopt-p2p",
+        "dp4-distopt-p2p",
+        "tp2-dp2-sp-distopt-p2p",
+        "pp2-dp2-adam-p2p",
+        "dp4-p2p-bucket-per-param",
+    ],
 )
 def test_matches_single_process(spec: Spec, world: int) -> None:
     outs = assert_matches_reference(spec, world, rtol=2e-5, atol=2e-6)

@@ -151,6 +151,8 @@ class Spec:
     seed: int = 1234
     fixed_batch: bool = False
     """Train on step 0's batch every step (to check that the loss falls)."""
+    dp_exchange: str = "nccl"
+    """DDPConfig.exchange: nccl collectives (gloo on CPU) or p2p (peer-to-peer copies between shared buffers)."""
 
 
 def build_chunks(state: ParallelState, spec: Spec) -> list[TinyChunk]:
@@ -186,7 +188,7 @@ def setup(spec: Spec) -> tuple[ParallelState, list[DistributedDataParallel], Any
     config = ParallelConfig(tp=spec.tp, pp=spec.pp, vpp=spec.vpp if spec.vpp > 1 else None, sequence_parallel=spec.sp)
     state = ParallelState.initialize(config)
     ddp_config = DDPConfig(bucket_size=spec.bucket_size, overlap_grad_reduce=spec.overlap,
-                           use_distributed_optimizer=spec.dist_opt)  # fmt: skip
+                           use_distributed_optimizer=spec.dist_opt, exchange=spec.dp_exchange)  # fmt: skip
     chunks = [DistributedDataParallel(c, state, ddp_config) for c in build_chunks(state, spec)]
     sync_shared_embedding_weights(chunks, state)
     opt = get_optimizer(OptimizerConfig(**spec.optimizer, use_distributed_optimizer=spec.dist_opt), chunks, state)
@@ -262,7 +264,7 @@ def step_losses(outs: list[dict[str, Any]]) -> list[list[float]]:
 
 def reference(spec: Spec, dp: int) -> dict[str, Any]:
     """The same training on one process: dp * micro micro-batches per step."""
-    ref = Spec(**{**spec.__dict__, "tp": 1, "pp": 1, "vpp": 1, "sp": False, "dist_opt": False,
+    ref = Spec(**{**spec.__dict__, "tp": 1, "pp": 1, "vpp": 1, "sp": False, "dist_opt": False, "dp_exchange": "nccl",
                   "micro": spec.micro * dp, "inject_inf": None})  # fmt: skip
     return run_distributed(train, 1, ref)[0]
 

@@ -1,5 +1,6 @@
 """The runtime parity checks on GPUs with NCCL, each against the one-process run: on 2 GPUs tp2+SP, pp2 (1F1B and
-interleaved) and dp2 with the distributed optimizer; on 8 GPUs (issue 10) tp2·pp2·dp2, tp4·dp2 with SP, pp4 with
+interleaved), dp2 with the distributed optimizer (NCCL or peer-to-peer exchange) and dp2 all-reduce peer to peer; on
+8 GPUs (issue 10) tp2·pp2·dp2, tp4·dp2 with SP, pp4 with
 interleaving (vpp2) and dp8 with the distributed optimizer. Run through the device tool; skipped without the GPUs."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ CASES = {
     "pp2-1f1b": (Spec(pp=2, micro=3, optimizer=ADAM), 2),
     "pp2xvpp2": (Spec(pp=2, vpp=2, micro=4, optimizer=ADAM), 2),
     "dp2-distopt": (Spec(micro=2, dist_opt=True, optimizer=ADAM), 2),
+    "dp2-distopt-p2p": (Spec(micro=2, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 2),
+    "dp2-p2p": (Spec(micro=2, optimizer=ADAM, dp_exchange="p2p", bucket_size=1), 2),
     "tp2-pp2-dp2": (Spec(tp=2, pp=2, micro=3, optimizer=ADAM), 8),
     "tp4-dp2-sp": (Spec(tp=4, sp=True, micro=2, optimizer=ADAM), 8),
     "pp4xvpp2-dp2": (Spec(pp=4, vpp=2, layers=8, micro=8, optimizer=ADAM, steps=2), 8),

@@ -105,18 +105,20 @@ def test_tp_comm_choices_are_checked() -> None:
         config("parallel.tp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
         config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
+    with pytest.raises(ConfigError, match="dp_comm='ring' must be auto, nccl or p2p"):
+        config("parallel.dp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm_chunks=0 must be at least 1"):
         config("parallel.tp_comm_chunks=0")
     with pytest.raises(ConfigError, match="tp_comm=p2p applies to sequence-parallel layers"):
         config("parallel.tp_comm=p2p", "parallel.tp=2")
 
 
-def test_tp_comm_auto_picks_the_p2p_exchange_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tp_and_dp_comm_auto_pick_the_p2p_exchange_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace as NS
 
     import torch
 
-    from mcore_train.trainer import resolve_tp_comm
+    from mcore_train.trainer import resolve_dp_comm, resolve_tp_comm
 
     peer = {(0, 1): True, (1, 0): True, (0, 2): False}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -126,7 +128,8 @@ def test_tp_comm_auto_picks_the_p2p_exchange_only_where_it_applies(monkeypatch: 
     def state(rank: int, tp_ranks: tuple[int, ...], device: str = "cuda") -> NS:
         local = rank % 4
         dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
-        return NS(rank=rank, local_rank=local, device=dev, tp=NS(size=len(tp_ranks), ranks=tp_ranks))
+        group = NS(kind="tp", size=len(tp_ranks), ranks=tp_ranks)
+        return NS(rank=rank, local_rank=local, device=dev, tp=group, dp_cp=NS(**{**group.__dict__, "kind": "dp"}))
 
     assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "p2p"
     assert resolve_tp_comm("auto", True, state(5, (4, 5))) == "p2p"  # second host, its own GPUs 0, 1
@@ -137,6 +140,13 @@ def test_tp_comm_auto_picks_the_p2p_exchange_only_where_it_applies(monkeypatch: 
     assert resolve_tp_comm("auto", True, state(0, (0, 2))) == "nccl"  # no peer access
     assert resolve_tp_comm("nccl", True, state(0, (0, 1))) == "nccl"  # an explicit choice is kept
     assert resolve_tp_comm("symmetric_memory", True, state(0, (0, 1))) == "symmetric_memory"
+    # the data-parallel group: the same rules, without the sequence-parallel condition
+    assert resolve_dp_comm("auto", state(0, (0, 1))) == "p2p"
+    assert resolve_dp_comm("auto", state(0, (0,))) == "nccl"  # dp = 1
+    assert resolve_dp_comm("auto", state(3, (3, 4))) == "nccl"  # spans two hosts
+    assert resolve_dp_comm("auto", state(0, (0, 2))) == "nccl"  # no peer access
+    assert resolve_dp_comm("auto", state(0, (0, 1), "cpu")) == "nccl"
+    assert resolve_dp_comm("nccl", state(0, (0, 1))) == "nccl"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per host
     assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "nccl"
 

@@ -1,5 +1,5 @@
-"""``parallel.tp_comm=p2p``: mcore's own sequence-parallel exchange trains exactly like one process (CPU, gloo, the
-exchange's buffers in shared memory)."""
+"""``parallel.tp_comm=p2p`` and ``parallel.dp_comm=p2p``: mcore's own peer-to-peer exchanges train exactly like one
+process (CPU, gloo, the buffers in shared memory)."""
 
 from __future__ import annotations
 
@@ -25,4 +25,22 @@ def test_p2p_exchange_trains_like_one_process(extra: list[str]) -> None:
     losses, exchanges = run_distributed(_losses_and_exchanges, 2, [*base, "parallel.tp=2",
                                         "parallel.sequence_parallel=true", "parallel.tp_comm=p2p"])[0]  # fmt: skip
     assert exchanges > 0  # the linears went through the exchange
+    assert losses == pytest.approx(reference, abs=1e-5)
+
+
+def _losses_and_p2p_buffers(overrides: list[str]) -> tuple[list[float], int]:
+    from mcore_train.trainer import setup
+
+    run = setup(config(*overrides))
+    p2p = sum(buf.p2p for d in run.ddp for buf in d.grad_buffers)
+    return pretrain(config(*overrides)).losses, p2p
+
+
+@pytest.mark.parametrize("distopt", [True, False], ids=["distributed-optimizer", "all-reduce"])
+def test_p2p_data_parallel_exchange_trains_like_one_process(distopt: bool) -> None:
+    base = ["training.train_iters=3", "training.device=cpu", "training.global_batch_size=8",
+            f"optimizer.use_distributed_optimizer={str(distopt).lower()}"]  # fmt: skip
+    reference = pretrain(config(*base)).losses
+    losses, p2p = run_distributed(_losses_and_p2p_buffers, 2, [*base, "parallel.dp_comm=p2p"])[0]
+    assert p2p > 0  # the gradient buffers exchange peer to peer
     assert losses == pytest.approx(reference, abs=1e-5)

@@ -79,6 +79,11 @@ class ParallelSection:
     nccl) or auto (p2p where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
     on this host with peer access to this GPU; else nccl)."""
 
+    dp_comm: str = "auto"
+    """How the data-parallel gradient reduction and the distributed optimizer's parameter all-gather run: nccl
+    (collectives), p2p (peer-to-peer copies between symmetric buffers on the copy engines, which run beside the
+    backward's GEMMs where NCCL's kernels wait for free SMs; GPUs of one host with peer access, or CPU) or auto (p2p
+    where the whole data-parallel group is on this host with peer access, else nccl)."""
     tp_comm_chunks: int = 2
     """With tp_comm=p2p: each peer's rows are pulled in this many pieces, each multiplied (or added) as soon as it
     arrives, so less of the copy waits after the local GEMM."""
@@ -95,6 +100,8 @@ class ParallelSection:
                 f"tp_comm={self.tp_comm} applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
                 "sequence_parallel=true, or use tp_comm=nccl"
             )
+        if self.dp_comm not in ("auto", "nccl", "p2p"):
+            problems.append(f"dp_comm={self.dp_comm!r} must be auto, nccl or p2p")
         if self.tp_comm_chunks < 1:
             problems.append(f"tp_comm_chunks={self.tp_comm_chunks} must be at least 1")
         if self.tp_comm_in_graph and self.gradient_accumulation_fusion:

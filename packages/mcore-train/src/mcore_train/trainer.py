@@ -78,33 +78,58 @@ class Run:
                                   self.state.device)  # fmt: skip
 
 
-def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
-    """``parallel.tp_comm`` for this run: ``auto`` becomes ``p2p`` (mcore's exchange over symmetric memory) when the
-    sequence-parallel linears can use it (CUDA, tp > 1 with sequence parallelism, every tensor-parallel rank on this host with peer access to
-    this GPU; ranks are placed on hosts as torchrun does: ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU =
-    local rank), else ``nccl``."""
-    if tp_comm != "auto":
-        return tp_comm
-    tp = state.tp
-    if tp.size < 2 or not sequence_parallel or state.device.type != "cuda":
-        return "nccl"
+def _peer_access(group: Any, state: ParallelState) -> str | None:
+    """Why ``group``'s GPUs cannot exchange through symmetric memory (``None`` when they can): CUDA, every rank of
+    the group on this host with peer access to this GPU; ranks are placed on hosts as torchrun does:
+    ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU = local rank."""
+    if state.device.type != "cuda":
+        return "not on CUDA"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     first = state.rank - state.local_rank
-    if local_world < tp.size or any(not first <= r < first + local_world for r in tp.ranks):
-        logger.info("parallel.tp_comm=auto: the tensor-parallel group spans hosts, using nccl")
-        return "nccl"
+    if local_world < group.size or any(not first <= r < first + local_world for r in group.ranks):
+        return f"the {group.kind} group spans hosts"
     me = state.device.index if state.device.index is not None else state.local_rank
-    peers = [r - first for r in tp.ranks if r != state.rank]
+    peers = [r - first for r in group.ranks if r != state.rank]
     if any(d >= torch.cuda.device_count() for d in peers) or not all(
         torch.cuda.can_device_access_peer(me, d) for d in peers
     ):
-        logger.info("parallel.tp_comm=auto: no peer access between the tensor-parallel GPUs, using nccl")
-        return "nccl"
+        return f"no peer access between the {group.kind} group's GPUs"
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError:
+        return "this PyTorch has no symmetric memory"
+    return None
+
+
+def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
+    """``parallel.tp_comm`` for this run: ``auto`` becomes ``p2p`` (mcore's exchange over symmetric memory) when the
+    sequence-parallel linears can use it (tp > 1 with sequence parallelism, and :func:`_peer_access`), else
+    ``nccl``."""
+    if tp_comm != "auto":
+        return tp_comm
+    if state.tp.size < 2 or not sequence_parallel:
+        return "nccl"
+    why_not = _peer_access(state.tp, state)
+    if why_not is not None:
+        logger.info("parallel.tp_comm=auto: %s, using nccl", why_not)
         return "nccl"
     logger.info("parallel.tp_comm=auto: sequence-parallel linears through mcore's exchange over symmetric memory (p2p)")
+    return "p2p"
+
+
+def resolve_dp_comm(dp_comm: str, state: ParallelState) -> str:
+    """``parallel.dp_comm`` for this run: ``auto`` becomes ``p2p`` (gradient and parameter exchange by peer-to-peer
+    copies on the copy engines) when the data-parallel group has more than one rank and :func:`_peer_access`
+    allows it, else ``nccl``."""
+    if dp_comm != "auto":
+        return dp_comm
+    if state.dp_cp.size < 2:
+        return "nccl"
+    why_not = _peer_access(state.dp_cp, state)
+    if why_not is not None:
+        logger.info("parallel.dp_comm=auto: %s, using nccl", why_not)
+        return "nccl"
+    logger.info("parallel.dp_comm=auto: gradients and parameters exchanged by peer-to-peer copies (p2p)")
     return "p2p"
 
 
@@ -209,6 +234,7 @@ def setup(config: TrainConfig) -> Run:
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
+        exchange=resolve_dp_comm(config.parallel.dp_comm, state),
     )
     ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]
     sync_shared_embedding_weights(ddp, state)

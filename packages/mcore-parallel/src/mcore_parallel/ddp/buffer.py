@@ -13,10 +13,18 @@ all-gathered back in place.
 
 Gradients are multiplied by ``1/dp`` *before* the collective (a sum), so the result is the data-parallel mean and
 low-precision collectives would not overflow.
+
+``exchange="p2p"`` (GPUs of one host with peer access; CPU for tests) replaces the NCCL collectives by peer-to-peer
+copies: both buffers live in symmetric memory (:class:`~mcore_parallel.tensor.p2p.PeerBuffer`), and a bucket is
+reduced on a side stream by a barrier, a pull of every peer's copy of this rank's range (copy engines, so it runs
+beside the backward's GEMMs instead of waiting for SMs as NCCL's kernels do) and one pass that averages them into
+this rank's range. The parameter all-gather pulls every peer's updated shard straight into place. A barrier before
+the buffers are written again (zeroing, the next update) keeps a peer from reading a range being overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -25,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.state import Group
+from mcore_parallel.tensor.p2p import PeerBuffer
 
 __all__ = ["Bucket", "GradBuffer"]
 
@@ -71,6 +80,7 @@ class GradBuffer:
         bucket_size: int | None,
         distributed_optimizer: bool,
         device: torch.device,
+        exchange: str = "nccl",
     ) -> None:
         self.params, self.group, self.distributed_optimizer = params, group, distributed_optimizer
         self.param_dtype = params[0].dtype
@@ -99,10 +109,22 @@ class GradBuffer:
                 close(deferred=shared)
         close()
         self.numel = offset
-        self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.p2p = exchange == "p2p" and self.dp > 1 and group.pg is not None
+        self._peer_grads = self._peer_params = None
+        self._side: torch.cuda.Stream | None = None
         self.param_data: torch.Tensor | None = None
-        if distributed_optimizer:
-            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        if self.p2p:
+            self._peer_grads = PeerBuffer(group, self.numel, torch.float32, device)
+            self.grad_data = self._peer_grads.local.zero_()
+            if distributed_optimizer:
+                self._peer_params = PeerBuffer(group, self.numel, self.param_dtype, device)
+                self.param_data = self._peer_params.local.zero_()
+            if device.type == "cuda":
+                self._side = torch.cuda.Stream(device=device)
+        else:
+            self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            if distributed_optimizer:
+                self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         for p, (s, e) in self.ranges.items():
             p.main_grad = self.grad_data[s:e].view(p.shape)  # type: ignore[attr-defined]
             if self.param_data is not None:
@@ -121,6 +143,11 @@ class GradBuffer:
             for i, (ps, s, e, deferred) in enumerate(spans)
         ]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        if (
+            self.p2p
+        ):  # one bucket range (all-reduce) or shard (reduce-scatter) per pulled peer, reused on the side stream
+            widest = max((b.numel // (self.dp if distributed_optimizer else 1) for b in self.buckets), default=0)
+            self._scratch = torch.empty(widest, dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------------------------------------- gradients
     def start_grad_reduce(self, bucket: Bucket) -> None:
@@ -129,6 +156,9 @@ class GradBuffer:
             return
         bucket.started = True
         if self.dp == 1 or self.group.pg is None:
+            return
+        if self.p2p:
+            self._p2p_reduce(bucket)
             return
         bucket.grad.mul_(1.0 / self.dp)
         if self.distributed_optimizer:
@@ -139,9 +169,37 @@ class GradBuffer:
         else:
             bucket.handle = dist.all_reduce(bucket.grad, group=self.group.pg, async_op=True)
 
+    def _p2p_reduce(self, bucket: Bucket) -> None:
+        """The bucket's data-parallel mean by peer-to-peer pulls, on the side stream (see the module docstring)."""
+        assert self._peer_grads is not None
+        me = self.group.rank
+        lo, hi = bucket.shard_range(me, self.dp) if self.distributed_optimizer else (bucket.start, bucket.end)
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.grad_data.device))
+        with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+            self._peer_grads.barrier()  # every rank's gradients of this bucket are complete
+            mine, tmp = self.grad_data[lo:hi], self._scratch[: hi - lo]
+            peers = [(me + i) % self.dp for i in range(1, self.dp)]
+            if not self.distributed_optimizer:
+                # every rank sums the same values in the same (rank) order, so the replicas stay bitwise equal; all
+                # ranks read before any rank overwrites its range
+                pulled = torch.stack([self._peer_grads.peer(r)[lo:hi] for r in range(self.dp)])
+                self._peer_grads.barrier()
+                torch.sum(pulled, 0, out=mine).mul_(1.0 / self.dp)
+            elif self.dp == 2:
+                tmp.copy_(self._peer_grads.peer(peers[0])[lo:hi])
+                mine.lerp_(tmp, 0.5)  # (mine + tmp) / 2 in one pass
+            else:
+                for r in peers:
+                    tmp.copy_(self._peer_grads.peer(r)[lo:hi])
+                    mine.add_(tmp)
+                mine.mul_(1.0 / self.dp)
+
     def wait_grad_reduce(self, bucket: Bucket) -> None:
         if not bucket.started:
             raise RuntimeError(f"internal error: bucket {bucket.index} waited on before its reduction started")
+        if self._side is not None:
+            torch.cuda.current_stream(self.grad_data.device).wait_stream(self._side)
         if bucket.handle is not None:
             bucket.handle.wait()
             bucket.handle = None
@@ -149,6 +207,13 @@ class GradBuffer:
             lo, hi = bucket.shard_range(self.group.rank, self.dp)
             self.grad_data[lo:hi].copy_(bucket.scatter_out)
             bucket.scatter_out = None
+
+    def zero_grads(self) -> None:
+        """Zero the gradient buffer; with the p2p exchange, after every peer has finished reading this rank's
+        buffers (this step's pulls of gradients and parameters)."""
+        if self._peer_grads is not None:
+            self._peer_grads.barrier()
+        self.grad_data.zero_()
 
     def reset(self) -> None:
         for b in self.buckets:
@@ -161,6 +226,14 @@ class GradBuffer:
     def all_gather_params(self) -> None:
         """After each rank updated its shard of ``param_data``, gather every bucket's shards in place."""
         if self.param_data is None or self.dp == 1 or self.group.pg is None:
+            return
+        if self._peer_params is not None:
+            self._peer_params.barrier()  # every rank has written its updated shard
+            for b in self.buckets:
+                for i in range(1, self.dp):
+                    r = (self.group.rank + i) % self.dp
+                    lo, hi = b.shard_range(r, self.dp)
+                    self.param_data[lo:hi].copy_(self._peer_params.peer(r)[lo:hi])
             return
         handles = []
         for b in self.buckets:

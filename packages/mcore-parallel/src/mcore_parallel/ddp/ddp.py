@@ -52,7 +52,14 @@ class DDPConfig:
     every weight gradient fewer per micro-batch. Marks the parameters; the layers of ``mcore_parallel.tensor`` honour
     it for weights they own."""
 
+    exchange: str = "nccl"
+    """How buckets and parameters are exchanged: ``nccl`` collectives, or ``p2p``: peer-to-peer copies between
+    symmetric buffers on the copy engines (GPUs of one host with peer access; also CPU, for tests), see
+    :mod:`mcore_parallel.ddp.buffer`."""
+
     def __post_init__(self) -> None:
+        if self.exchange not in ("nccl", "p2p"):
+            raise ValueError(f"exchange={self.exchange!r} must be nccl or p2p")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size={self.bucket_size} must be a positive number of elements or None")
 
@@ -73,7 +80,14 @@ class DistributedDataParallel(nn.Module):
         for p in reversed(params):
             by_dtype.setdefault(p.dtype, []).append(p)
         self.grad_buffers = [
-            GradBuffer(ps, self.group, self.config.bucket_size, self.config.use_distributed_optimizer, state.device)
+            GradBuffer(
+                ps,
+                self.group,
+                self.config.bucket_size,
+                self.config.use_distributed_optimizer,
+                state.device,
+                self.config.exchange,
+            )
             for ps in by_dtype.values()
         ]
         self._buffer_of = {p: buf for buf in self.grad_buffers for p in buf.params}
@@ -167,7 +181,7 @@ class DistributedDataParallel(nn.Module):
         """Zero every ``main_grad`` (and drop ``.grad``); call at the start of each step."""
         for buf in self.grad_buffers:
             buf.reset()
-            buf.grad_data.zero_()
+            buf.zero_grads()
             for p in buf.params:
                 p.grad = None
 

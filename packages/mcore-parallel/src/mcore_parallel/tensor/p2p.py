@@ -41,9 +41,61 @@ import torch.distributed as dist
 
 from mcore_parallel.state import Group
 
-__all__ = ["PeerWorkspace", "gather_matmul", "matmul_scatter"]
+__all__ = ["PeerBuffer", "PeerWorkspace", "gather_matmul", "matmul_scatter"]
 
 _ALIGN = 256  # bytes: every slot starts aligned for any dtype and for vectorised copies
+
+
+def _shared_files(group: Group, nbytes: int) -> list[torch.Tensor]:
+    """Every rank's ``nbytes``-byte shared-memory file of a new buffer, mapped in this process (collective; CPU)."""
+    pg = group.pg
+    token = [uuid.uuid4().hex if group.rank == 0 else ""]
+    dist.broadcast_object_list(token, src=group.ranks[0], group=pg)
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    paths = [os.path.join(root, f"mcore-p2p-{token[0]}-{r}") for r in range(group.size)]
+    mine = torch.from_file(paths[group.rank], shared=True, size=nbytes, dtype=torch.uint8)
+    dist.barrier(group=pg)  # every file exists
+    files = [mine if r == group.rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+             for r, p in enumerate(paths)]  # fmt: skip
+    dist.barrier(group=pg)  # every rank has mapped every file: the names can go
+    os.unlink(paths[group.rank])
+    return files
+
+
+class PeerBuffer:
+    """``numel`` elements of ``dtype`` on every rank of ``group``, each rank's readable by every other: symmetric
+    memory on CUDA (peer-to-peer copies out of it run on the copy engines), shared-memory files on CPU. Allocation is
+    collective. ``local`` is this rank's tensor, ``peer(r)`` group rank ``r``'s."""
+
+    def __init__(self, group: Group, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        if group.pg is None or group.size < 2:
+            raise ValueError(f"a peer buffer needs a process group of at least 2 ranks (the {group.kind} group)")
+        self.group = group
+        self._handle: Any = None
+        if device.type == "cuda":
+            from torch.distributed import _symmetric_memory as symm
+
+            name = group.pg.group_name
+            symm.enable_symm_mem_for_group(name)
+            with torch.cuda.device(device):
+                local = symm._SymmetricMemory.empty_strided_p2p((numel,), [1], dtype, device, name)
+                self._handle = symm._SymmetricMemory.rendezvous(local)
+            self._peers = [local if r == group.rank else self._handle.get_buffer(r, [numel], dtype, 0)
+                           for r in range(group.size)]  # fmt: skip
+        else:
+            elt = torch.empty((), dtype=dtype).element_size()
+            self._peers = [f.view(dtype)[:numel] for f in _shared_files(group, max(numel, 1) * elt)]
+        self.local = self._peers[group.rank]
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self._peers[rank]
+
+    def barrier(self) -> None:
+        """Every rank of the group has reached this point of its current stream (CUDA) or program (CPU)."""
+        if self._handle is not None:
+            self._handle.barrier(channel=0)
+        else:
+            dist.barrier(group=self.group.pg)
 
 
 class PeerWorkspace:
@@ -96,18 +148,7 @@ class PeerWorkspace:
             self._handle = symm.get_symm_mem_workspace(name, min_size=2 * slot)
 
     def _grow_cpu(self, slot: int) -> None:
-        pg = self.group.pg
-        token = [uuid.uuid4().hex if self.rank == 0 else ""]
-        dist.broadcast_object_list(token, src=self.group.ranks[0], group=pg)
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        paths = [os.path.join(root, f"mcore-p2p-{token[0]}-{r}") for r in range(self.size)]
-        mine = torch.from_file(paths[self.rank], shared=True, size=2 * slot, dtype=torch.uint8)
-        dist.barrier(group=pg)  # every file exists
-        files = [mine if r == self.rank else torch.from_file(p, shared=True, size=2 * slot, dtype=torch.uint8)
-                 for r, p in enumerate(paths)]  # fmt: skip
-        dist.barrier(group=pg)  # every rank has mapped every file: the names can go
-        os.unlink(paths[self.rank])
-        self._files = files
+        self._files = _shared_files(self.group, 2 * slot)
 
     def view(self, rank: int, slot: int, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """``shape`` elements of ``dtype`` at element ``offset`` of ``rank``'s slot ``slot`` (cached views)."""
