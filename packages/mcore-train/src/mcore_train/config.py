@@ -75,8 +75,8 @@ class ParallelSection:
     symmetric_memory (PyTorch's fused all-gather-matmul / matmul-reduce-scatter over peer-to-peer copies between the
     GPUs of one host; needs CUDA, tp > 1 and sequence_parallel), p2p (mcore's own exchange over the same symmetric
     memory: one barrier per exchange instead of three, no copy of the local shard on the compute stream; see
-    ``mcore_parallel.tensor.p2p``; at tp2 + SP on 2x H200 +2.4% tokens/s over symmetric_memory, which is +5% over
-    nccl) or auto (p2p where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
+    ``mcore_parallel.tensor.p2p``; at tp2 + SP on 2x H200 92.3-94.4% of one GPU's tokens/s per GPU against 90.1%
+    with symmetric_memory, which is +5% over nccl) or auto (p2p where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
     on this host with peer access to this GPU; else nccl)."""
 
     dp_comm: str = "auto"
