@@ -3,6 +3,8 @@ process (CPU, gloo, the buffers in shared memory)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mcore_parallel.testing import run_distributed
@@ -44,3 +46,20 @@ def test_p2p_data_parallel_exchange_trains_like_one_process(distopt: bool) -> No
     losses, p2p = run_distributed(_losses_and_p2p_buffers, 2, [*base, "parallel.dp_comm=p2p"])[0]
     assert p2p > 0  # the gradient buffers exchange peer to peer
     assert losses == pytest.approx(reference, abs=1e-5)
+
+
+def _straight_and_resumed(overrides: list[str], tmp: str) -> tuple[list[float], list[float]]:
+    straight = pretrain(config(*overrides, "training.train_iters=6", f"checkpoint.dir={tmp}/a")).losses
+    first = pretrain(config(*overrides, "training.train_iters=6", "training.exit_interval=3",
+                            f"checkpoint.dir={tmp}/b"))  # fmt: skip
+    second = pretrain(config(*overrides, "training.train_iters=6", f"checkpoint.dir={tmp}/b"))
+    return straight, first.losses + second.losses
+
+
+def test_p2p_exchanges_resume_bit_exact(tmp_path: Path) -> None:
+    """A checkpoint loads into the symmetric buffers of the p2p exchanges (the parameters are views of them): the
+    resumed run continues bit for bit (tp2 + SP through the p2p exchange, dp2 with the distributed optimizer)."""
+    overrides = ["training.device=cpu", "optimizer.use_distributed_optimizer=true", "parallel.dp_comm=p2p",
+                 "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm=p2p"]  # fmt: skip
+    straight, resumed = run_distributed(_straight_and_resumed, 4, overrides, str(tmp_path), timeout=300)[0]
+    assert len(straight) == 6 and resumed == straight

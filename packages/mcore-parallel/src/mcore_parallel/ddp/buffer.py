@@ -18,8 +18,9 @@ low-precision collectives would not overflow.
 copies: both buffers live in symmetric memory (:class:`~mcore_parallel.tensor.p2p.PeerBuffer`), and a bucket is
 reduced on a side stream by a barrier, a pull of every peer's copy of this rank's range (copy engines, so it runs
 beside the backward's GEMMs instead of waiting for SMs as NCCL's kernels do) and one pass that averages them into
-this rank's range. The parameter all-gather pulls every peer's updated shard straight into place. A barrier before
-the buffers are written again (zeroing, the next update) keeps a peer from reading a range being overwritten.
+this rank's range. The parameter all-gather pulls every peer's updated shard straight into place. A barrier after
+the last bucket (``finish_p2p``) keeps a peer from reading a range this rank writes again (the sequence-parallel sums
+over tp, zeroing, the next update).
 """
 
 from __future__ import annotations
@@ -208,12 +209,13 @@ class GradBuffer:
             self.grad_data[lo:hi].copy_(bucket.scatter_out)
             bucket.scatter_out = None
 
-    def zero_grads(self) -> None:
-        """Zero the gradient buffer; with the p2p exchange, after every peer has finished reading this rank's
-        buffers (this step's pulls of gradients and parameters)."""
+    def finish_p2p(self) -> None:
+        """After every bucket's reduction was waited on: a barrier, after which no peer reads this rank's gradient
+        buffer any more this step, so it may be written again (the sequence-parallel sums over tp write whole
+        parameters, zeroing writes everything). It also orders the parameter pulls: a rank's next optimizer update
+        comes after its next step's barrier, which every peer reaches only after pulling this step's parameters."""
         if self._peer_grads is not None:
             self._peer_grads.barrier()
-        self.grad_data.zero_()
 
     def reset(self) -> None:
         for b in self.buckets:

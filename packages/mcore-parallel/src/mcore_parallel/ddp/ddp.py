@@ -161,6 +161,7 @@ class DistributedDataParallel(nn.Module):
                 buf.start_grad_reduce(bucket)
             for bucket in buf.buckets:
                 buf.wait_grad_reduce(bucket)
+            buf.finish_p2p()
             buf.reset()
         if self._sp_params and self.state.tp.size > 1:
             grads = [p.main_grad for p in self._sp_params]  # type: ignore[attr-defined]
@@ -181,7 +182,7 @@ class DistributedDataParallel(nn.Module):
         """Zero every ``main_grad`` (and drop ``.grad``); call at the start of each step."""
         for buf in self.grad_buffers:
             buf.reset()
-            buf.zero_grads()
+            buf.grad_data.zero_()
             for p in buf.params:
                 p.grad = None
 
