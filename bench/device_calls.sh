@@ -31,6 +31,7 @@
 #   bash bench/device_calls.sh s16-x2       # nvidia-h200-x2: issue 5, the exchange in two pieces and in one, twice
 #   bash bench/device_calls.sh s17-x2       # nvidia-h200-x2: issue 5's closing table (1 GPU, dp2 +- overlap, tp2 p2p)
 #   bash bench/device_calls.sh s18-x2       # nvidia-h200-x2: issue 5, dp2 peer to peer against NCCL, tp2, one GPU
+#   bash bench/device_calls.sh s19-x2       # nvidia-h200-x2: all 2-GPU parity tests; issue 9 with coordinate descent
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -469,6 +470,17 @@ case "${1:-}" in
       dp2-compile-swiglu-gaf-nccl tp2-sp-compile-p2p-swiglu-gaf --out "$OUT/s18.json" 2>&1 | tail -7 \
       | tee -a "$OUT/s18-x2.log"
     ;;
+  s19-x2)
+    # nvidia-h200-x2 (~3 min), ninth session: every 2-GPU parity test after the p2p exchanges' last change (the
+    # barrier at the end of finish_grad_sync), then issue 9's best global-batch-64 case with and without inductor's
+    # coordinate-descent tuning, one after the other on GPU 0
+    timeout 150 python3 -m pytest -q tests/parallel/test_tp_nccl.py tests/parallel/test_pipeline_nccl.py \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/s19-x2.log"
+    CUDA_VISIBLE_DEVICES=0 scale --steps 6 --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s19-base.json" 2>&1 \
+      | tail -1 | tee -a "$OUT/s19-x2.log"
+    CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 scale --steps 6 \
+      --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s19-cdt.json" 2>&1 | tail -1 | tee -a "$OUT/s19-x2.log"
+    ;;
   s14-table)
     # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
     # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
@@ -504,7 +516,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|pending-x2|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac
