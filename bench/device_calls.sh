@@ -506,8 +506,8 @@ case "${1:-}" in
   x8)
     timeout 200 python3 -m pytest -q tests/parallel/test_pipeline_nccl.py -p no:cacheprovider 2>&1 | tail -20 \
       | tee "$OUT/x8-parity.log"
-    scale --steps 8 --case-timeout 120 --cases dp1-distopt dp2-distopt dp4-distopt dp8-distopt \
-      --out "$OUT/x8-dp-scaling.json" 2>&1 | tee "$OUT/x8-dp-scaling.log"
+    scale --steps 8 --case-timeout 100 --cases dp1-distopt dp2-distopt-p2p dp4-distopt-p2p dp8-distopt-p2p \
+      dp8-distopt --out "$OUT/x8-dp-scaling.json" 2>&1 | tee "$OUT/x8-dp-scaling.log"
     ;;
   x8-large)
     python3 bench/train_scaling_bench.py --preset llama3-8b --recipe llama3-8b --seq 4096 --steps 6 --case-timeout 170 \

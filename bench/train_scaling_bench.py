@@ -43,8 +43,10 @@ _CONTIG = "model.attention_contiguous=true"
 # Eight GPUs (issue 10): data-parallel scaling with the distributed optimizer and overlapped gradient reduce, and
 # llama3-8b layouts (run with --preset llama3-8b --recipe llama3-8b).
 _DIST = ["optimizer.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]
-for _dp in (1, 2, 4, 8):
-    CASES[f"dp{_dp}-distopt"] = (_dp, ["training.micro_batch_size=4", f"training.global_batch_size={16 * _dp}", *_DIST])
+for _dp in (1, 2, 4, 8):  # NCCL pinned, and mcore's peer-to-peer exchange (auto picks it at dp2 only)
+    CASES[f"dp{_dp}-distopt"] = (_dp, ["training.micro_batch_size=4", f"training.global_batch_size={16 * _dp}", *_DIST,
+                                       "parallel.dp_comm=nccl"])  # fmt: skip
+    CASES[f"dp{_dp}-distopt-p2p"] = (_dp, [*CASES[f"dp{_dp}-distopt"][1][:-1], "parallel.dp_comm=p2p"])
 for _name, _layout in {
     "8gpu-tp2-dp4": ["parallel.tp=2"],
     "8gpu-tp4-dp2": ["parallel.tp=4"],

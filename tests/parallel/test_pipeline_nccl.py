@@ -24,6 +24,8 @@ CASES = {
     "tp4-dp2-sp": (Spec(tp=4, sp=True, micro=2, optimizer=ADAM), 8),
     "pp4xvpp2-dp2": (Spec(pp=4, vpp=2, layers=8, micro=8, optimizer=ADAM, steps=2), 8),
     "dp8-distopt": (Spec(micro=2, dist_opt=True, optimizer=ADAM), 8),
+    "dp8-distopt-p2p": (Spec(micro=2, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 8),
+    "tp2-pp2-dp2-p2p": (Spec(tp=2, pp=2, micro=3, dist_opt=True, optimizer=ADAM, dp_exchange="p2p"), 8),
 }
 
 

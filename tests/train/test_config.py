@@ -147,6 +147,12 @@ def test_tp_and_dp_comm_auto_pick_the_p2p_exchange_only_where_it_applies(monkeyp
     assert resolve_dp_comm("auto", state(0, (0, 2))) == "nccl"  # no peer access
     assert resolve_dp_comm("auto", state(0, (0, 1), "cpu")) == "nccl"
     assert resolve_dp_comm("nccl", state(0, (0, 1))) == "nccl"
+    # larger groups: what was measured on GPUs (p2p at 2 ranks only); p2p still on request
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert resolve_tp_comm("auto", True, state(0, (0, 1, 2, 3))) == "symmetric_memory"
+    assert resolve_dp_comm("auto", state(0, (0, 1, 2, 3))) == "nccl"
+    assert resolve_tp_comm("p2p", True, state(0, (0, 1, 2, 3))) == "p2p"
+    assert resolve_dp_comm("p2p", state(0, (0, 1, 2, 3))) == "p2p"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per host
     assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "nccl"
 

@@ -76,14 +76,16 @@ class ParallelSection:
     GPUs of one host; needs CUDA, tp > 1 and sequence_parallel), p2p (mcore's own exchange over the same symmetric
     memory: one barrier per exchange instead of three, no copy of the local shard on the compute stream; see
     ``mcore_parallel.tensor.p2p``; at tp2 + SP on 2x H200 92.3-94.4% of one GPU's tokens/s per GPU against 90.1%
-    with symmetric_memory, which is +5% over nccl) or auto (p2p where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
-    on this host with peer access to this GPU; else nccl)."""
+    with symmetric_memory, which is +5% over nccl) or auto (where it applies: CUDA, tp > 1 with sequence_parallel, every rank of the tensor-parallel group
+    on this host with peer access to this GPU: p2p at tp2, the size measured on GPUs, symmetric_memory at larger tp;
+    else nccl)."""
 
     dp_comm: str = "auto"
     """How the data-parallel gradient reduction and the distributed optimizer's parameter all-gather run: nccl
     (collectives), p2p (peer-to-peer copies between symmetric buffers on the copy engines, which run beside the
     backward's GEMMs where NCCL's kernels wait for free SMs; GPUs of one host with peer access, or CPU) or auto (p2p
-    where the whole data-parallel group is on this host with peer access, else nccl)."""
+    at dp2, the size measured on GPUs, with the whole data-parallel group on this host with peer access; else
+    nccl)."""
     tp_comm_chunks: int = 2
     """With tp_comm=p2p: each peer's rows are pulled in this many pieces, each multiplied (or added) as soon as it
     arrives, so less of the copy waits after the local GEMM."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mcore_parallel.tensor.p2p import symmetric_bytes
+
 __all__ = ["MetricsWriter", "peak_tflops_for", "memory_stats"]
 
 logger = logging.getLogger(__name__)
@@ -28,11 +30,17 @@ def peak_tflops_for(device: torch.device, configured: float | None) -> float | N
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
+    """GPU: allocated and peak bytes, counting the symmetric buffers of the p2p exchanges (allocated once, outside
+    PyTorch's caching allocator) in both and on their own; CPU: peak resident set."""
     if device.type == "cuda":
-        return {
-            "mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
-            "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        symmetric = symmetric_bytes(device)
+        stats = {
+            "mem_allocated_gib": (torch.cuda.memory_allocated(device) + symmetric) / 2**30,
+            "mem_peak_gib": (torch.cuda.max_memory_allocated(device) + symmetric) / 2**30,
         }
+        if symmetric:
+            stats["mem_symmetric_gib"] = symmetric / 2**30
+        return stats
     return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 

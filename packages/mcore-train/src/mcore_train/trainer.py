@@ -101,10 +101,15 @@ def _peer_access(group: Any, state: ParallelState) -> str | None:
     return None
 
 
+# Group sizes at which ``auto`` picks mcore's p2p exchanges: those measured and parity-tested on GPUs (2x H200).
+# Larger groups are tested on CPU only; ``p2p`` can be asked for explicitly at any size.
+P2P_AUTO_SIZES = (2,)
+
+
 def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
     """``parallel.tp_comm`` for this run: ``auto`` becomes ``p2p`` (mcore's exchange over symmetric memory) when the
-    sequence-parallel linears can use it (tp > 1 with sequence parallelism, and :func:`_peer_access`), else
-    ``nccl``."""
+    sequence-parallel linears can use it (tp > 1 with sequence parallelism, and :func:`_peer_access`) at a size in
+    ``P2P_AUTO_SIZES``, ``symmetric_memory`` (PyTorch's fused ops) at other sizes, else ``nccl``."""
     if tp_comm != "auto":
         return tp_comm
     if state.tp.size < 2 or not sequence_parallel:
@@ -113,19 +118,27 @@ def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState)
     if why_not is not None:
         logger.info("parallel.tp_comm=auto: %s, using nccl", why_not)
         return "nccl"
+    if state.tp.size not in P2P_AUTO_SIZES:
+        logger.info("parallel.tp_comm=auto: PyTorch's fused symmetric-memory ops at tp%d (mcore's p2p exchange is "
+                    "measured on GPUs at tp2 only; parallel.tp_comm=p2p asks for it)", state.tp.size)  # fmt: skip
+        return "symmetric_memory"
     logger.info("parallel.tp_comm=auto: sequence-parallel linears through mcore's exchange over symmetric memory (p2p)")
     return "p2p"
 
 
 def resolve_dp_comm(dp_comm: str, state: ParallelState) -> str:
     """``parallel.dp_comm`` for this run: ``auto`` becomes ``p2p`` (gradient and parameter exchange by peer-to-peer
-    copies on the copy engines) when the data-parallel group has more than one rank and :func:`_peer_access`
-    allows it, else ``nccl``."""
+    copies on the copy engines) when the data-parallel group's size is in ``P2P_AUTO_SIZES`` and
+    :func:`_peer_access` allows it, else ``nccl``."""
     if dp_comm != "auto":
         return dp_comm
     if state.dp_cp.size < 2:
         return "nccl"
     why_not = _peer_access(state.dp_cp, state)
+    if why_not is None and state.dp_cp.size not in P2P_AUTO_SIZES:
+        why_not = (
+            f"the p2p exchange is measured on GPUs at dp2 only (dp{state.dp_cp.size}; parallel.dp_comm=p2p asks for it)"
+        )
     if why_not is not None:
         logger.info("parallel.dp_comm=auto: %s, using nccl", why_not)
         return "nccl"

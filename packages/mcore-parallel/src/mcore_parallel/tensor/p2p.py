@@ -33,6 +33,7 @@ import itertools
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,9 +42,25 @@ import torch.distributed as dist
 
 from mcore_parallel.state import Group
 
-__all__ = ["PeerBuffer", "PeerWorkspace", "gather_matmul", "matmul_scatter"]
+__all__ = ["PeerBuffer", "PeerWorkspace", "gather_matmul", "matmul_scatter", "symmetric_bytes"]
 
 _ALIGN = 256  # bytes: every slot starts aligned for any dtype and for vectorised copies
+
+
+# CUDA device index -> bytes of the live symmetric buffers made here (PyTorch's allocator statistics do not see them)
+_SYMMETRIC_BYTES: dict[int, int] = {}
+
+
+def symmetric_bytes(device: torch.device) -> int:
+    """Bytes of this process's live peer buffers and workspaces on CUDA ``device`` (outside PyTorch's caching
+    allocator, so not in ``torch.cuda.max_memory_allocated``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _SYMMETRIC_BYTES.get(index, 0)
+
+
+def _count(device: torch.device, nbytes: int) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _SYMMETRIC_BYTES[index] = _SYMMETRIC_BYTES.get(index, 0) + nbytes
 
 
 def _shared_files(group: Group, nbytes: int) -> list[torch.Tensor]:
@@ -82,6 +99,9 @@ class PeerBuffer:
                 self._handle = symm._SymmetricMemory.rendezvous(local)
             self._peers = [local if r == group.rank else self._handle.get_buffer(r, [numel], dtype, 0)
                            for r in range(group.size)]  # fmt: skip
+            nbytes = numel * local.element_size()
+            _count(device, nbytes)
+            weakref.finalize(self, _count, device, -nbytes)
         else:
             elt = torch.empty((), dtype=dtype).element_size()
             self._peers = [f.view(dtype)[:numel] for f in _shared_files(group, max(numel, 1) * elt)]
@@ -146,6 +166,7 @@ class PeerWorkspace:
         symm.enable_symm_mem_for_group(name)
         with torch.cuda.device(device):
             self._handle = symm.get_symm_mem_workspace(name, min_size=2 * slot)
+        _count(device, 2 * (slot - self.slot_bytes))  # the workspace replaces the smaller one
 
     def _grow_cpu(self, slot: int) -> None:
         self._files = _shared_files(self.group, 2 * slot)
