@@ -67,8 +67,8 @@ def test_optimizer_state_bytes_shrink_with_dp() -> None:
     assert run_distributed(_state_bytes, 1, False)[0] == full * 2 // 3  # non-distributed fp32: moments only
 
 
-def _inject_inf(dist_opt: bool) -> dict:
-    spec = Spec(dtype="float16", micro=2, dist_opt=dist_opt,
+def _inject_inf(dist_opt: bool, exchange: str = "nccl") -> dict:
+    spec = Spec(dtype="float16", micro=2, dist_opt=dist_opt, dp_exchange=exchange,
                 optimizer=dict(optimizer="adam", lr=1e-2, hysteresis=1, initial_loss_scale=1024.0),
                 inject_inf=(1, 1))  # fmt: skip
     state, chunks, opt = setup(spec)
@@ -92,8 +92,9 @@ def _inject_inf(dist_opt: bool) -> dict:
 
 
 @pytest.mark.parametrize("dist_opt", [False, True])
-def test_fp16_loss_scaling_skips_injected_inf_step(dist_opt: bool) -> None:
-    outs = run_distributed(_inject_inf, 2, dist_opt)  # the inf is only on rank 1: rank 0 must skip too
+@pytest.mark.parametrize("exchange", ["nccl", "p2p"])
+def test_fp16_loss_scaling_skips_injected_inf_step(dist_opt: bool, exchange: str) -> None:
+    outs = run_distributed(_inject_inf, 2, dist_opt, exchange)  # the inf is only on rank 1: rank 0 must skip too
     for o in outs:
         assert o["fp16"]
         assert [r.success for r in o["results"]] == [True, False, True]
