@@ -504,8 +504,9 @@ case "${1:-}" in
     timeout 500 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
     ;;
   x8)
-    timeout 200 python3 -m pytest -q tests/parallel/test_pipeline_nccl.py -p no:cacheprovider 2>&1 | tail -20 \
-      | tee "$OUT/x8-parity.log"
+    # parity on 8 GPUs: the runtime layouts, and the tp layers / mcore's tp exchange at tp 2, 4 and 8
+    timeout 240 python3 -m pytest -q tests/parallel/test_pipeline_nccl.py tests/parallel/test_tp_nccl.py \
+      -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/x8-parity.log"
     scale --steps 8 --case-timeout 100 --cases dp1-distopt dp2-distopt-p2p dp4-distopt-p2p dp8-distopt-p2p \
       dp8-distopt --out "$OUT/x8-dp-scaling.json" 2>&1 | tee "$OUT/x8-dp-scaling.log"
     ;;
