@@ -144,9 +144,7 @@ class GradBuffer:
             for i, (ps, s, e, deferred) in enumerate(spans)
         ]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        if (
-            self.p2p
-        ):  # one bucket range (all-reduce) or shard (reduce-scatter) per pulled peer, reused on the side stream
+        if self.p2p:  # the widest shard, for the pulls of the reduce-scatter (reused in order on the side stream)
             widest = max((b.numel // (self.dp if distributed_optimizer else 1) for b in self.buckets), default=0)
             self._scratch = torch.empty(widest, dtype=torch.float32, device=device)
 
