@@ -76,13 +76,20 @@ def _kernel() -> Any:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWIGLU: tl.constexpr,
+        FMA: tl.constexpr,
     ):
+        # FMA (a few rows, M_PAD <= FMA_MAX_ROWS): products accumulated elementwise in a float32
+        # [rows, BLOCK_N, BLOCK_K] register tile and reduced over K once after the loop. An MMA of at least 16 padded
+        # rows wastes most of its work at one row, and compiles to ~250 registers per thread here. Else tl.dot.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         dtype = X.dtype.element_ty
         rows = tl.arange(0, M_PAD)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        if FMA:
+            acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+        else:
+            acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
         for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             m2 = (rows[:, None] < M) & (ks[None, :] < K)
@@ -94,57 +101,20 @@ def _kernel() -> Any:
                 x = (act * up).to(dtype)
             w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)  # fmt: skip
-            if dtype == tl.float32:
+            if FMA:
+                acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            elif dtype == tl.float32:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-        tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
-
-    @triton.jit  # type: ignore[misc]
-    def gemv_fma(  # type: ignore[no-untyped-def]
-        X,
-        W,
-        Y,
-        M,
-        N,
-        K,
-        K_PER,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        stride_ys,
-        M_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SWIGLU: tl.constexpr,
-    ):
-        # the same contract as ``gemv`` for a few rows (M_PAD <= FMA_MAX_ROWS): products accumulated elementwise in a
-        # float32 [rows, BLOCK_N, BLOCK_K] register tile and reduced over K once after the loop. An MMA of at least
-        # 16 padded rows wastes most of its work at one row, and compiles to ~250 registers per thread here
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        dtype = X.dtype.element_ty
-        rows = tl.arange(0, M_PAD)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            m2 = (rows[:, None] < M) & (ks[None, :] < K)
-            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
-            if SWIGLU:
-                up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                gate = x.to(tl.float32)
-                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                x = (act * up).to(dtype)
-            w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                        other=0.0)  # fmt: skip
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        out = tl.sum(acc, axis=2)
+        if FMA:
+            out = tl.sum(acc, axis=2)
+        else:
+            out = acc
         tl.store(Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], out.to(Y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
-    _KERNEL = (gemv, gemv_fma)
+    _KERNEL = gemv
     return _KERNEL
 
 
@@ -182,12 +152,11 @@ def gemv_partials(
     per = _cdiv(_cdiv(k, splits), block_k) * block_k
     y = torch.empty(splits, m, n, dtype=out_dtype, device=x.device)
     if m:
-        dot, fma = _kernel()
         small = m <= FMA_MAX_ROWS
-        (fma if small else dot)[(_cdiv(n, block_n), splits)](
+        _kernel()[(_cdiv(n, block_n), splits)](
             x, weight, y, m, n, k, per, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
             M_PAD=1 << (m - 1).bit_length() if small else max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n,
-            BLOCK_K=block_k, SWIGLU=swiglu, num_warps=num_warps,
+            BLOCK_K=block_k, SWIGLU=swiglu, FMA=small, num_warps=num_warps,
         )  # fmt: skip
     return y
 
