@@ -30,12 +30,20 @@ def test_p2p_exchange_trains_like_one_process(extra: list[str]) -> None:
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
-def _losses_and_p2p_buffers(overrides: list[str]) -> tuple[list[float], int]:
-    from mcore_train.trainer import setup
+def _losses_and_p2p_reductions(overrides: list[str]) -> tuple[list[float], int]:
+    from mcore_parallel.ddp.buffer import GradBuffer
 
-    run = setup(config(*overrides))
-    p2p = sum(buf.p2p for d in run.ddp for buf in d.grad_buffers)
-    return pretrain(config(*overrides)).losses, p2p
+    real, calls = GradBuffer._p2p_reduce, [0]
+
+    def counted(self: GradBuffer, bucket: object) -> None:
+        calls[0] += 1
+        real(self, bucket)  # type: ignore[arg-type]
+
+    GradBuffer._p2p_reduce = counted  # type: ignore[method-assign]
+    try:
+        return pretrain(config(*overrides)).losses, calls[0]
+    finally:
+        GradBuffer._p2p_reduce = real  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("distopt", [True, False], ids=["distributed-optimizer", "all-reduce"])
@@ -43,8 +51,8 @@ def test_p2p_data_parallel_exchange_trains_like_one_process(distopt: bool) -> No
     base = ["training.train_iters=3", "training.device=cpu", "training.global_batch_size=8",
             f"optimizer.use_distributed_optimizer={str(distopt).lower()}"]  # fmt: skip
     reference = pretrain(config(*base)).losses
-    losses, p2p = run_distributed(_losses_and_p2p_buffers, 2, [*base, "parallel.dp_comm=p2p"])[0]
-    assert p2p > 0  # the gradient buffers exchange peer to peer
+    losses, reductions = run_distributed(_losses_and_p2p_reductions, 2, [*base, "parallel.dp_comm=p2p"])[0]
+    assert reductions > 0  # the gradient buckets were reduced peer to peer
     assert losses == pytest.approx(reference, abs=1e-5)
 
 

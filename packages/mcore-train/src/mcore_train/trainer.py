@@ -18,7 +18,7 @@ import torch
 
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
-from mcore_parallel import ParallelState, ShardedTensor
+from mcore_parallel import Group, ParallelState, ShardedTensor
 from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
 from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
@@ -78,7 +78,7 @@ class Run:
                                   self.state.device)  # fmt: skip
 
 
-def _peer_access(group: Any, state: ParallelState) -> str | None:
+def _peer_access(group: Group, state: ParallelState) -> str | None:
     """Why ``group``'s GPUs cannot exchange through symmetric memory (``None`` when they can): CUDA, every rank of
     the group on this host with peer access to this GPU; ranks are placed on hosts as torchrun does:
     ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU = local rank."""

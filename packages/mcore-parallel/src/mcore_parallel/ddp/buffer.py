@@ -25,7 +25,6 @@ over tp, zeroing, the next update).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.state import Group
-from mcore_parallel.tensor.p2p import PeerBuffer
+from mcore_parallel.tensor.p2p import PeerBuffer, on_stream
 
 __all__ = ["Bucket", "GradBuffer"]
 
@@ -175,7 +174,7 @@ class GradBuffer:
         lo, hi = bucket.shard_range(me, self.dp) if self.distributed_optimizer else (bucket.start, bucket.end)
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.grad_data.device))
-        with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+        with on_stream(self._side):
             self._peer_grads.barrier()  # every rank's gradients of this bucket are complete
             mine, tmp = self.grad_data[lo:hi], self._scratch[: hi - lo]
             peers = [(me + i) % self.dp for i in range(1, self.dp)]

@@ -253,10 +253,25 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
 @dataclass
 class _Exchange:
     """How a group's sequence-parallel linears exchange through symmetric memory: PyTorch's fused ops (traced by
-    ``torch.compile`` when ``in_graph``) or, with a ``workspace``, mcore's own exchange (:mod:`.p2p`)."""
+    ``torch.compile`` when ``in_graph``) or, with a ``workspace``, mcore's own exchange (:mod:`.p2p`) behind the
+    same signatures (``ops``)."""
 
     in_graph: bool
     workspace: PeerWorkspace | None = None
+    ops: tuple[Any, Any] | None = None
+
+
+def _mcore_ops(ws: PeerWorkspace) -> tuple[Any, Any]:
+    """mcore's exchange with the signatures of ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``."""
+
+    def gather(a: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str, return_A: bool = True) -> Any:
+        full, y = gather_matmul(ws, a, bs[0])
+        return full, [y]
+
+    def scatter(a: torch.Tensor, b: torch.Tensor, op: str, dim: int, group_name: str) -> torch.Tensor:
+        return matmul_scatter(ws, a, b)
+
+    return gather, scatter
 
 
 # process-group name -> its exchange
@@ -291,7 +306,8 @@ def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str 
     if group.pg is None:
         raise ValueError(f"the {group.kind} group has no process group: symmetric memory needs torch.distributed")
     if exchange == "mcore":
-        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, PeerWorkspace(group, chunks))
+        ws = PeerWorkspace(group, chunks)
+        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, ws, _mcore_ops(ws))
         return
     from torch.distributed import _symmetric_memory
 
@@ -314,20 +330,9 @@ def _symmetric_name(group: Group) -> str | None:
 
 def _fused_ops(name: str) -> tuple[Any, Any]:
     """(all-gather then matmul, matmul then reduce-scatter) for the group ``name``, with the signatures of the
-    ``symm_mem`` ops: PyTorch's, or mcore's exchange behind the same signatures (a seam for CPU tests)."""
-    workspace = _SYMMETRIC_GROUPS[name].workspace
-    if workspace is None:
-        return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
-    ws = workspace
-
-    def gather(a: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str, return_A: bool = True) -> Any:
-        full, y = gather_matmul(ws, a, bs[0])
-        return full, [y]
-
-    def scatter(a: torch.Tensor, b: torch.Tensor, op: str, dim: int, group_name: str) -> torch.Tensor:
-        return matmul_scatter(ws, a, b)
-
-    return gather, scatter
+    ``symm_mem`` ops: PyTorch's, or mcore's exchange (a seam for CPU tests)."""
+    ops = _SYMMETRIC_GROUPS[name].ops
+    return ops or (torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter)
 
 
 class _SymmetricColumnLinear(torch.autograd.Function):

@@ -136,8 +136,7 @@ class PeerWorkspace:
         self.exchanges = 0  # exchanges so far: the next one uses slot ``exchanges % 2``
         self.chunks = chunks
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._handle: Any = None  # CUDA: the symmetric-memory handle
-        self._files: list[torch.Tensor] = []  # CPU: every rank's buffer, mapped here
+        self._buffer: PeerBuffer | None = None  # both slots, as bytes
         self._side: torch.cuda.Stream | None = None
 
     # -- the buffer -------------------------------------------------------------------------------------------------
@@ -147,48 +146,33 @@ class PeerWorkspace:
             return
         slot = -(-nbytes // _ALIGN) * _ALIGN
         if device.type == "cuda":
-            self._grow_cuda(slot, device)
-        else:
-            self._grow_cpu(slot)
-        self.slot_bytes = slot
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"the peer workspace of the {self.group.kind} group must grow to {2 * slot} bytes during CUDA "
+                    "graph capture; run one step before capturing"
+                )
+            # the old buffer may still be read by in-flight exchanges (the side stream's work is ordered before the
+            # compute stream's through the wait at the end of every exchange)
+            torch.cuda.current_stream(device).synchronize()
         self._views.clear()
-
-    def _grow_cuda(self, slot: int, device: torch.device) -> None:
-        from torch.distributed import _symmetric_memory as symm
-
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"the peer workspace of the {self.group.kind} group must grow to {2 * slot} bytes during CUDA graph "
-                "capture; run one step before capturing"
-            )
-        torch.cuda.current_stream(device).synchronize()  # the old buffer may still be read by in-flight exchanges
-        name = self.group.pg.group_name  # type: ignore[union-attr]
-        symm.enable_symm_mem_for_group(name)
-        with torch.cuda.device(device):
-            self._handle = symm.get_symm_mem_workspace(name, min_size=2 * slot)
-        _count(device, 2 * (slot - self.slot_bytes))  # the workspace replaces the smaller one
-
-    def _grow_cpu(self, slot: int) -> None:
-        self._files = _shared_files(self.group, 2 * slot)
+        self._buffer = None  # freed before the larger one is made
+        self._buffer = PeerBuffer(self.group, 2 * slot, torch.uint8, device)
+        self.slot_bytes = slot
 
     def view(self, rank: int, slot: int, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """``shape`` elements of ``dtype`` at element ``offset`` of ``rank``'s slot ``slot`` (cached views)."""
         key = (rank, slot, offset, tuple(shape), dtype)
         t = self._views.get(key)
         if t is None:
+            assert self._buffer is not None, "reserve() first"
             elt = torch.empty((), dtype=dtype).element_size()
-            if self.slot_bytes % elt:
-                raise AssertionError(f"slot size {self.slot_bytes} is not a multiple of {elt}")
-            start = slot * self.slot_bytes // elt + offset
             n = 1
             for d in shape:
                 n *= d
             if (offset + n) * elt > self.slot_bytes:
                 raise AssertionError(f"view of {n} x {dtype} at {offset} overruns a slot of {self.slot_bytes} bytes")
-            if self._handle is not None:
-                t = self._handle.get_buffer(rank, list(shape), dtype, start)
-            else:
-                t = self._files[rank].view(dtype)[start : start + n].view(shape)
+            start = slot * self.slot_bytes + offset * elt  # slots are _ALIGN-aligned: a multiple of any element size
+            t = self._buffer.peer(rank)[start : start + n * elt].view(dtype).view(shape)
             self._views[key] = t
         return t
 
@@ -199,10 +183,8 @@ class PeerWorkspace:
 
     def barrier(self) -> None:
         """Every rank has enqueued (CUDA: executed) everything before this point on its compute stream."""
-        if self._handle is not None:
-            self._handle.barrier(channel=0)
-        else:
-            dist.barrier(group=self.group.pg)
+        assert self._buffer is not None, "reserve() first"
+        self._buffer.barrier()
 
     # -- streams ----------------------------------------------------------------------------------------------------
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -214,7 +196,8 @@ class PeerWorkspace:
 
 
 @contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """``torch.cuda.stream(stream)``, or nothing for ``None`` (CPU)."""
     if stream is None:
         yield
     else:
@@ -250,7 +233,7 @@ def gather_matmul(ws: PeerWorkspace, x: torch.Tensor, b: torch.Tensor) -> tuple[
     rows = [(r * m + lo, r * m + hi) for r in ((me + i) % n_ranks for i in range(1, n_ranks))
             for lo, hi in _pieces(m, ws.chunks)]  # fmt: skip
     arrived = []
-    with _on(side):
+    with on_stream(side):
         for lo, hi in rows:
             r = lo // m
             full[lo:hi].copy_(ws.view(r, slot, (lo - r * m) * x.shape[1], torch.Size((hi - lo, x.shape[1])), x.dtype))
@@ -261,7 +244,7 @@ def gather_matmul(ws: PeerWorkspace, x: torch.Tensor, b: torch.Tensor) -> tuple[
         if current is not None:
             current.wait_event(arrived[i])
         torch.mm(full[lo:hi], b, out=y[lo:hi])
-    with _on(side):
+    with on_stream(side):
         full[me * m : (me + 1) * m].copy_(x)  # for the weight gradient, beside the last GEMMs
     _wait(current, side)  # the peers' slots are read and x is copied before anything else on this stream
     return full, y
@@ -288,7 +271,7 @@ def matmul_scatter(ws: PeerWorkspace, a: torch.Tensor, b: torch.Tensor) -> torch
     pieces = [(i, lo, hi) for i in range(len(peers)) for lo, hi in _pieces(m, ws.chunks)]
     arrived = []
     _wait(side, current)
-    with _on(side):
+    with on_stream(side):
         for i, lo, hi in pieces:
             src = ws.view(peers[i], slot, (me * m + lo) * n, torch.Size((hi - lo, n)), a.dtype)
             pulled[i, lo:hi].copy_(src)
