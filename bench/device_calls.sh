@@ -32,6 +32,8 @@
 #   bash bench/device_calls.sh s17-x2       # nvidia-h200-x2: issue 5's closing table (1 GPU, dp2 +- overlap, tp2 p2p)
 #   bash bench/device_calls.sh s18-x2       # nvidia-h200-x2: issue 5, dp2 peer to peer against NCCL, tp2, one GPU
 #   bash bench/device_calls.sh s19-x2       # nvidia-h200-x2: all 2-GPU parity tests; issue 9 with coordinate descent
+#   bash bench/device_calls.sh s20-x2       # nvidia-h200-x2: issue 10 at 2 GPUs, llama3-8b at tp2 + SP and pp2
+#   bash bench/device_calls.sh s21-x2       # nvidia-h200-x2: issue 10 at 2 GPUs, llama-1b saved at pp2, resumed at tp2 + SP
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -481,6 +483,20 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 scale --steps 6 \
       --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s19-cdt.json" 2>&1 | tail -1 | tee -a "$OUT/s19-x2.log"
     ;;
+  s20-x2)
+    # nvidia-h200-x2 (~8 min), tenth session: issue 10's large model on the two GPUs that are lent (llama3-8b, seq
+    # 8192, tp2 + SP and pp2), MFU against the matmul rate measured first
+    python3 bench/train_scaling_bench.py --preset llama3-8b --recipe llama3-8b --seq 8192 --steps 6 --case-timeout 270 \
+      --measure-peak --cases 2gpu-8b-tp2 2gpu-8b-pp2 --out "$OUT/s20-8b.json" 2>&1 | tee "$OUT/s20-8b.log"
+    ;;
+  s21-x2)
+    # nvidia-h200-x2 (~5 min), tenth session: issue 10's resharding on real GPUs at the size that is lent: llama-1b
+    # trained at pp2, resumed at tp2 + SP, against the run that never stopped
+    timeout 560 python3 bench/reshard_continue.py --world 2 --first parallel.pp=2 \
+      --second parallel.tp=2 parallel.sequence_parallel=true --steps 30 \
+      --extra training.micro_batch_size=4 training.global_batch_size=16 --out "$OUT/s21-reshard.json" 2>&1 \
+      | tail -40 | tee "$OUT/s21-reshard.log"
+    ;;
   s14-table)
     # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
     # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
@@ -517,7 +533,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|pending-x2|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|s20-x2|s21-x2|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

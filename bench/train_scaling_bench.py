@@ -144,6 +144,13 @@ CASES["dp2-compile-swiglu-gaf-nccl-no-overlap"] = (2, [*CASES["dp2-compile-swigl
 CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
                                                  "parallel.tp_comm_chunks=1"])  # fmt: skip
 
+# llama3-8b on the two GPUs of an nvidia-h200-x2 (issue 10's large model, until 8 GPUs are lent; run with --preset
+# llama3-8b --recipe llama3-8b --seq 8192): tp2 + SP through mcore's exchange, and pp2 (1F1B) without tensor parallelism
+_8B = [_COMPILE, _SWIGLU, _GAF, "training.micro_batch_size=1"]
+CASES["2gpu-8b-tp2"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "training.global_batch_size=8", *_8B])
+CASES["2gpu-8b-pp2"] = (2, ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
+                            "training.global_batch_size=16", *_8B])  # fmt: skip
+
 
 def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     run_dir = workdir / name
