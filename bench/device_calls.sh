@@ -34,6 +34,8 @@
 #   bash bench/device_calls.sh s19-x2       # nvidia-h200-x2: all 2-GPU parity tests; issue 9 with coordinate descent
 #   bash bench/device_calls.sh s20-x2       # nvidia-h200-x2: issue 10 at 2 GPUs, llama3-8b at tp2 + SP and pp2
 #   bash bench/device_calls.sh s21-x2       # nvidia-h200-x2: issue 10 at 2 GPUs, llama-1b saved at pp2, resumed at tp2 + SP
+#   bash bench/device_calls.sh s22          # one GPU: issue 9, kernel-time profile of the best case
+#   bash bench/device_calls.sh s23          # one GPU: issue 9, the QKV split + RoPE kernel against PyTorch's ops
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -497,6 +499,24 @@ case "${1:-}" in
       --extra training.micro_batch_size=4 training.global_batch_size=16 --out "$OUT/s21-reshard.json" 2>&1 \
       | tail -40 | tee "$OUT/s21-reshard.log"
     ;;
+  s22)
+    # one H200 (~3 min), tenth session: where the step of issue 9's best case goes now (kernel-time profile of steps
+    # 4-5, global batch 64, micro-batch 8, no contiguous q/k/v copies)
+    scale --steps 6 --profile "$OUT" --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s22.json" 2>&1 \
+      | tail -3 | tee "$OUT/s22.log"
+    ;;
+  s23)
+    # one H200 (~8 min), tenth session: the QKV split + RoPE kernel (model.rope_kernel=triton, the default) on the GPU:
+    # its tests, then issue 9's best case with PyTorch's RoPE and with the kernel, twice each, alternating; then a
+    # profile of the kernel case
+    timeout 120 python3 -m pytest -q -m gpu tests/models/test_qkv_rope.py -p no:cacheprovider 2>&1 | tail -3 \
+      | tee "$OUT/s23.log"
+    scale --measure-peak --steps 8 --cases 1gpu-compile-mb8-gbs64-swiglu-gaf-rope-torch 1gpu-compile-mb8-gbs64-swiglu-gaf \
+      1gpu-compile-mb8-gbs64-swiglu-gaf-rope-torch 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s23.json" 2>&1 \
+      | tail -7 | tee -a "$OUT/s23.log"
+    scale --steps 6 --profile "$OUT" --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s23-profile.json" 2>&1 \
+      | tail -1 | tee -a "$OUT/s23.log"
+    ;;
   s14-table)
     # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
     # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
@@ -533,7 +553,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|s20-x2|s21-x2|pending-x2|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|s20-x2|s21-x2|s22|s23|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac

@@ -144,6 +144,11 @@ CASES["dp2-compile-swiglu-gaf-nccl-no-overlap"] = (2, [*CASES["dp2-compile-swigl
 CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
                                                  "parallel.tp_comm_chunks=1"])  # fmt: skip
 
+# the best case with RoPE and the QKV split through PyTorch's ops (inductor's kernels) instead of mcore's Triton kernel
+# (model.rope_kernel=triton, the default since the tenth session)
+CASES["1gpu-compile-mb8-gbs64-swiglu-gaf-rope-torch"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF,
+                                                             "model.rope_kernel=torch"])  # fmt: skip
+
 # llama3-8b on the two GPUs of an nvidia-h200-x2 (issue 10's large model, until 8 GPUs are lent; run with --preset
 # llama3-8b --recipe llama3-8b --seq 8192): tp2 + SP through mcore's exchange, and pp2 (1F1B) without tensor parallelism
 _8B = [_COMPILE, _SWIGLU, _GAF, "training.micro_batch_size=1"]

@@ -104,6 +104,11 @@ class TransformerConfig:
     """Backward of the SwiGLU activation: triton (the default: one pass over the elements on CUDA,
     ``mcore_models.transformer.swiglu``; PyTorch ops on the CPU) or torch (PyTorch's autograd, fused by
     torch.compile). The same math; only speed differs (llama-1b on an H200: +1.6% tokens/s with triton)."""
+    rope_kernel: str = "triton"
+    """Training's split of the QKV projection into queries, keys and values with RoPE on the queries and keys:
+    triton (the default: one kernel each way on CUDA, ``mcore_models.transformer.qkv_rope``; PyTorch ops on the CPU)
+    or torch (PyTorch ops, fused by torch.compile into three kernels forward and two backward). The same math; only
+    speed differs. Used where RoPE rotates whole heads without q/k layernorm."""
     cross_entropy_fusion: bool = False
     """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
     logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
@@ -188,6 +193,7 @@ class TransformerConfig:
             ("params_dtype", tuple(DTYPES)),
             ("attention_backend", ATTENTION_BACKENDS),
             ("swiglu_backward", ("torch", "triton")),
+            ("rope_kernel", ("torch", "triton")),
         ):
             if getattr(self, name) not in allowed:
                 p.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import build_norm
+from mcore_models.transformer.qkv_rope import qkv_rope
 from mcore_models.transformer.rope import apply_rotary
 from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, linear_partials, row_linear
 from mcore_parallel.tensor import normal_init, scaled_normal_init
@@ -127,6 +128,7 @@ class SelfAttention(nn.Module):
         else:
             self.q_layernorm = self.k_layernorm = None  # type: ignore[assignment]
         self.core_attention = spec.core_attention(config, ctx)
+        self.rope_kernel = config.rope_kernel == "triton"
         out_init = (
             scaled_normal_init(config.init_method_std, config.num_layers)
             if config.scaled_output_init
@@ -168,7 +170,16 @@ class SelfAttention(nn.Module):
             # the context's kernels read q/k/v in place and rotate q and k as they load them
             q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
             return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary))
-        if rotary is not None and self.q_layernorm is None:
+        if (
+            self.rope_kernel
+            and inference_context is None
+            and rotary is not None
+            and self.q_layernorm is None
+            and rotary[0].shape[-1] == self.head_dim
+        ):
+            # training: split and rotate in one kernel each way (mcore_models.transformer.qkv_rope)
+            q, k, v = qkv_rope(qkv.view(s, b, -1), rotary[0], rotary[1], self.groups, self.head_dim)
+        elif rotary is not None and self.q_layernorm is None:
             # queries and keys of every group rotated together: one set of elementwise kernels instead of two
             cos, sin = rotary
             qk = apply_rotary(qkv[:, :, :, : per_group + 1], cos[:, :, :, None], sin[:, :, :, None])
