@@ -36,6 +36,7 @@
 #   bash bench/device_calls.sh s21-x2       # nvidia-h200-x2: issue 10 at 2 GPUs, llama-1b saved at pp2, resumed at tp2 + SP
 #   bash bench/device_calls.sh s22          # one GPU: issue 9, kernel-time profile of the best case
 #   bash bench/device_calls.sh s23          # one GPU: issue 9, the QKV split + RoPE kernel against PyTorch's ops
+#   bash bench/device_calls.sh s24-curves   # one GPU: issue 9, 200-step curves of the best path against eager PyTorch
 #   bash bench/device_calls.sh s13          # one GPU: issue 9, the best levers at global batch 64 and 256
 #   bash bench/device_calls.sh s11          # one GPU: the HTTP row cold and warm, the matmul rate sustained
 #   bash bench/device_calls.sh s10          # one GPU: issue 7, the whole serve table with the default engine (carry .whl)
@@ -517,6 +518,15 @@ case "${1:-}" in
     scale --steps 6 --profile "$OUT" --cases 1gpu-compile-mb8-gbs64-swiglu-gaf --out "$OUT/s23-profile.json" 2>&1 \
       | tail -1 | tee -a "$OUT/s23.log"
     ;;
+  s24-curves)
+    # one GPU (~6 min), tenth session, issue 9: 200 steps of llama-1b at seq 1024, the path of the best number (compiled
+    # layers and loss, Triton SwiGLU backward and QKV/RoPE kernels, weight-gradient fusion) against eager
+    # PyTorch-only layers
+    timeout 470 python3 bench/compare_runs.py --steps 200 --a model.swiglu_backward=torch model.rope_kernel=torch \
+      --b training.compile=layers parallel.gradient_accumulation_fusion=true \
+      --extra model.preset=llama-1b data.seq_length=1024 training.micro_batch_size=4 training.global_batch_size=8 \
+      scheduler.warmup_iters=20 --out "$OUT/curves-s24.json" 2>&1 | tail -30 | tee "$OUT/curves-s24.log"
+    ;;
   s14-table)
     # one H200 (~6 min), next session, issue 9's acceptance table in one call with the eighth session's best case:
     # Hugging Face LlamaForCausalLM (pure bf16 AdamW, eager and per-layer compiled) next to mcore's loop at global
@@ -553,7 +563,7 @@ case "${1:-}" in
       | tail -40 | tee "$OUT/x8-reshard.log"
     ;;
   *)
-    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|s20-x2|s21-x2|s22|s23|pending-x2|gpu-tests|x8|x8-large" >&2
+    echo "usage: bash bench/device_calls.sh ladder|scaling|ckpt|serve|curves|matrix|call1|agree|pending|profile-x2|nccl-x2|diag-x2|final|next|next-serve|next-x2|s5-x2|s5-serve|s5-serve2|s6-table|s6-curves|s6-autotune|s6-x2|s7-x2|s7-serve|s8|s9-serve|s9-final|s10|s10-x2|s11|s12-x2|s13|s14-table|s15-x2|s16-x2|s17-x2|s18-x2|s19-x2|s20-x2|s21-x2|s22|s23|s24-curves|pending-x2|gpu-tests|x8|x8-large" >&2
     exit 2
     ;;
 esac
