@@ -35,6 +35,7 @@ CASES = [  # s, b, groups, heads per group, head dim, per-sample positions
     (9, 2, 3, 1, 8, True),  # multi-head attention (a key per query head), heads not a power of two
     (4, 1, 1, 6, 32, False),  # multi-query
     (17, 2, 4, 2, 64, True),
+    (3, 2, 2, 4, 128, False),  # llama3-8b's head dim
 ]
 
 
