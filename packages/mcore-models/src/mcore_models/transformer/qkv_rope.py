@@ -23,15 +23,12 @@ from typing import Any
 
 import torch
 
+from mcore_models.transformer.rope import _rotate_half
+
 __all__ = ["qkv_rope", "qkv_rope_backward_reference", "qkv_rope_reference"]
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ROWS = 8  # tokens per program
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 def qkv_rope_reference(
