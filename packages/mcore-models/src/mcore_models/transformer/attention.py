@@ -170,21 +170,16 @@ class SelfAttention(nn.Module):
             # the context's kernels read q/k/v in place and rotate q and k as they load them
             q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
             return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary))
-        if (
-            self.rope_kernel
-            and inference_context is None
-            and rotary is not None
-            and self.q_layernorm is None
-            and rotary[0].shape[-1] == self.head_dim
-        ):
-            # training: split and rotate in one kernel each way (mcore_models.transformer.qkv_rope)
-            q, k, v = qkv_rope(qkv.view(s, b, -1), rotary[0], rotary[1], self.groups, self.head_dim)
-        elif rotary is not None and self.q_layernorm is None:
-            # queries and keys of every group rotated together: one set of elementwise kernels instead of two
+        if rotary is not None and self.q_layernorm is None:
             cos, sin = rotary
-            qk = apply_rotary(qkv[:, :, :, : per_group + 1], cos[:, :, :, None], sin[:, :, :, None])
-            q = qk[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-            k = qk[:, :, :, per_group]
+            if self.rope_kernel and inference_context is None and cos.shape[-1] == self.head_dim:
+                # training: split and rotate in one kernel each way (mcore_models.transformer.qkv_rope)
+                q, k, v = qkv_rope(qkv.view(s, b, -1), cos, sin, self.groups, self.head_dim)
+            else:
+                # queries and keys of every group rotated together: one set of elementwise kernels instead of two
+                qk = apply_rotary(qkv[:, :, :, : per_group + 1], cos[:, :, :, None], sin[:, :, :, None])
+                q = qk[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+                k = qk[:, :, :, per_group]
         else:
             q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
             k = qkv[:, :, :, per_group]
