@@ -1,5 +1,5 @@
 """A compiled tp2 + SP GPT whose symmetric-memory sequence-parallel linears are traced into the compiled layers
-(``enable_symmetric_memory(in_graph=True)``, training's ``parallel.tp_comm_in_graph``) matches one eager process, on
+(``with_symmetric_memory(in_graph=True)``, training's ``parallel.tp_comm_in_graph``) matches one eager process, on
 CPU with gloo: the ``symm_mem`` ops get CPU kernels from PyTorch's reference implementations
 (``tests/parallel/test_tp_layers.py``); the CUDA kernels are tested on GPUs."""
 
@@ -15,23 +15,20 @@ def _model_in_graph(tp: int) -> tuple[float, dict[str, torch.Tensor], int]:
     """A compiled GPT at tp + SP with the symmetric-memory linears traced into its layers: per-token loss, gathered
     gradients of two weights, and the number of graph breaks at the eager collectives."""
     from mcore_models import GPTModel
-    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory
+    from mcore_parallel.tensor import with_symmetric_memory
     from mcore_parallel.tensor._comm import all_gather
     from tests._model_configs import llama
 
     t._register_cpu_symmetric_ops()
     state = t._state(tp, True)
-    model = GPTModel(llama(params_dtype="float32"), tp=state.tp, sequence_parallel=True).train()
-    enable_symmetric_memory(state.tp, in_graph=True)
-    try:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        model.compile_layers()
-        tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
-        loss = model(tokens, labels=tokens)
-        loss.mean().backward()
-    finally:
-        disable_symmetric_memory(state.tp)
+    group = with_symmetric_memory(state.tp, in_graph=True)
+    model = GPTModel(llama(params_dtype="float32"), tp=group, sequence_parallel=True).train()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.compile_layers()
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens, labels=tokens)
+    loss.mean().backward()
     layer = next(iter(model.decoder.layers.values()))
     gate, up = layer.mlp.linear_fc1.weight.grad.chunk(2, 0)  # each rank holds [its gate rows; its up rows]
     grads = {

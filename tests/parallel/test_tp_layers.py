@@ -7,11 +7,14 @@ tensors. fp32 is checked tightly, bf16 loosely.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_parallel import ParallelConfig, ParallelState
+from mcore_parallel import Group, ParallelConfig, ParallelState
 from mcore_parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,6 +35,15 @@ def _state(tp: int, sp: bool) -> ParallelState:
     return ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=sp))
 
 
+def _with_exchange(state: ParallelState, exchange: dict[str, Any] | None) -> ParallelState:
+    """``state`` whose tp group carries a symmetric-memory exchange (``with_symmetric_memory(**exchange)``)."""
+    if exchange is None:
+        return state
+    from mcore_parallel.tensor import with_symmetric_memory
+
+    return dataclasses.replace(state, tp=with_symmetric_memory(state.tp, **exchange))
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     torch.testing.assert_close(
         actual.double().cpu(), expected.double().cpu(), **TOL[dtype], msg=lambda m: f"{what}: {m}"
@@ -42,8 +54,10 @@ def _seq_chunk(t: torch.Tensor, state: ParallelState, sp: bool) -> torch.Tensor:
     return t.chunk(state.tp.size, 0)[state.tp.rank] if sp and state.tp.size > 1 else t
 
 
-def _column(tp: int, sp: bool, dtype: torch.dtype, gather_output: bool, device: str = "cpu") -> None:
-    state = _state(tp, sp)
+def _column(
+    tp: int, sp: bool, dtype: torch.dtype, gather_output: bool, device: str = "cpu", exchange: Any = None
+) -> None:
+    state = _with_exchange(_state(tp, sp), exchange)
     torch.manual_seed(1234)
     ref = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
     x = torch.randn(S, B, H_IN, dtype=torch.float64, requires_grad=True)
@@ -74,8 +88,10 @@ def _column(tp: int, sp: bool, dtype: torch.dtype, gather_output: bool, device: 
     _close(layer.bias.grad, ref.bias.grad.chunk(n, 0)[r], dtype, "bias grad")
 
 
-def _row(tp: int, sp: bool, dtype: torch.dtype, input_is_parallel: bool, device: str = "cpu") -> None:
-    state = _state(tp, sp)
+def _row(
+    tp: int, sp: bool, dtype: torch.dtype, input_is_parallel: bool, device: str = "cpu", exchange: Any = None
+) -> None:
+    state = _with_exchange(_state(tp, sp), exchange)
     torch.manual_seed(4321)
     ref = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
     x = torch.randn(S, B, H_IN, dtype=torch.float64, requires_grad=True)
@@ -207,9 +223,8 @@ def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu", exch
     own reference implementations of them (all-gather / reduce-scatter then matmul, over gloo): what is tested is
     this package's use of them (shapes, gather and scatter dimensions, the backward formulas). mcore's exchange runs
     for real on CPU (shared-memory buffers)."""
-    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
+    from mcore_parallel.tensor import mappings
 
-    state = _state(tp, True)
     real_ops = mappings._fused_ops
     calls = {"gather": 0, "scatter": 0}
     if device == "cpu" and exchange == "torch":
@@ -223,15 +238,13 @@ def _symmetric(kind: str, tp: int, dtype: torch.dtype, device: str = "cpu", exch
             calls["scatter"] += 1
             return symm._fused_matmul_reduce_scatter_fallback(*a)  # type: ignore[arg-type]
 
-        mappings._fused_ops = lambda name: (gather, scatter)  # type: ignore[assignment]
-    enable_symmetric_memory(state.tp, exchange=exchange)
+        mappings._fused_ops = lambda ops: (gather, scatter)  # type: ignore[assignment]
     try:
         if kind == "column":
-            _column(tp, True, dtype, False, device)
+            _column(tp, True, dtype, False, device, {"exchange": exchange})
         else:
-            _row(tp, True, dtype, True, device)
+            _row(tp, True, dtype, True, device, {"exchange": exchange})
     finally:
-        disable_symmetric_memory(state.tp)
         mappings._fused_ops = real_ops  # type: ignore[method-assign]  # worker processes run later tests too
     if device == "cpu" and exchange == "torch":
         assert calls == {"gather": 1, "scatter": 1}, calls  # forward one op, backward the other
@@ -251,23 +264,31 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: in
     (float32); in bfloat16, whose rounding grows through the blocks, they are about as far from it as the NCCL
     path's run on the same inputs (at most twice its error plus 3% of the tensor's largest element: wrong rows or a
     stale slot are off by the size of the elements themselves)."""
-    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory, mappings
+    from mcore_parallel.tensor import with_symmetric_memory
 
     state = _state(tp, True)
+    symmetric = with_symmetric_memory(state.tp, exchange="mcore", chunks=chunks)
     r, n = state.tp.rank, state.tp.size
     torch.manual_seed(11)
     refs = [(torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64), torch.nn.Linear(H_OUT, H_IN, bias=False,
              dtype=torch.float64)) for _ in range(3)]  # fmt: skip
-    layers = []
-    for ref1, ref2 in refs:
-        col = ColumnParallelLinear(H_IN, H_OUT, tp=state.tp, sequence_parallel=True, dtype=dtype, device=device)
-        row = RowParallelLinear(H_OUT, H_IN, tp=state.tp, sequence_parallel=True, input_is_parallel=True, bias=False,
-                                dtype=dtype, device=device)  # fmt: skip
-        with torch.no_grad():
-            col.weight.copy_(ref1.weight.chunk(n, 0)[r])
-            col.bias.copy_(ref1.bias.chunk(n, 0)[r])
-            row.weight.copy_(ref2.weight.chunk(n, 1)[r])
-        layers.append((col, row))
+
+    def stack(group: Group) -> list[tuple[ColumnParallelLinear, RowParallelLinear]]:
+        layers = []
+        for ref1, ref2 in refs:
+            col = ColumnParallelLinear(H_IN, H_OUT, tp=group, sequence_parallel=True, dtype=dtype, device=device)
+            row = RowParallelLinear(H_OUT, H_IN, tp=group, sequence_parallel=True, input_is_parallel=True,
+                                    bias=False, dtype=dtype, device=device)  # fmt: skip
+            with torch.no_grad():
+                col.weight.copy_(ref1.weight.chunk(n, 0)[r])
+                col.bias.copy_(ref1.bias.chunk(n, 0)[r])
+                row.weight.copy_(ref2.weight.chunk(n, 1)[r])
+            layers.append((col, row))
+        return layers
+
+    stacks = {"nccl": stack(state.tp)}
+    with torch.random.fork_rng():  # the inputs below are drawn from the same generator state either way
+        stacks["mcore"] = stack(symmetric)
     inputs = [(torch.randn(S, batch, H_IN, dtype=torch.float64), torch.randn(S, batch, H_IN, dtype=torch.float64))
               for batch in (B, 2 * B)]  # fmt: skip
 
@@ -282,7 +303,7 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: in
     for ref1, ref2 in refs:  # accumulated over both passes
         expected += [ref1.weight.grad.chunk(n, 0)[r], ref1.bias.grad.chunk(n, 0)[r], ref2.weight.grad.chunk(n, 1)[r]]
 
-    def run() -> list[torch.Tensor]:
+    def run(layers: list[tuple[ColumnParallelLinear, RowParallelLinear]]) -> list[torch.Tensor]:
         for col, row in layers:
             col.weight.grad = col.bias.grad = row.weight.grad = None
         got = []
@@ -297,14 +318,11 @@ def _exchange_stack(tp: int, dtype: torch.dtype, device: str = "cpu", chunks: in
             got += [col.weight.grad, col.bias.grad, row.weight.grad]
         return got
 
-    nccl = run()
-    enable_symmetric_memory(state.tp, exchange="mcore", chunks=chunks)
-    try:
-        workspace = mappings._SYMMETRIC_GROUPS[str(state.tp.pg.group_name)].workspace
-        mcore = run()
-        assert workspace is not None and workspace.exchanges == 2 * 12  # 6 linears, forward and backward, twice
-    finally:
-        disable_symmetric_memory(state.tp)
+    nccl = run(stacks["nccl"])
+    workspace = symmetric.exchange.workspace
+    assert workspace is not None and workspace.exchanges == 0  # the NCCL stack (the plain group) never used it
+    mcore = run(stacks["mcore"])
+    assert workspace.exchanges == 2 * 12  # 6 linears, forward and backward, twice
     for i, (got, base, ref) in enumerate(zip(mcore, nccl, expected, strict=True)):
         if dtype == torch.float32:
             _close(got, ref, dtype, f"tensor {i}")
@@ -330,15 +348,17 @@ def test_mcore_exchange_in_any_number_of_pieces(chunks: int) -> None:
 
 def test_mcore_exchange_argument_errors() -> None:
     from mcore_parallel import Group
-    from mcore_parallel.tensor import enable_symmetric_memory
+    from mcore_parallel.tensor import with_symmetric_memory
 
     group = Group("tp", (0, 1), 0)
     with pytest.raises(ValueError, match="exchange='nvshmem' must be one of torch, mcore"):
-        enable_symmetric_memory(group, exchange="nvshmem")
+        with_symmetric_memory(group, exchange="nvshmem")
     with pytest.raises(ValueError, match="chunks=0 must be at least 1"):
-        enable_symmetric_memory(group, exchange="mcore", chunks=0)
+        with_symmetric_memory(group, exchange="mcore", chunks=0)
     with pytest.raises(ValueError, match="in_graph=True traces PyTorch's fused ops"):
-        enable_symmetric_memory(group, in_graph=True, exchange="mcore")
+        with_symmetric_memory(group, in_graph=True, exchange="mcore")
+    single = Group.single("tp")
+    assert with_symmetric_memory(single, exchange="mcore") is single  # one rank: nothing to exchange
 
 
 _CPU_SYMM_LIB: list[object] = []
@@ -358,12 +378,10 @@ def _register_cpu_symmetric_ops() -> None:
 
 
 def _symmetric_in_graph(tp: int) -> None:
-    """``enable_symmetric_memory(in_graph=True)``: a column then a row sequence-parallel linear compiled as one graph
+    """``with_symmetric_memory(in_graph=True)``: a column then a row sequence-parallel linear compiled as one graph
     (``fullgraph=True``: no graph break at the fused ops) give the float64 reference's output and gradients."""
-    from mcore_parallel.tensor import disable_symmetric_memory, enable_symmetric_memory
-
     _register_cpu_symmetric_ops()
-    state = _state(tp, True)
+    state = _with_exchange(_state(tp, True), {"in_graph": True})
     torch.manual_seed(7)
     ref1 = torch.nn.Linear(H_IN, H_OUT, dtype=torch.float64)
     ref2 = torch.nn.Linear(H_OUT, H_IN, bias=False, dtype=torch.float64)
@@ -378,16 +396,12 @@ def _symmetric_in_graph(tp: int) -> None:
         col.weight.copy_(ref1.weight.chunk(n, 0)[r])
         col.bias.copy_(ref1.bias.chunk(n, 0)[r])
         row.weight.copy_(ref2.weight.chunk(n, 1)[r])
-    enable_symmetric_memory(state.tp, in_graph=True)
-    try:
-        torch._dynamo.reset()
-        f = torch.compile(lambda t: row(torch.relu(col(t))), fullgraph=True)
-        x_local = _seq_chunk(x.detach(), state, True).float().requires_grad_()
-        y = f(x_local)
-        _close(y, _seq_chunk(ref2(torch.relu(ref1(x))).detach(), state, True), torch.float32, "output")
-        (y * _seq_chunk(dy, state, True).float()).sum().backward()
-    finally:
-        disable_symmetric_memory(state.tp)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: row(torch.relu(col(t))), fullgraph=True)
+    x_local = _seq_chunk(x.detach(), state, True).float().requires_grad_()
+    y = f(x_local)
+    _close(y, _seq_chunk(ref2(torch.relu(ref1(x))).detach(), state, True), torch.float32, "output")
+    (y * _seq_chunk(dy, state, True).float()).sum().backward()
     _close(x_local.grad, _seq_chunk(x.grad, state, True), torch.float32, "input grad")
     _close(col.weight.grad, ref1.weight.grad.chunk(n, 0)[r], torch.float32, "column weight grad")
     _close(row.weight.grad, ref2.weight.grad.chunk(n, 1)[r], torch.float32, "row weight grad")

@@ -113,50 +113,6 @@ def test_tp_comm_choices_are_checked() -> None:
         config("parallel.tp_comm=p2p", "parallel.tp=2")
 
 
-def test_tp_and_dp_comm_auto_pick_the_p2p_exchange_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace as NS
-
-    import torch
-
-    from mcore_train.trainer import resolve_dp_comm, resolve_tp_comm
-
-    peer = {(0, 1): True, (1, 0): True, (0, 2): False}
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer.get((a, b), True))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-
-    def state(rank: int, tp_ranks: tuple[int, ...], device: str = "cuda") -> NS:
-        local = rank % 4
-        dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
-        group = NS(kind="tp", size=len(tp_ranks), ranks=tp_ranks)
-        return NS(rank=rank, local_rank=local, device=dev, tp=group, dp_cp=NS(**{**group.__dict__, "kind": "dp"}))
-
-    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "p2p"
-    assert resolve_tp_comm("auto", True, state(5, (4, 5))) == "p2p"  # second host, its own GPUs 0, 1
-    assert resolve_tp_comm("auto", False, state(0, (0, 1))) == "nccl"  # no sequence parallelism
-    assert resolve_tp_comm("auto", True, state(0, (0,))) == "nccl"  # tp = 1
-    assert resolve_tp_comm("auto", True, state(0, (0, 1), "cpu")) == "nccl"
-    assert resolve_tp_comm("auto", True, state(3, (3, 4))) == "nccl"  # spans two hosts
-    assert resolve_tp_comm("auto", True, state(0, (0, 2))) == "nccl"  # no peer access
-    assert resolve_tp_comm("nccl", True, state(0, (0, 1))) == "nccl"  # an explicit choice is kept
-    assert resolve_tp_comm("symmetric_memory", True, state(0, (0, 1))) == "symmetric_memory"
-    # the data-parallel group: the same rules, without the sequence-parallel condition
-    assert resolve_dp_comm("auto", state(0, (0, 1))) == "p2p"
-    assert resolve_dp_comm("auto", state(0, (0,))) == "nccl"  # dp = 1
-    assert resolve_dp_comm("auto", state(3, (3, 4))) == "nccl"  # spans two hosts
-    assert resolve_dp_comm("auto", state(0, (0, 2))) == "nccl"  # no peer access
-    assert resolve_dp_comm("auto", state(0, (0, 1), "cpu")) == "nccl"
-    assert resolve_dp_comm("nccl", state(0, (0, 1))) == "nccl"
-    # larger groups: what was measured on GPUs (p2p at 2 ranks only); p2p still on request
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    assert resolve_tp_comm("auto", True, state(0, (0, 1, 2, 3))) == "symmetric_memory"
-    assert resolve_dp_comm("auto", state(0, (0, 1, 2, 3))) == "nccl"
-    assert resolve_tp_comm("p2p", True, state(0, (0, 1, 2, 3))) == "p2p"
-    assert resolve_dp_comm("p2p", state(0, (0, 1, 2, 3))) == "p2p"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per host
-    assert resolve_tp_comm("auto", True, state(0, (0, 1))) == "nccl"
-
-
 def _setup_error() -> str:
     from mcore_train.trainer import setup
 

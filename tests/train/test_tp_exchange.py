@@ -13,11 +13,19 @@ from tests.train._util import config
 
 
 def _losses_and_exchanges(overrides: list[str]) -> tuple[list[float], int]:
-    from mcore_parallel.tensor import mappings
+    from mcore_parallel.tensor.p2p import PeerWorkspace
 
-    losses = pretrain(config(*overrides)).losses
-    exchanges = [e.workspace.exchanges for e in mappings._SYMMETRIC_GROUPS.values() if e.workspace is not None]
-    return losses, sum(exchanges)
+    real, calls = PeerWorkspace.next_slot, [0]
+
+    def counted(self: PeerWorkspace) -> int:
+        calls[0] += 1
+        return real(self)
+
+    PeerWorkspace.next_slot = counted  # type: ignore[method-assign]
+    try:
+        return pretrain(config(*overrides)).losses, calls[0]
+    finally:
+        PeerWorkspace.next_slot = real  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("extra", [[], ["parallel.gradient_accumulation_fusion=true"]], ids=["plain", "fused-wgrad"])

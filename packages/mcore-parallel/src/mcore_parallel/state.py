@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,18 @@ class Group:
     ``ranks`` are global ranks in group order; ``rank`` is this process's index in the group (``-1`` when this
     process is not a member, which happens only for the embedding groups). ``pg`` is ``None`` when the group has
     one member (all collectives are then no-ops) or when torch.distributed is not in use.
+
+    ``exchange`` says how layers built with this group exchange activations where there is a choice (``None``: the
+    NCCL collectives; a :class:`~mcore_parallel.tensor.SymmetricExchange` from
+    :func:`~mcore_parallel.tensor.with_symmetric_memory`: peer-to-peer copies through symmetric memory). It travels
+    with the value: there is no registry keyed by group.
     """
 
     kind: str
     ranks: tuple[int, ...]
     rank: int
     pg: dist.ProcessGroup | None = field(default=None, repr=False)
+    exchange: Any = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -89,6 +96,9 @@ class ParallelState:
     embedding: Group
     position_embedding: Group
     world: Group
+    local_world_size: int = 1
+    """Processes on this host (the launcher's ``LOCAL_WORLD_SIZE``): ranks are placed on hosts as torchrun does,
+    ``local_world_size`` consecutive ranks per host, GPU = local rank."""
 
     # ----------------------------------------------------------------------------------------------- building
     @classmethod
@@ -108,7 +118,8 @@ class ParallelState:
         """
         config = config or ParallelConfig()
         if dist.is_available() and dist.is_initialized():
-            rank, world, local_rank = dist.get_rank(), dist.get_world_size(), (env or read_launch_env()).local_rank
+            env = env or read_launch_env()
+            rank, world, local_rank = dist.get_rank(), dist.get_world_size(), env.local_rank
             backend = dist.get_backend()
             use_dist = True
         else:
@@ -158,7 +169,15 @@ class ParallelState:
         ]  # fmt: skip
         groups = {k: make(k) for k in kinds}
         state = cls(
-            config, layout, rank, world, local_rank, backend if use_dist else None, torch.device(device), **groups
+            config,
+            layout,
+            rank,
+            world,
+            local_rank,
+            backend if use_dist else None,
+            torch.device(device),
+            **groups,
+            local_world_size=env.local_world_size,
         )
         if rank == 0:
             logger.info(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,13 @@ import torch
 
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
-from mcore_parallel import Group, ParallelState, ShardedTensor
+from mcore_parallel import ParallelState, ShardedTensor
 from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
 from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
-from mcore_parallel.tensor import RNGStatesTracker, enable_symmetric_memory, model_parallel_seed
+from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed, with_symmetric_memory
+from mcore_parallel.topology import resolve_dp_comm, resolve_tp_comm
 from mcore_train.config import TrainConfig
 from mcore_train.data import MicroBatchIterator, RunData, build_run_data
 from mcore_train.errors import ConfigError
@@ -76,74 +76,6 @@ class Run:
         mbs = self.config.training.micro_batch_size
         return MicroBatchIterator(dataset, self.batch_config, mbs, self.state.dp.rank, self.state.dp_size, start,
                                   self.state.device)  # fmt: skip
-
-
-def _peer_access(group: Group, state: ParallelState) -> str | None:
-    """Why ``group``'s GPUs cannot exchange through symmetric memory (``None`` when they can): CUDA, every rank of
-    the group on this host with peer access to this GPU; ranks are placed on hosts as torchrun does:
-    ``LOCAL_WORLD_SIZE`` consecutive ranks per host, GPU = local rank."""
-    if state.device.type != "cuda":
-        return "not on CUDA"
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    first = state.rank - state.local_rank
-    if local_world < group.size or any(not first <= r < first + local_world for r in group.ranks):
-        return f"the {group.kind} group spans hosts"
-    me = state.device.index if state.device.index is not None else state.local_rank
-    peers = [r - first for r in group.ranks if r != state.rank]
-    if any(d >= torch.cuda.device_count() for d in peers) or not all(
-        torch.cuda.can_device_access_peer(me, d) for d in peers
-    ):
-        return f"no peer access between the {group.kind} group's GPUs"
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError:
-        return "this PyTorch has no symmetric memory"
-    return None
-
-
-# Group sizes at which ``auto`` picks mcore's p2p exchanges: those measured and parity-tested on GPUs (2x H200).
-# Larger groups are tested on CPU only; ``p2p`` can be asked for explicitly at any size.
-P2P_AUTO_SIZES = (2,)
-
-
-def resolve_tp_comm(tp_comm: str, sequence_parallel: bool, state: ParallelState) -> str:
-    """``parallel.tp_comm`` for this run: ``auto`` becomes ``p2p`` (mcore's exchange over symmetric memory) when the
-    sequence-parallel linears can use it (tp > 1 with sequence parallelism, and :func:`_peer_access`) at a size in
-    ``P2P_AUTO_SIZES``, ``symmetric_memory`` (PyTorch's fused ops) at other sizes, else ``nccl``."""
-    if tp_comm != "auto":
-        return tp_comm
-    if state.tp.size < 2 or not sequence_parallel:
-        return "nccl"
-    why_not = _peer_access(state.tp, state)
-    if why_not is not None:
-        logger.info("parallel.tp_comm=auto: %s, using nccl", why_not)
-        return "nccl"
-    if state.tp.size not in P2P_AUTO_SIZES:
-        logger.info("parallel.tp_comm=auto: PyTorch's fused symmetric-memory ops at tp%d (mcore's p2p exchange is "
-                    "measured on GPUs at tp2 only; parallel.tp_comm=p2p asks for it)", state.tp.size)  # fmt: skip
-        return "symmetric_memory"
-    logger.info("parallel.tp_comm=auto: sequence-parallel linears through mcore's exchange over symmetric memory (p2p)")
-    return "p2p"
-
-
-def resolve_dp_comm(dp_comm: str, state: ParallelState) -> str:
-    """``parallel.dp_comm`` for this run: ``auto`` becomes ``p2p`` (gradient and parameter exchange by peer-to-peer
-    copies on the copy engines) when the data-parallel group's size is in ``P2P_AUTO_SIZES`` and
-    :func:`_peer_access` allows it, else ``nccl``."""
-    if dp_comm != "auto":
-        return dp_comm
-    if state.dp_cp.size < 2:
-        return "nccl"
-    why_not = _peer_access(state.dp_cp, state)
-    if why_not is None and state.dp_cp.size not in P2P_AUTO_SIZES:
-        why_not = (
-            f"the p2p exchange is measured on GPUs at dp2 only (dp{state.dp_cp.size}; parallel.dp_comm=p2p asks for it)"
-        )
-    if why_not is not None:
-        logger.info("parallel.dp_comm=auto: %s, using nccl", why_not)
-        return "nccl"
-    logger.info("parallel.dp_comm=auto: gradients and parameters exchanged by peer-to-peer copies (p2p)")
-    return "p2p"
 
 
 def build_model_chunks(
@@ -216,14 +148,9 @@ def _load_path(config: TrainConfig) -> Path | None:
     return None
 
 
-def setup(config: TrainConfig) -> Run:
-    """Everything a run needs, resumed from a checkpoint when one is configured or found."""
-    state = ParallelState.initialize(
-        config.parallel.parallel_config(),
-        backend=config.parallel.backend,
-        device=config.training.device,
-    )
-    config.check_layout(state.world_size)
+def _with_tp_exchange(config: TrainConfig, state: ParallelState) -> ParallelState:
+    """``state`` whose tensor-parallel group carries the exchange ``parallel.tp_comm`` resolves to on this machine
+    (:func:`~mcore_parallel.topology.resolve_tp_comm`); the model chunks are built with that group."""
     tp_comm = resolve_tp_comm(config.parallel.tp_comm, config.parallel.sequence_parallel, state)
     if tp_comm == "p2p" and config.parallel.tp_comm_in_graph:  # tracing the linears needs PyTorch's fused ops
         tp_comm = "symmetric_memory"
@@ -235,9 +162,23 @@ def setup(config: TrainConfig) -> Run:
                     "use parallel.tp_comm=nccl"
                 ]
             )
-        enable_symmetric_memory(state.tp, in_graph=config.parallel.tp_comm_in_graph)
+        tp = with_symmetric_memory(state.tp, in_graph=config.parallel.tp_comm_in_graph)
     elif tp_comm == "p2p":  # on CPU through shared memory (tests); on GPUs through symmetric memory
-        enable_symmetric_memory(state.tp, exchange="mcore", chunks=config.parallel.tp_comm_chunks)
+        tp = with_symmetric_memory(state.tp, exchange="mcore", chunks=config.parallel.tp_comm_chunks)
+    else:
+        return state
+    return dataclasses.replace(state, tp=tp)
+
+
+def setup(config: TrainConfig) -> Run:
+    """Everything a run needs, resumed from a checkpoint when one is configured or found."""
+    state = ParallelState.initialize(
+        config.parallel.parallel_config(),
+        backend=config.parallel.backend,
+        device=config.training.device,
+    )
+    config.check_layout(state.world_size)
+    state = _with_tp_exchange(config, state)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip

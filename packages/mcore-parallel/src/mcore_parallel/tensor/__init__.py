@@ -16,9 +16,8 @@ from mcore_parallel.tensor.layers import (
 )
 from mcore_parallel.tensor.linear_cross_entropy import linear_vocab_parallel_cross_entropy
 from mcore_parallel.tensor.mappings import (
+    SymmetricExchange,
     copy_to_tp_region,
-    disable_symmetric_memory,
-    enable_symmetric_memory,
     gather_from_sp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -27,6 +26,7 @@ from mcore_parallel.tensor.mappings import (
     scatter_to_tp_region,
     sequence_parallel_linear,
     sequence_parallel_row_linear,
+    with_symmetric_memory,
 )
 from mcore_parallel.tensor.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
 
@@ -48,8 +48,8 @@ __all__ = [
     "reduce_scatter_to_sp_region",
     "sequence_parallel_linear",
     "sequence_parallel_row_linear",
-    "enable_symmetric_memory",
-    "disable_symmetric_memory",
+    "SymmetricExchange",
+    "with_symmetric_memory",
     "RNGStatesTracker",
     "model_parallel_seed",
     "MODEL_PARALLEL_RNG",

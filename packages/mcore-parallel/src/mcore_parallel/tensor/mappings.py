@@ -17,6 +17,7 @@ group has one member, so a TP=1 model pays nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,8 @@ __all__ = [
     "reduce_scatter_to_sp_region",
     "sequence_parallel_linear",
     "sequence_parallel_row_linear",
-    "enable_symmetric_memory",
-    "disable_symmetric_memory",
+    "SymmetricExchange",
+    "with_symmetric_memory",
 ]
 
 
@@ -250,11 +251,11 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-@dataclass
-class _Exchange:
-    """How a group's sequence-parallel linears exchange through symmetric memory: PyTorch's fused ops (traced by
-    ``torch.compile`` when ``in_graph``) or, with a ``workspace``, mcore's own exchange (:mod:`.p2p`) behind the
-    same signatures (``ops``)."""
+@dataclass(frozen=True)
+class SymmetricExchange:
+    """How a group's sequence-parallel linears exchange through symmetric memory, carried by the group value
+    (``Group.exchange``, set by :func:`with_symmetric_memory`): PyTorch's fused ops (traced by ``torch.compile`` when
+    ``in_graph``) or, with a ``workspace``, mcore's own exchange (:mod:`.p2p`) behind the same signatures (``ops``)."""
 
     in_graph: bool
     workspace: PeerWorkspace | None = None
@@ -274,17 +275,19 @@ def _mcore_ops(ws: PeerWorkspace) -> tuple[Any, Any]:
     return gather, scatter
 
 
-# process-group name -> its exchange
-_SYMMETRIC_GROUPS: dict[str, _Exchange] = {}
 EXCHANGES = ("torch", "mcore")
 
 
-def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str = "torch", chunks: int = 2) -> None:
-    """Route ``group``'s sequence-parallel linears through symmetric memory: buffers of the group's GPUs that every
-    rank can address, exchanged by peer-to-peer copies on the copy engines, pipelined with the GEMM, so the exchange
-    does not compete with the GEMM's persistent kernels for SMs (with NCCL kernels, 2x H200 profiles showed the
-    collectives serialised behind the GEMMs). GPUs of one host with peer access only; the results equal the NCCL
-    path's up to summation order.
+def with_symmetric_memory(group: Group, in_graph: bool = False, exchange: str = "torch", chunks: int = 2) -> Group:
+    """``group`` with its sequence-parallel linears routed through symmetric memory: buffers of the group's GPUs
+    that every rank can address, exchanged by peer-to-peer copies on the copy engines, pipelined with the GEMM, so
+    the exchange does not compete with the GEMM's persistent kernels for SMs (with NCCL kernels, 2x H200 profiles
+    showed the collectives serialised behind the GEMMs). GPUs of one host with peer access only; the results equal
+    the NCCL path's up to summation order.
+
+    Returns a new :class:`~mcore_parallel.Group` value carrying the exchange (``group.exchange``); layers built with it
+    use the exchange, layers built with the original group keep the NCCL path. Nothing global changes (apart from
+    PyTorch's own registration of the group for its symmetric-memory ops).
 
     ``exchange="torch"`` uses PyTorch's fused ops (``torch.ops.symm_mem.fused_all_gather_matmul`` /
     ``fused_matmul_reduce_scatter``, "async TP"); ``exchange="mcore"`` uses mcore's own (:mod:`mcore_parallel.tensor.
@@ -302,67 +305,64 @@ def enable_symmetric_memory(group: Group, in_graph: bool = False, exchange: str 
     if in_graph and exchange != "torch":
         raise ValueError("in_graph=True traces PyTorch's fused ops: use exchange='torch'")
     if group.size == 1:
-        return
+        return group
     if group.pg is None:
         raise ValueError(f"the {group.kind} group has no process group: symmetric memory needs torch.distributed")
     if exchange == "mcore":
         ws = PeerWorkspace(group, chunks)
-        _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(False, ws, _mcore_ops(ws))
-        return
+        return dataclasses.replace(group, exchange=SymmetricExchange(False, ws, _mcore_ops(ws)))
     from torch.distributed import _symmetric_memory
 
     _symmetric_memory.enable_symm_mem_for_group(group.pg.group_name)
-    _SYMMETRIC_GROUPS[group.pg.group_name] = _Exchange(in_graph)
+    return dataclasses.replace(group, exchange=SymmetricExchange(in_graph))
 
 
-def disable_symmetric_memory(group: Group) -> None:
-    """Back to the NCCL path for ``group``'s sequence-parallel linears."""
-    if group.pg is not None:
-        _SYMMETRIC_GROUPS.pop(group.pg.group_name, None)
+def _symmetric(group: Group) -> SymmetricExchange | None:
+    ex = group.exchange
+    return ex if isinstance(ex, SymmetricExchange) and group.pg is not None else None
 
 
-def _symmetric_name(group: Group) -> str | None:
-    if not _SYMMETRIC_GROUPS or group.pg is None:
-        return None
-    name = str(group.pg.group_name)
-    return name if name in _SYMMETRIC_GROUPS else None
-
-
-def _fused_ops(name: str) -> tuple[Any, Any]:
-    """(all-gather then matmul, matmul then reduce-scatter) for the group ``name``, with the signatures of the
-    ``symm_mem`` ops: PyTorch's, or mcore's exchange (a seam for CPU tests)."""
-    ops = _SYMMETRIC_GROUPS[name].ops
+def _fused_ops(ops: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """(all-gather then matmul, matmul then reduce-scatter) with the signatures of the ``symm_mem`` ops: mcore's
+    exchange (``ops``, also a seam for CPU tests) or PyTorch's."""
     return ops or (torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter)
 
 
 class _SymmetricColumnLinear(torch.autograd.Function):
     """``linear(all_gather_sequence(x), weight, bias)`` through the fused symmetric-memory ops (see
-    :func:`enable_symmetric_memory`); backward reduce-scatters the input gradient the same way."""
+    :func:`with_symmetric_memory`); backward reduce-scatters the input gradient the same way."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str, size: int, fuse: bool
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ops: tuple[Any, Any] | None,
+        name: str,
+        size: int,
+        fuse: bool,
     ) -> torch.Tensor:
-        gather_mm, _ = _fused_ops(name)
+        gather_mm, _ = _fused_ops(ops)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # sequence-major rows: gathering rows gathers the sequence
         full, (y,) = gather_mm(x2, [weight.t()], 0, name, return_A=True)
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(full, weight)
-        ctx.name, ctx.has_bias, ctx.x_shape, ctx.fuse = name, bias is not None, x.shape, fuse
+        ctx.ops, ctx.name, ctx.has_bias, ctx.x_shape, ctx.fuse = ops, name, bias is not None, x.shape, fuse
         return y.view(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         full, weight = ctx.saved_tensors
-        _, mm_scatter = _fused_ops(ctx.name)
+        _, mm_scatter = _fused_ops(ctx.ops)
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = mm_scatter(g2, weight, "sum", 0, ctx.name).view(ctx.x_shape)
         grad_w = weight_grad(weight, g2, full, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _SymmetricRowLinear(torch.autograd.Function):
@@ -370,25 +370,27 @@ class _SymmetricRowLinear(torch.autograd.Function):
     the output gradient while multiplying it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, name: str, size: int, fuse: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, ops: tuple[Any, Any] | None, name: str, size: int, fuse: bool
+    ) -> torch.Tensor:
         if x.shape[0] % size:
             raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
-        _, mm_scatter = _fused_ops(name)
+        _, mm_scatter = _fused_ops(ops)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = mm_scatter(x2, weight.t(), "sum", 0, name)
         ctx.save_for_backward(x2, weight)
-        ctx.name, ctx.x_shape, ctx.fuse = name, x.shape, fuse
+        ctx.ops, ctx.name, ctx.x_shape, ctx.fuse = ops, name, x.shape, fuse
         return y.view(x.shape[0] // size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        gather_mm, _ = _fused_ops(ctx.name)
+        gather_mm, _ = _fused_ops(ctx.ops)
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         full, (grad_x2,) = gather_mm(g2, [weight], 0, ctx.name, return_A=True)
         grad_x = grad_x2.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = weight_grad(weight, full, x2, ctx.fuse) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def sequence_parallel_row_linear(
@@ -399,9 +401,10 @@ def sequence_parallel_row_linear(
     overlapped."""
     if group.size == 1:
         return linear(x, weight, None, fuse_wgrad)
-    name = _symmetric_name(group)
-    if name is not None:
-        return _symmetric(_SymmetricRowLinear.apply, name, x, weight, name, group.size, fuse_wgrad)
+    ex = _symmetric(group)
+    if ex is not None:
+        name = str(group.pg.group_name)  # type: ignore[union-attr]
+        return _through(ex, _SymmetricRowLinear.apply, x, weight, ex.ops, name, group.size, fuse_wgrad)
     return _eager(_SequenceParallelRowLinear.apply, x, weight, group, fuse_wgrad)
 
 
@@ -412,15 +415,16 @@ def sequence_parallel_linear(
     ``F.linear(gather_from_sp_region(x, group), weight, bias)`` with the backward communication overlapped."""
     if group.size == 1:
         return linear(x, weight, bias, fuse_wgrad)
-    name = _symmetric_name(group)
-    if name is not None:
-        return _symmetric(_SymmetricColumnLinear.apply, name, x, weight, bias, name, group.size, fuse_wgrad)
+    ex = _symmetric(group)
+    if ex is not None:
+        name = str(group.pg.group_name)  # type: ignore[union-attr]
+        return _through(ex, _SymmetricColumnLinear.apply, x, weight, bias, ex.ops, name, group.size, fuse_wgrad)
     return _eager(_SequenceParallelLinear.apply, x, weight, bias, group, fuse_wgrad)
 
 
-def _symmetric(fn: Any, name: str, *args: Any) -> torch.Tensor:
-    """A symmetric-memory linear: traced by ``torch.compile`` when its group was enabled ``in_graph``, else eager."""
-    return fn(*args) if _SYMMETRIC_GROUPS[name].in_graph else _eager(fn, *args)
+def _through(ex: SymmetricExchange, fn: Any, *args: Any) -> torch.Tensor:
+    """A symmetric-memory linear: traced by ``torch.compile`` when its exchange is ``in_graph``, else eager."""
+    return fn(*args) if ex.in_graph else _eager(fn, *args)
 
 
 @torch.compiler.disable
