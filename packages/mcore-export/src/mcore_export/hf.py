@@ -196,51 +196,60 @@ def import_hf(
     for info in layout.values():
         infos.setdefault(info.key, info)
     with HFTensors(src) as tensors:
-        planned = {k: tuple(t.shape) for k, t in hf_to_mcore(config, tensors.meta_get)}
-        wrong = [
-            f"{k}: {s} (expected {infos[k].global_shape})"
-            for k, s in planned.items()
-            if k in infos and s != infos[k].global_shape
-        ]
-        if wrong or set(planned) != set(infos):
-            raise ConversionError(
-                f"{src}: tensors do not match the config: shapes {wrong}, "
-                f"unexpected {sorted(set(planned) - set(infos))}, "
-                f"missing {sorted(set(infos) - set(planned))}"
-            )
+        _check_planned(src, config, tensors, infos)
         with staged_output(out_path, overwrite) as tmp:
             tokenizer = import_tokenizer(src, tmp)
-            attrs: dict[str, Any] = {
-                "format": "mcore-checkpoint",
-                "format_version": FORMAT_VERSION,
-                "name": out_path.name,
-                "saved_layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1},
-                "step": 0,
-                "consumed_samples": 0,
-                "model": config.to_dict(),
-                "imported_from": {
-                    "format": "huggingface",
-                    "path": str(src.absolute()),
-                    "architecture": hf_architecture(config),
-                },
-            }
+            attrs = _import_attrs(src, out_path, config, tp, pp)
             if tokenizer is not None:
                 attrs["tokenizer"] = tokenizer
             write_group_metadata(tmp, attrs)
             write_group_metadata(tmp / "model")
             write_group_metadata(tmp / "optimizer")
             for key, tensor in hf_to_mcore(config, tensors.get):
-                info = infos[key]
-                chunk = tuple(max(c, 1) for c in (info.chunk_shape or info.global_shape))
-                spec = ArraySpec(info.global_shape, params, chunk)
-                array_dir = tmp / "model" / key
-                write_array_metadata(array_dir, spec, {"kind": "parameter"})
-                tensor = tensor.to(params)
-                for index in itertools.product(*(range(n) for n in spec.grid())):
-                    region = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))
-                    write_chunk(array_dir, spec, index, tensor[region])
+                _write_parameter(tmp / "model" / key, infos[key], tensor.to(params))
         unused = sorted(set(tensors.keys()) - tensors.used)
     if unused:
         logger.info("tensors of %s not used by the conversion: %s", src, unused)
     logger.info("imported %s (%s) into %s", src, hf_architecture(config), out_path)
     return out_path
+
+
+def _check_planned(src: Path, config: TransformerConfig, tensors: HFTensors, infos: dict[str, ShardedTensor]) -> None:
+    """Every tensor the conversion would write exists in the model with the shape the config gives it."""
+    planned = {k: tuple(t.shape) for k, t in hf_to_mcore(config, tensors.meta_get)}
+    wrong = [f"{k}: {s} (expected {infos[k].global_shape})" for k, s in planned.items()
+             if k in infos and s != infos[k].global_shape]  # fmt: skip
+    if wrong or set(planned) != set(infos):
+        raise ConversionError(
+            f"{src}: tensors do not match the config: shapes {wrong}, "
+            f"unexpected {sorted(set(planned) - set(infos))}, "
+            f"missing {sorted(set(infos) - set(planned))}"
+        )
+
+
+def _import_attrs(src: Path, out_path: Path, config: TransformerConfig, tp: int, pp: int) -> dict[str, Any]:
+    """The checkpoint's top-level metadata for an import (step 0, the layout its chunks follow, the source)."""
+    return {
+        "format": "mcore-checkpoint",
+        "format_version": FORMAT_VERSION,
+        "name": out_path.name,
+        "saved_layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1},
+        "step": 0,
+        "consumed_samples": 0,
+        "model": config.to_dict(),
+        "imported_from": {
+            "format": "huggingface",
+            "path": str(src.absolute()),
+            "architecture": hf_architecture(config),
+        },
+    }
+
+
+def _write_parameter(array_dir: Path, info: ShardedTensor, tensor: torch.Tensor) -> None:
+    """One global parameter as a zarr array chunked as a run of the chosen layout would save it."""
+    chunk = tuple(max(c, 1) for c in (info.chunk_shape or info.global_shape))
+    spec = ArraySpec(info.global_shape, tensor.dtype, chunk)
+    write_array_metadata(array_dir, spec, {"kind": "parameter"})
+    for index in itertools.product(*(range(n) for n in spec.grid())):
+        region = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))
+        write_chunk(array_dir, spec, index, tensor[region])
