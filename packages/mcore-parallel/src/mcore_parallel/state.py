@@ -145,29 +145,7 @@ class ParallelState:
             logger.info("initialised torch.distributed: backend=%s world_size=%d", backend, world)
         if device is None:
             device = default_device(backend if use_dist else None, local_rank)
-        created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-
-        def make(kind: str) -> Group:
-            mine: tuple[int, ...] | None = None
-            for ranks in layout.groups[kind]:
-                if ranks not in created:
-                    if not use_dist or len(ranks) == 1:
-                        created[ranks] = None
-                    elif len(ranks) == world:
-                        created[ranks] = dist.group.WORLD
-                    else:
-                        created[ranks] = dist.new_group(list(ranks))
-                if rank in ranks:
-                    mine = ranks
-            if mine is None:
-                return Group(kind, (), -1, None)
-            return Group(kind, mine, mine.index(rank), created[mine])
-
-        kinds = [
-            "tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "mp", "tp_dp_cp",
-            "ep", "expert_tp", "expert_dp", "expert_tp_ep", "embedding", "position_embedding", "world",
-        ]  # fmt: skip
-        groups = {k: make(k) for k in kinds}
+        groups = _make_groups(layout, rank, world, use_dist)
         state = cls(
             config,
             layout,
@@ -225,3 +203,33 @@ class ParallelState:
             if isinstance(g, Group) and g.pg is not None and g.pg is not dist.group.WORLD and id(g.pg) not in seen:
                 seen.add(id(g.pg))
                 dist.destroy_process_group(g.pg)
+
+
+_GROUP_KINDS = (
+    "tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "mp", "tp_dp_cp",
+    "ep", "expert_tp", "expert_dp", "expert_tp_ep", "embedding", "position_embedding", "world",
+)  # fmt: skip
+
+
+def _make_groups(layout: RankLayout, rank: int, world: int, use_dist: bool) -> dict[str, Group]:
+    """This process's group of every kind. Every rank creates every process group in the same order (as
+    ``dist.new_group`` requires), each distinct rank tuple once; one-member groups get no process group."""
+    created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def make(kind: str) -> Group:
+        mine: tuple[int, ...] | None = None
+        for ranks in layout.groups[kind]:
+            if ranks not in created:
+                if not use_dist or len(ranks) == 1:
+                    created[ranks] = None
+                elif len(ranks) == world:
+                    created[ranks] = dist.group.WORLD
+                else:
+                    created[ranks] = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = ranks
+        if mine is None:
+            return Group(kind, (), -1, None)
+        return Group(kind, mine, mine.index(rank), created[mine])
+
+    return {k: make(k) for k in _GROUP_KINDS}
