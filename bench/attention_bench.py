@@ -1,8 +1,8 @@
 """Causal attention forward + backward on one GPU (not a test): which SDPA backend and which memory layout of q/k/v
 reach the most TFLOP/s at a training shape.
 
-mcore keeps activations sequence-first (``[s, b, heads, d]``) and hands SDPA permuted views; the issue's reference
-figures were measured on contiguous ``[b, heads, s, d]`` tensors. This bench times, for each backend and layout,
+mcore keeps activations sequence-first (``[s, b, heads, d]``) and hands SDPA permuted views; published attention
+figures are usually for contiguous ``[b, heads, s, d]`` tensors. This bench times, for each backend and layout,
 ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` forward and backward (``llama-1b``: 32 query heads,
 8 key/value heads, head dim 64, sequence 4096), with grouped keys/values passed natively (``enable_gqa``) or
 repeated, and reports model TFLOP/s with causal attention counted half (the convention of docs/performance.md).

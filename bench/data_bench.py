@@ -1,9 +1,9 @@
 """mcore-data benchmarks (not a test): preprocess throughput, index build time/memory, cache reload, read latency.
 
-    python bench/data_bench.py --workdir /tmp/mcore-data-bench [--skip-100m] [--out bench/results/data-DATE.md]
+    python bench/data_bench.py --workdir /tmp/mcore-data-bench [--skip-100m] [--out results.json]
 
-Preprocess runs the real ``mcore-data`` console script in a subprocess on a ~60 MB JSONL built from the demo corpus
-(standard library sources), for the byte, SentencePiece-BPE (vocab 8000) and HF byte-level BPE (vocab 8000)
+Preprocess runs the real ``mcore-data`` console script in a subprocess on a JSONL of ``--corpus-mb`` (default ~60 MB)
+built from the demo corpus (standard library sources), for the byte, SentencePiece-BPE (vocab 8000) and HF byte-level BPE (vocab 8000)
 tokenizers, at 1 and 2 workers; raw single-thread encode speed is measured in-process on the same texts (for HF the
 faster of an ``encode`` loop and ``encode_batch_fast``). Index
 builds run in a fresh subprocess each (peak RSS from ``getrusage``) on synthetic ``.idx`` files (mean 500 tokens per
@@ -26,7 +26,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 EXE = Path(sys.executable).parent / "mcore-data"
-REPEATS = int(os.environ.get("MCORE_BENCH_REPEATS", "3"))
 
 
 def cli(*args: str) -> float:
@@ -67,10 +66,10 @@ def raw_encode_mb_s(kind: str, model: str, texts: list[str], nbytes: int) -> flo
     return max(loop, nbytes / 1e6 / (time.perf_counter() - t0))
 
 
-def bench_preprocess(work: Path) -> list[dict[str, object]]:
-    corpus = work / "demo60.jsonl"
+def bench_preprocess(work: Path, corpus_mb: int, repeats: int) -> list[dict[str, object]]:
+    corpus = work / f"demo{corpus_mb}.jsonl"
     if not corpus.exists():
-        cli("demo-corpus", "--out", str(corpus), "--min-mb", "60")
+        cli("demo-corpus", "--out", str(corpus), "--min-mb", str(corpus_mb))
     nbytes = corpus.stat().st_size
     tiny = work / "tiny.jsonl"
     tiny.write_text('{"text": "hello"}\n')
@@ -110,9 +109,9 @@ def bench_preprocess(work: Path) -> list[dict[str, object]]:
     texts = load_texts(corpus)
     rows = []
     for kind, model in models.items():
-        # best of REPEATS for the raw encode and for every preprocess run alike: this shared 2-core VM varies by
+        # best of `repeats` for the raw encode and for every preprocess run alike: a shared 2-core machine varies by
         # 5-7% from run to run
-        raw = max(raw_encode_mb_s(kind, model, texts, nbytes) for _ in range(REPEATS))
+        raw = max(raw_encode_mb_s(kind, model, texts, nbytes) for _ in range(repeats))
         tok_args = ["--tokenizer-type", kind] + (["--tokenizer-model", model] if model else [])
         startup = min(
             cli(
@@ -142,7 +141,7 @@ def bench_preprocess(work: Path) -> list[dict[str, object]]:
                     "--no-progress",
                     "--overwrite",
                 )
-                for _ in range(REPEATS)
+                for _ in range(repeats)
             )
             from mcore_data import IndexedDataset
 
@@ -240,6 +239,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/mcore-data-bench")
     ap.add_argument("--skip-100m", action="store_true")
     ap.add_argument("--skip-preprocess", action="store_true")
+    ap.add_argument("--corpus-mb", type=int, default=60, help="size of the demo corpus that preprocess reads")
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per preprocess measurement")
     ap.add_argument("--out", help="write the JSON results here")
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -251,7 +252,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
     }
     if not args.skip_preprocess:
-        result["preprocess"] = bench_preprocess(work)
+        result["preprocess"] = bench_preprocess(work, args.corpus_mb, args.repeats)
     result["index"] = bench_index(work, [10_000_000] + ([] if args.skip_100m else [100_000_000]))
     text = json.dumps(result, indent=2)
     print(text)

@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16

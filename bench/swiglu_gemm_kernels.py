@@ -11,8 +11,8 @@ again with ``[gate; up]`` to form ``[d_gate; d_up]`` (131 ms of a 3.4 s llama-1b
   ``[d_gate; d_up]``.
 
 Both round the GEMM result to the activation dtype before the elementwise math, where the unfused path rounds, and
-agreed with it on an H200 (largest difference 0.0). Measured there (tenth session, ``docs/performance.md``) the fused forward is 16%
-slower than cuBLAS plus the separate kernel and the fused backward 2% faster: Triton's Hopper mainloop (no warp
+agreed with it on an H200 (largest difference 0.0). Measured there (``docs/performance.md``, kernels) the fused
+forward is 16% slower than cuBLAS plus the separate kernel and the fused backward 2% faster: Triton's Hopper mainloop (no warp
 specialization before Blackwell in Triton 3.6) runs at ~520 TFLOP/s where cuBLAS runs at ~680, which costs more than
 the elementwise pass saves. So the training MLP does not use them; they stay here to reproduce that measurement.
 """

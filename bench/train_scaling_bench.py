@@ -1,10 +1,20 @@
-"""Throughput of the real training loop (``mcore-train pretrain``) under several layouts (not a test).
+"""Throughput of the real training loop (``mcore-train pretrain``) for named cases (not a test).
 
-Each case is a separate ``torchrun`` of ``mcore_train.cli pretrain`` on mock data; tokens/s come from the run's own
-``metrics.jsonl`` (the last logging window, after warm-up). Reports tokens/s per GPU, model TFLOP/s per GPU and the
-scaling efficiency against the one-GPU case of the same call.
+Each case is one ``torchrun`` of ``mcore_train.cli pretrain`` on mock data with the case's model, sequence length,
+number of GPUs and overrides; tokens/s, model TFLOP/s and peak memory come from the run's own ``metrics.jsonl`` (the
+last logging window, after compilation and warm-up). Cases that train the same model on one GPU and on several are
+compared per GPU (the scaling efficiency). ``--measure-peak`` measures the bf16 matmul rate first (8192^3, GPU 0) and
+the loop reports MFU against it.
 
-    python bench/train_scaling_bench.py --preset llama-1b --out results.json
+A setting's effect is an A/B of override lists, not another case: ``--extra`` adds overrides to every case, each
+``--variant`` runs every case once more with its overrides added (labelled ``case+overrides``), and ``--repeat``
+runs the whole sequence again, so that A and B alternate::
+
+    python bench/train_scaling_bench.py --measure-peak --cases llama-1b/best llama-1b/best-mb4
+    python bench/train_scaling_bench.py --cases llama-1b/best --extra training.global_batch_size=64 \\
+        --variant model.rope_kernel=torch --repeat 2
+    python bench/train_scaling_bench.py --cases llama-1b/best-mb4 tp2-sp --extra parallel.tp_comm=nccl
+    python bench/train_scaling_bench.py --list
 """
 
 from __future__ import annotations
@@ -17,181 +27,93 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# tp2 + SP at micro-batch 8; through NCCL (pinned: the default tp_comm=auto picks symmetric memory on one host)
-_TP2_MB8 = ["parallel.tp=2", "parallel.sequence_parallel=true", "training.micro_batch_size=8",
-            "training.global_batch_size=32"]  # fmt: skip
-_TP2_NCCL = [*_TP2_MB8, "parallel.tp_comm=nccl"]
-CASES: dict[str, tuple[int, list[str]]] = {
-    "1gpu": (1, ["training.micro_batch_size=4", "training.global_batch_size=16"]),
-    "dp2": (2, ["training.micro_batch_size=4", "training.global_batch_size=32"]),
-    "dp2-no-overlap": (
-        2,
-        ["training.micro_batch_size=4", "training.global_batch_size=32", "parallel.overlap_grad_reduce=false"],
-    ),
-    "tp2-sp": (2, _TP2_NCCL),
-}
-# One-GPU optimisation ladder (issue 9): each lever on top of the eager baseline, then together, then per micro-batch.
-_MB4 = ["training.micro_batch_size=4", "training.global_batch_size=16"]
-_COMPILE, _FUSED_CE = "training.compile=layers", "model.cross_entropy_fusion=true"
-_MB8_GBS64 = ["training.micro_batch_size=8", "training.global_batch_size=64"]
-# levers of the fourth session, not yet measured: SwiGLU backward kernel, gradient-accumulation fusion, contiguous SDPA
-_SWIGLU, _GAF = "model.swiglu_backward=triton", "parallel.gradient_accumulation_fusion=true"
-_CONTIG = "model.attention_contiguous=true"
-# Eight GPUs (issue 10): data-parallel scaling with the distributed optimizer and overlapped gradient reduce, and
-# llama3-8b layouts (run with --preset llama3-8b --recipe llama3-8b).
-_DIST = ["optimizer.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]
-for _dp in (1, 2, 4, 8):  # NCCL pinned, and mcore's peer-to-peer exchange (auto picks it at dp2 only)
-    CASES[f"dp{_dp}-distopt"] = (_dp, ["training.micro_batch_size=4", f"training.global_batch_size={16 * _dp}", *_DIST,
-                                       "parallel.dp_comm=nccl"])  # fmt: skip
-    CASES[f"dp{_dp}-distopt-p2p"] = (_dp, [*CASES[f"dp{_dp}-distopt"][1][:-1], "parallel.dp_comm=p2p"])
-for _name, _layout in {
-    "8gpu-tp2-dp4": ["parallel.tp=2"],
-    "8gpu-tp4-dp2": ["parallel.tp=4"],
-    "8gpu-tp2-pp2-dp2": ["parallel.tp=2", "parallel.pp=2"],
-    "8gpu-tp8": ["parallel.tp=8"],
-}.items():
-    # NCCL pinned: symmetric memory is tested on GPUs at tp2 only so far (the default auto would pick it at tp4/tp8)
-    CASES[_name] = (8, [*_layout, "parallel.sequence_parallel=true", "parallel.tp_comm=nccl",
-                        "training.micro_batch_size=1", "training.global_batch_size=64", *_DIST])  # fmt: skip
-CASES.update(
-    {
-        "1gpu-compile": (1, [*_MB4, _COMPILE]),
-        "1gpu-compile-cudnn": (1, [*_MB4, _COMPILE, "model.attention_backend=cudnn"]),
-        "1gpu-compile-flash": (1, [*_MB4, _COMPILE, "model.attention_backend=flash"]),
-        "1gpu-compile-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE]),
-        # a pretraining-sized batch (64 x 4096 = 262k tokens a step; real runs use 1-4M): the optimizer step and the
-        # per-step host syncs are paid once per 8 (or 16) micro-batches instead of once per 2 (or 4)
-        "1gpu-compile-mb4-gbs64": (1, ["training.micro_batch_size=4", "training.global_batch_size=64", _COMPILE]),
-        "1gpu-compile-mb8-gbs64": (1, [*_MB8_GBS64, _COMPILE]),
-        "1gpu-compile-swiglu": (1, [*_MB4, _COMPILE, _SWIGLU]),
-        "1gpu-compile-contig": (1, [*_MB4, _COMPILE, _CONTIG]),
-        "1gpu-compile-mb8-gbs64-swiglu": (1, [*_MB8_GBS64, _COMPILE, _SWIGLU]),
-        "1gpu-compile-mb8-gbs64-gaf": (1, [*_MB8_GBS64, _COMPILE, _GAF]),
-        "1gpu-compile-mb8-gbs64-contig": (1, [*_MB8_GBS64, _COMPILE, _CONTIG]),
-        "1gpu-compile-mb8-gbs64-all": (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
-        "1gpu-compile-all": (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG]),
-        "tp2-sp-compile": (2, [*_TP2_NCCL, _COMPILE]),
-        "tp2-sp-compile-symm": (2, [*_TP2_MB8, _COMPILE, "parallel.tp_comm=symmetric_memory"]),
-        "1gpu-compile-mb16-gbs64-all": (
-            1,
-            ["training.micro_batch_size=16", "training.global_batch_size=64", _COMPILE, _SWIGLU, _GAF, _CONTIG],
-        ),
-        "1gpu-fused-ce": (1, [*_MB4, _FUSED_CE]),
-        "1gpu-opt": (1, [*_MB4, _COMPILE, _FUSED_CE]),
-        "1gpu-opt-mb2": (1, ["training.micro_batch_size=2", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
-        "1gpu-opt-mb8": (1, ["training.micro_batch_size=8", "training.global_batch_size=16", _COMPILE, _FUSED_CE]),
-        "1gpu-opt-recompute": (1, [*_MB4, _COMPILE, _FUSED_CE, "model.recompute=full"]),
-        "dp2-opt": (2, ["training.micro_batch_size=4", "training.global_batch_size=32", _COMPILE, _FUSED_CE]),
-        "tp2-sp-opt": (2, [*_TP2_NCCL, _COMPILE, _FUSED_CE]),
-    }
-)
-# tp2 + SP through symmetric memory with the one-GPU levers (compare with 1gpu-compile-all / -mb8-gbs64-all)
-_TP2_SYMM = ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE, "parallel.tp_comm=symmetric_memory"]
-CASES["tp2-sp-compile-symm-all"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
-                                        _SWIGLU, _GAF, _CONTIG])  # fmt: skip
-# experimental: the symmetric-memory linears traced into the compiled layers (no weight-gradient fusion with it)
-CASES["tp2-sp-compile-symm-ingraph"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
-                                            _SWIGLU, _CONTIG, "parallel.tp_comm_in_graph=true"])  # fmt: skip
-# twice the micro-batch: half the host work per token (tp2 + SP is host-bound between the compiled pieces); the
-# one-GPU case with the same work per GPU and micro-batch is 1gpu-compile-mb8-gbs64-all
-CASES["tp2-sp-compile-symm-all-mb16"] = (2, [*_TP2_SYMM, "training.micro_batch_size=16", "training.global_batch_size=64",
-                                             _SWIGLU, _GAF, _CONTIG])  # fmt: skip
-# inductor's autotuned GEMM templates with fused epilogues (no weight-gradient fusion: its linears leave the graph)
-CASES["1gpu-compile-mb8-gbs64-autotune"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _CONTIG,
-                                                "training.compile_mode=max-autotune-no-cudagraphs"])  # fmt: skip
-# the loop reading each step's loss before its update (a host sync per step, as before the sixth session), to
-# measure the deferred read; and the best case without the contiguous attention copies (neutral-to-negative alone)
-_SYNC = "training.read_loss_every_step=true"
-CASES["1gpu-compile-mb8-gbs64-all-sync"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
-CASES["1gpu-compile-mb8-gbs64-swiglu-gaf"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF])
-CASES["1gpu-compile-mb16-gbs64-all"] = (1, ["training.micro_batch_size=16", "training.global_batch_size=64", _COMPILE,
-                                             _SWIGLU, _GAF, _CONTIG])  # fmt: skip
-CASES["1gpu-compile-all-sync"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF, _CONTIG, _SYNC])
-CASES["tp2-sp-compile-symm-all-sync"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
-                                             _SWIGLU, _GAF, _CONTIG, _SYNC])  # fmt: skip
-# the levers without the contiguous q/k/v copies (model.attention_contiguous), at micro-batch 4 and at tp2 + SP: the
-# seventh session's only measurement of it was one of the invalid host-timed rows
-CASES["1gpu-compile-swiglu-gaf"] = (1, [*_MB4, _COMPILE, _SWIGLU, _GAF])
-CASES["tp2-sp-compile-symm-swiglu-gaf"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8", "training.global_batch_size=32",
-                                               _SWIGLU, _GAF])  # fmt: skip
-# a pretraining-sized global batch (256 x 4096 = 1M tokens a step) with the eighth session's best levers (no
-# contiguous q/k/v copies): the optimizer step, clipping and the step boundary paid once per 32 micro-batches
-CASES["1gpu-compile-mb8-gbs256-swiglu-gaf"] = (1, ["training.micro_batch_size=8", "training.global_batch_size=256",
-                                                   _COMPILE, _SWIGLU, _GAF])  # fmt: skip
-CASES["1gpu-compile-mb8-gbs128-swiglu-gaf"] = (1, ["training.micro_batch_size=8", "training.global_batch_size=128",
-                                                   _COMPILE, _SWIGLU, _GAF])  # fmt: skip
-CASES["tp2-sp-compile-symm-all-gbs128"] = (2, [*_TP2_SYMM, "training.micro_batch_size=8",
-                                               "training.global_batch_size=128", _SWIGLU, _GAF, _CONTIG])  # fmt: skip
 
-# mcore's own exchange over symmetric memory (one barrier per exchange, no local-shard copy on the compute stream),
-# next to PyTorch's fused ops in tp2-sp-compile-symm-swiglu-gaf
-CASES["tp2-sp-compile-p2p-swiglu-gaf"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", _COMPILE,
-                                              "parallel.tp_comm=p2p", "training.micro_batch_size=8",
-                                              "training.global_batch_size=32", _SWIGLU, _GAF])  # fmt: skip
-# data parallelism (ZeRO-1, the recipe's default) with the one-GPU levers, with and without the overlapped reduce-scatter
-CASES["dp2-compile-swiglu-gaf"] = (2, ["training.micro_batch_size=4", "training.global_batch_size=32", _COMPILE,
-                                       _SWIGLU, _GAF])  # fmt: skip
-CASES["dp2-compile-swiglu-gaf-no-overlap"] = (2, [*CASES["dp2-compile-swiglu-gaf"][1],
-                                                  "parallel.overlap_grad_reduce=false"])  # fmt: skip
-# (since the ninth session parallel.dp_comm=auto exchanges peer to peer on GPUs of one host; these pin NCCL)
-CASES["dp2-compile-swiglu-gaf-nccl"] = (2, [*CASES["dp2-compile-swiglu-gaf"][1], "parallel.dp_comm=nccl"])
-CASES["dp2-compile-swiglu-gaf-nccl-no-overlap"] = (2, [*CASES["dp2-compile-swiglu-gaf-no-overlap"][1],
-                                                       "parallel.dp_comm=nccl"])  # fmt: skip
-# the same with each peer's rows pulled in one piece (as first measured) instead of parallel.tp_comm_chunks=2
-CASES["tp2-sp-compile-p2p-c1-swiglu-gaf"] = (2, [*CASES["tp2-sp-compile-p2p-swiglu-gaf"][1],
-                                                 "parallel.tp_comm_chunks=1"])  # fmt: skip
-
-# the best case with RoPE and the QKV split through PyTorch's ops (inductor's kernels) instead of mcore's Triton kernel
-# (model.rope_kernel=triton, the default since the tenth session)
-CASES["1gpu-compile-mb8-gbs64-swiglu-gaf-rope-torch"] = (1, [*_MB8_GBS64, _COMPILE, _SWIGLU, _GAF,
-                                                             "model.rope_kernel=torch"])  # fmt: skip
-
-# llama3-8b on the two GPUs of an nvidia-h200-x2 (issue 10's large model, until 8 GPUs are lent; run with --preset
-# llama3-8b --recipe llama3-8b --seq 8192): tp2 + SP through mcore's exchange, and pp2 (1F1B) without tensor parallelism
-_8B = [_COMPILE, _SWIGLU, _GAF, "training.micro_batch_size=1"]
-CASES["2gpu-8b-tp2"] = (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "training.global_batch_size=8", *_8B])
-CASES["2gpu-8b-pp2"] = (2, ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
-                            "training.global_batch_size=16", *_8B])  # fmt: skip
+@dataclass(frozen=True)
+class Case:
+    world: int
+    """GPUs (torchrun processes)."""
+    overrides: tuple[str, ...]
+    """``mcore-train`` overrides on top of the model's recipe."""
+    about: str
+    """What the case is, in a line."""
+    preset: str = "llama-1b"
+    """Model preset; the recipe of the same name supplies the optimizer and schedule."""
+    seq: int = 4096
+    """Sequence length."""
 
 
-def run_case(name: str, world: int, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    run_dir = workdir / name
+def _batch(micro: int, global_: int) -> tuple[str, str]:
+    return f"training.micro_batch_size={micro}", f"training.global_batch_size={global_}"
+
+
+# The speed switches that are off by default (the Triton SwiGLU backward and QKV/RoPE kernels are on by default).
+FAST = ("training.compile=layers", "parallel.gradient_accumulation_fusion=true")
+_SP = ("parallel.sequence_parallel=true",)
+_8B = {"preset": "llama3-8b", "seq": 8192}
+
+CASES: dict[str, Case] = {
+    "llama-1b/best": Case(1, (*_batch(8, 256), *FAST),
+                          "compiled layers, weight-gradient fusion, micro-batch 8, global batch 256 (1M tokens)"),
+    "llama-1b/best-mb4": Case(1, (*_batch(4, 16), *FAST),
+                              "the same switches at micro-batch 4, global batch 16: the memory point, and the "
+                              "one-GPU reference of dp2 and tp2-sp"),
+    "llama-1b/defaults-mb4": Case(1, _batch(4, 16), "every switch at its default (eager layers), micro-batch 4"),
+    "dp2": Case(2, (*_batch(4, 32), *FAST), "data parallel on 2 GPUs, ZeRO-1, overlapped gradient reduction"),
+    "dp4": Case(4, (*_batch(4, 64), *FAST), "data parallel on 4 GPUs"),
+    "dp8": Case(8, (*_batch(4, 128), *FAST), "data parallel on 8 GPUs"),
+    "tp2-sp": Case(2, ("parallel.tp=2", *_SP, *_batch(8, 32), *FAST),
+                   "tensor parallel 2 with sequence parallelism, micro-batch 8"),
+    "llama3-8b/tp2-sp": Case(2, ("parallel.tp=2", *_SP, *_batch(1, 8), *FAST),
+                             "llama3-8b, tensor parallel 2 + sequence parallelism", **_8B),
+    "llama3-8b/pp2": Case(2, ("parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
+                              *_batch(1, 16), *FAST), "llama3-8b, pipeline parallel 2 (1F1B), no tensor parallelism",
+                          **_8B),
+    "llama3-8b/tp2-dp4": Case(8, ("parallel.tp=2", *_SP, *_batch(1, 32), *FAST), "llama3-8b on 8 GPUs", **_8B),
+    "llama3-8b/tp4-dp2": Case(8, ("parallel.tp=4", *_SP, *_batch(1, 16), *FAST), "llama3-8b on 8 GPUs", **_8B),
+    "llama3-8b/tp2-pp2-dp2": Case(8, ("parallel.tp=2", *_SP, "parallel.pp=2", *_batch(1, 32), *FAST),
+                                  "llama3-8b on 8 GPUs", **_8B),
+}  # fmt: skip
+
+
+def run_case(label: str, case: Case, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    run_dir = workdir / label.replace("/", "_").replace("=", "-")
     iters = args.steps + (args.steps // 2 if args.profile else 0)  # profiling: one more window, the last one clean
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "mcore_train.cli", "pretrain", "--recipe", args.recipe, f"model.preset={args.preset}",
-           "data.mock=true", "data.tokenizer=byte", f"data.seq_length={args.seq}", f"training.train_iters={iters}",
+    overrides = [*case.overrides, *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world}",
+           "-m", "mcore_train.cli", "pretrain", "--recipe", case.preset, f"model.preset={case.preset}",
+           "data.mock=true", "data.tokenizer=byte", f"data.seq_length={case.seq}", f"training.train_iters={iters}",
            f"logging.log_interval={args.steps // 2}", "logging.progress_bar=false", "training.eval_iters=0",
            "training.generate_at_end=0", f"logging.dir={run_dir}", "scheduler.warmup_iters=1",
-           *overrides, *args.extra]  # fmt: skip
+           *overrides, *args.peak]  # fmt: skip
     if args.profile:  # steps 4-5, after compilation; one more logging window, so that the last one is clean
         cmd.append("logging.profile_steps=[4,6]")
+    head = {"case": label, "world": case.world, "preset": case.preset, "seq": case.seq, "overrides": overrides}
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"},
                               timeout=args.case_timeout)  # fmt: skip
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"case": name, "world": world, "error": f"timed out after {args.case_timeout} s\n{out[-3000:]}"}
+        return {**head, "error": f"timed out after {args.case_timeout} s\n{out[-3000:]}"}
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        return {"case": name, "world": world, "error": (proc.stdout + proc.stderr)[-3000:]}
+        return {**head, "error": (proc.stdout + proc.stderr)[-3000:]}
     if args.profile and (run_dir / "profile-rank0.md").exists():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-        shutil.copy(run_dir / "profile-rank0.md", Path(args.profile) / f"profile-{name}.md")
+        shutil.copy(run_dir / "profile-rank0.md", Path(args.profile) / f"profile-{run_dir.name}.md")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "tokens_per_s" in r and not r.get("profiled")][-1]
     return {
-        "case": name,
-        "world": world,
-        "overrides": overrides,
+        **head,
         "tokens_per_s": last["tokens_per_s"],
-        "tokens_per_s_per_gpu": last["tokens_per_s"] / world,
+        "tokens_per_s_per_gpu": last["tokens_per_s"] / case.world,
         "tflops_per_gpu": last["tflops_per_gpu"],
         "mfu": last.get("mfu"),
-        "step_s": last["global_batch_size"] * args.seq / last["tokens_per_s"],
+        "step_s": last["global_batch_size"] * case.seq / last["tokens_per_s"],
         "mem_peak_gib": last.get("mem_peak_gib"),
         "loss": last["loss"],
         "wall_s": wall,
@@ -219,35 +141,52 @@ def measured_peak_tflops() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def add_scaling(results: list[dict[str, Any]]) -> None:
+    """``scaling_vs_1gpu``: tokens/s per GPU against the first one-GPU case of the same model and sequence."""
+    for r in results:
+        base = next((b for b in results if b["world"] == 1 and "error" not in b
+                     and (b["preset"], b["seq"]) == (r["preset"], r["seq"])), None)  # fmt: skip
+        if base is not None and "error" not in r:
+            r["scaling_vs_1gpu"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="llama-1b")
-    parser.add_argument("--recipe", default="llama-1b")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cases", nargs="+", default=["1gpu", "dp2", "dp2-no-overlap", "tp2-sp"], choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=["llama-1b/best-mb4", "dp2", "tp2-sp"], choices=list(CASES),
+                        metavar="CASE", help="named cases (--list shows them)")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per case (even; last half is timed)")
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
-    parser.add_argument("--out", default=None)
-    parser.add_argument(
-        "--profile",
-        default=None,
-        metavar="DIR",
-        help="profile steps 4-5 of each case on rank 0: DIR/profile-<case>.md (kernel time by class)",
-    )
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="OVERRIDE",
+                        help="also run each case with these overrides added (repeat the flag for more variants)")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=1, help="run the cases (or A/B pairs) this many times")
+    parser.add_argument("--out", default=None, help="write the results here (JSON)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="profile steps 4-5 of each case on rank 0: DIR/profile-<case>.md (kernel time by class)")  # fmt: skip
     parser.add_argument("--case-timeout", type=float, default=300)
     parser.add_argument("--measure-peak", action="store_true",
                         help="measure the bf16 matmul rate first and log MFU against it (logging.peak_tflops)")  # fmt: skip
     args = parser.parse_args()
-    if args.measure_peak:
-        peak = measured_peak_tflops()
+    if args.list:
+        for name, c in CASES.items():
+            print(f"{name:24} {c.world} GPU  {c.preset} seq {c.seq}: {c.about}\n{'':24} {' '.join(c.overrides)}")
+        return
+    if args.steps < 2 or args.steps % 2:
+        parser.error("--steps must be even and at least 2 (the second half is the timed window)")
+    peak = measured_peak_tflops() if args.measure_peak else None
+    if peak is not None:
         print(f"bf16 matmul ceiling (8192^3): {peak:.0f} TFLOP/s, the MFU denominator", flush=True)
-        args.extra = [*args.extra, f"logging.peak_tflops={peak:.1f}"]
-    workdir = Path(tempfile.mkdtemp(prefix="scaling_"))
+    args.peak = [f"logging.peak_tflops={peak:.1f}"] if peak is not None else []
+    variants = [("", []), *(("+" + " ".join(v), v) for v in args.variant)]
+    workdir = Path(tempfile.mkdtemp(prefix="train_bench_"))
     results = []
-    for c in args.cases:
-        results.append(run_case(c, *CASES[c], args, workdir))
-        print(json.dumps(results[-1])[:2000], flush=True)
-    base = next((r for r in results if r["world"] == 1 and "error" not in r), None)
+    for i in range(args.repeat):
+        for name in args.cases:
+            for suffix, variant in variants:
+                label = name + suffix + (f"#{i + 1}" if args.repeat > 1 else "")
+                results.append(run_case(label, CASES[name], [*args.extra, *variant], args, workdir))
+                print(json.dumps(results[-1])[:2000], flush=True)
+    add_scaling(results)
     print("| case | GPUs | tokens/s per GPU | step s | model TFLOP/s per GPU | MFU | peak GiB | vs 1 GPU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -255,14 +194,15 @@ def main() -> None:
             print(f"| {r['case']} | {r['world']} | failed | | | | | |")
             print(r["error"], file=sys.stderr)
             continue
-        eff = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
-        r["scaling_vs_1gpu"] = eff
+        eff = r.get("scaling_vs_1gpu")
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         print(f"| {r['case']} | {r['world']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['step_s']:.3f} | "
               f"{r['tflops_per_gpu']:.0f} | {mfu} | {r['mem_peak_gib'] or 0:.1f} | "
               f"{'-' if eff is None else f'{eff:.1%}'} |")  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        out = {"matmul_bf16_tflops": peak, "extra": args.extra, "variants": args.variant, "steps": args.steps,
+               "cases": results}  # fmt: skip
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ out of memory is reported as such and the next one is tried.
     python bench/train_step_bench.py --preset llama-1b --seq 4096 --micro-batch 2 4
     python bench/train_step_bench.py --preset llama-1b --micro-batch 1 2 4 8 --optimizer mixed --compile --fused-ce
     python bench/train_step_bench.py --smoke     # a toy model on the CPU: checks the script, measures nothing
-    python bench/train_step_bench.py --reference hf --micro-batch 4 [--compile]   # issue 9's reference rows
+    python bench/train_step_bench.py --reference hf --micro-batch 4 [--compile]   # the Hugging Face anchor
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _sync(device: torch.device) -> None:
 
 
 def build_hf_step(args: argparse.Namespace, config: Any, micro_batch: int, device: torch.device) -> Any:
-    """The reference row of issue 9's table: Hugging Face ``LlamaForCausalLM`` built from the same config (random
+    """The anchor of the one-GPU training table: Hugging Face ``LlamaForCausalLM`` built from the same config (random
     weights, nothing downloaded), SDPA attention, pure bf16 weights and fused AdamW states; ``--compile`` compiles
     each decoder layer (regional compile)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,239 @@
+"""The serving, kernel, data, checkpoint and GPU-test suites of ``bench/run.py``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from _harness import PY, Context, Suite, table
+
+
+def serve(ctx: Context) -> list[dict[str, Any]]:
+    out = ctx.path("serve.json")
+    conc, hf_batches = ("1,64", "1,64") if ctx.quick else ("1,8,32,64,256", "1,8,32,64")
+    http = ctx.dry_run or ctx.importable("fastapi", "uvicorn", "httpx")
+    step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--lookahead", "--concurrency", conc,
+                    "--http-concurrency", "64" if http else "0", "--hf", "--hf-batches", hf_batches,
+                    "--hf-deadline", "140", "--out", out], timeout=720, out=out)  # fmt: skip
+    d = step.data or {}
+    hf = {r.get("batch"): r for r in d.get("hf_static_compile", []) if isinstance(r, dict)}
+    rows = []
+    for c in (int(x) for x in conc.split(",")):
+        r = next((e for e in d.get("engine", []) if e.get("concurrency") == c), {})
+        h = hf.get(c, {})
+        tok_s, hf_tok_s = r.get("output_tok_s"), h.get("output_tok_s")
+        rows.append(ctx.row(step, measured=bool(r), concurrency=c, tok_s=tok_s, ttft_p50=r.get("ttft_ms_p50"),
+                            ttft_p99=r.get("ttft_ms_p99"), tpot_p50=r.get("tpot_ms_p50"), tpot_p99=r.get("tpot_ms_p99"),
+                            hf_tok_s=hf_tok_s, hf_ms=h.get("ms_per_token"),
+                            vs_hf=tok_s / hf_tok_s if tok_s and hf_tok_s else None))  # fmt: skip
+    cols = [("concurrency", "concurrent requests", "d"), ("tok_s", "output tok/s", ",.0f"),
+            ("ttft_p50", "TTFT p50 ms", ".1f"), ("ttft_p99", "TTFT p99 ms", ".1f"),
+            ("tpot_p50", "per-token p50 ms", ".3f"), ("tpot_p99", "per-token p99 ms", ".3f"),
+            ("hf_tok_s", "HF generate tok/s", ",.0f"), ("hf_ms", "HF ms/token", ".2f"), ("vs_hf", "vs HF", ".1f")]  # fmt: skip
+    notes = ["llama-1b, random weights, bf16, prompt 128 + 128 output tokens, greedy; the engine's GPU defaults "
+             "(compiled layers, CUDA graphs, lookahead, the one-row decode kernels); median of 3 runs",
+             "HF: transformers generate() with a static cache and torch.compile, same model shape, same call"]  # fmt: skip
+    if d.get("row_kernels"):
+        notes.append(f"row kernels resolved to {d['row_kernels']}")
+    tables = [table("the engine (mcore-infer), one GPU", cols, rows, notes)]
+    engine64 = next((e.get("output_tok_s") for e in d.get("engine", []) if e.get("concurrency") == 64), None)
+    http_rows = []
+    for key, label in (("http_cold", "first run against a fresh server"), ("http", "the run after it")):
+        r = d.get(key) or {}
+        http_rows.append(ctx.row(step, measured="output_tok_s" in r, name=label, tok_s=r.get("output_tok_s"),
+                                 ttft_p50=r.get("ttft_ms_p50"), tpot_p50=r.get("tpot_ms_p50"), engine=engine64))  # fmt: skip
+        if r.get("error"):
+            http_rows[-1]["error"] = r["error"]
+    http_notes = ["streaming /v1/completions through uvicorn in the engine's process, 64 clients in another process"]
+    if not http:
+        http_notes.append("not run: fastapi, uvicorn or httpx is not importable (pip install 'mcore-infer[server]' "
+                          "httpx, or carry their wheels: --wheels DIR)")  # fmt: skip
+    tables.append(table("through the HTTP server, concurrency 64", [
+        ("name", "run", ""), ("tok_s", "output tok/s", ",.0f"), ("ttft_p50", "TTFT p50 ms", ".0f"),
+        ("tpot_p50", "per-token p50 ms", ".2f"), ("engine", "engine alone, same call", ",.0f")], http_rows,
+        http_notes))  # fmt: skip
+    out = ctx.path("host.json")
+    step = ctx.run([PY, "bench/engine_host_bench.py", "--requests", "64", "--out", out], timeout=300, out=out)
+    host = [
+        ctx.row(step, name=k.removesuffix("_us_per_step").replace("_", " "), us=v)
+        for k, v in (step.data or {}).items()
+        if k.endswith("_us_per_step")
+    ] or [ctx.row(step, name="greedy")]
+    tables.append(table("host time of one engine step, 64 running requests", [("name", "sampling", ""),
+                  ("us", "µs per step", ".0f")], host,
+                  ["the model replaced by a stand-in: scheduling, packing, sampling, detokenization alone"]))  # fmt: skip
+    return tables
+
+
+def kernels(ctx: Context) -> list[dict[str, Any]]:
+    tables = []
+    out = ctx.path("attention.json")
+    step = ctx.run([PY, "bench/attention_bench.py", "--batch", "4", "--seq", "4096", *(["--iters", "3"] * ctx.quick),
+                    "--json", out], timeout=300, out=out)  # fmt: skip
+    rows = []
+    for backend in ("cudnn", "flash"):
+        for gqa in ("native", "repeat"):
+            ms = [r["ms"] for r in (step.data or {}).get("rows", [])
+                  if (r["backend"], r["gqa"]) == (backend, gqa) and "ms" in r]  # fmt: skip
+            rows.append(ctx.row(step, measured=bool(ms), name=f"{backend}, keys/values {gqa}",
+                                best=min(ms, default=None), worst=max(ms, default=None),
+                                tflops=3 * 4 * 4 * 32 * 4096**2 * 64 / 2 / min(ms) / 1e9 if ms else None))  # fmt: skip
+    tables.append(table("causal attention forward + backward (SDPA), 4 x 4096 tokens, 32 / 8 heads, head dim 64",
+                        [("name", "backend", ""), ("best", "ms, fastest q/k/v layout", ".2f"),
+                         ("worst", "ms, slowest layout", ".2f"), ("tflops", "model TFLOP/s", ".0f")], rows,
+                        ["layouts: [s, b, h, d], [b, s, h, d], [b, h, s, d] views; causal attention counted half"]))  # fmt: skip
+    out = ctx.path("gemv.json")
+    launches = ["--fma-launches", "1,8,1024,4", "2,8,1024,4"] if ctx.quick else []
+    step = ctx.run([PY, "bench/gemv_bench.py", "--fma-sweep", *launches, "--json", out], timeout=400, out=out)
+    rows = [ctx.row(step, name=name, base=r.get("baseline_us"), best=r.get("best_us"), launch=r.get("best"),
+                    speedup=r["baseline_us"] / r["best_us"] if r.get("best_us") else None)
+            for name, r in (step.data or {}).get("rows", {}).items()] or [ctx.row(step, name="decode GEMVs")]  # fmt: skip
+    tables.append(table("decode GEMMs at one row (llama-1b shapes, in CUDA graphs)", [
+        ("name", "weight", ""), ("base", "cuBLAS (+ compiled SwiGLU) µs", ".2f"), ("best", "row kernel µs", ".2f"),
+        ("launch", "its launch (splits, block n, block k, warps)", ""), ("speedup", "speed-up", ".2f")], rows,
+        ["the engine uses the row kernel where it wins (EngineConfig's auto decode kernels); fc1 stays on cuBLAS"]))  # fmt: skip
+    out = ctx.path("swiglu-gemm.json")
+    step = ctx.run([PY, "bench/swiglu_gemm_bench.py", *(["--iters", "10"] * ctx.quick), "--out", out], timeout=500,
+                   out=out)  # fmt: skip
+    got = {r["case"]: r["ms"] for r in (step.data or {}).get("rows", [])}
+    rows = []
+    for p, what in (("fwd", "forward: up projection + SwiGLU"), ("bwd", "backward: down projection's dh + SwiGLU")):
+        tiles = {k: v for k, v in got.items() if k.startswith(f"{p} fused ") and "autotuned" not in k}
+        best = min(tiles, key=tiles.get, default=None)
+        rows.append(ctx.row(step, measured=bool(got), name=what, unfused=got.get(f"{p} unfused total"),
+                            fused=tiles.get(best), tile=best.removeprefix(f"{p} fused ") if best else None,
+                            autotuned=got.get(f"{p} fused autotuned")))  # fmt: skip
+    tables.append(table("SwiGLU in the MLP's GEMM epilogue (Triton) against cuBLAS + a separate kernel, 32,768 tokens",
+                        [("name", "pass", ""), ("unfused", "unfused ms", ".3f"), ("fused", "fused ms, best tile", ".3f"),
+                         ("tile", "tile", ""), ("autotuned", "fused ms, autotuned", ".3f")], rows,
+                        ["the training MLP keeps cuBLAS: Triton's Hopper mainloop is slower than cuBLAS's"]))  # fmt: skip
+    out = ctx.path("rope.json")
+    step = ctx.run([PY, "bench/rope_bench.py", *(["--iters", "10"] * ctx.quick), "--json", out], timeout=300, out=out)
+    rows = [ctx.row(step, name=r["impl"], fwd=r["fwd_ms"], bwd=r["bwd_ms"], total=r["fwd_bwd_ms"], gbs=r["fwd_gb_s"])
+            for r in (step.data or {}).get("rows", [])] or [ctx.row(step, name="triton"), ctx.row(step, name="torch")]  # fmt: skip
+    tables.append(table("QKV split + RoPE, one llama-1b micro-batch (8 x 4096 tokens)", [
+        ("name", "implementation", ""), ("fwd", "forward ms", ".3f"), ("bwd", "backward ms", ".3f"),
+        ("total", "forward + backward ms", ".3f"), ("gbs", "forward GB/s (bytes it must move)", ".0f")], rows,
+        ["triton: model.rope_kernel=triton (the default); torch: PyTorch's ops under torch.compile"]))  # fmt: skip
+    out = ctx.path("matmul.json")
+    step = ctx.run([PY, "bench/matmul_sustained.py", "--seconds", "5" if ctx.quick else "20", "--json", out],
+                   timeout=120, out=out)  # fmt: skip
+    d = step.data or {}
+    tables.append(table("bf16 matmul 8192^3, back to back", [("name", "window", ""), ("tflops", "TFLOP/s", ".0f")],
+                        [ctx.row(step, name="first second", tflops=d.get("first")),
+                         ctx.row(step, name="second half of the run (sustained)", tflops=d.get("last_half_mean"))],
+                        ["a short burst runs at the boost clock; under a sustained load the GPU sits at its power cap"]))  # fmt: skip
+    if ctx.gpus > 1:
+        out = ctx.path("nccl.json")
+        step = ctx.run([PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ctx.gpus}",
+                        "bench/nccl_bench.py", "--sizes-mb", "8", "64", "--json", out], timeout=300, out=out)  # fmt: skip
+        rows = [ctx.row(step, name=f"{r['op']}, {r['mb_per_rank']:g} MB per rank", ms=r["ms"], algbw=r["algbw_gb_s"],
+                        busbw=r["busbw_gb_s"], gemm=r["gemm_alone_ms"], both=r["with_gemm_ms"])
+                for r in (step.data or {}).get("rows", [])] or [ctx.row(step, name="collectives")]  # fmt: skip
+        tables.append(table(f"NCCL collectives, {ctx.gpus} GPUs (bf16)", [
+            ("name", "collective", ""), ("ms", "ms", ".3f"), ("algbw", "algorithm GB/s", ".0f"),
+            ("busbw", "bus GB/s", ".0f"), ("gemm", "4 GEMMs alone ms", ".2f"), ("both", "GEMMs + collective ms", ".2f")],
+            rows, ["the last two columns: the collective beside 8192^3 GEMMs on another stream (hidden if equal)"]))  # fmt: skip
+    return tables
+
+
+def data(ctx: Context) -> list[dict[str, Any]]:
+    out = ctx.path("data.json")
+    quick = ["--skip-100m", "--corpus-mb", "8", "--repeats", "1"] if ctx.quick else []
+    step = ctx.run([PY, "bench/data_bench.py", "--workdir", ctx.path("data"), *quick, "--out", out], timeout=1800,
+                   out=out)  # fmt: skip
+    d = step.data or {}
+    pre = [ctx.row(step, name=f"{r['tokenizer']}, {r['workers']} worker{'s' * (r['workers'] > 1)}", mb=r["mb"],
+                   mb_s=r["mb_s"], wall=r["wall_s"], startup=r["startup_s"], raw=r["raw_mb_s"],
+                   vs_raw=r["per_worker_vs_raw"] if r["tokenizer"] != "byte" else None)
+           for r in d.get("preprocess", [])]  # fmt: skip
+    idx = []
+    for r in d.get("index", []):
+        meg = next((m for m in d["index"] if m["documents"] == r["documents"] and m["ordering"] == "megatron"), None)
+        idx.append(ctx.row(step, name=f"{r['documents'] / 1e6:g} M documents, {r['ordering']} order",
+                           build=r["build_s"], rss=r["peak_rss_mb"], reload=r["reload_s"], read=r["read_us"],
+                           vs_megatron=meg["build_s"] / r["build_s"] if meg else None))  # fmt: skip
+    return [
+        table("preprocess (mcore-data preprocess of the demo corpus JSONL)", [
+            ("name", "tokenizer, workers", ""), ("mb", "MB", ".1f"), ("mb_s", "MB/s", ".2f"), ("wall", "s", ".2f"),
+            ("startup", "start-up s", ".2f"), ("raw", "raw encode MB/s, one thread", ".2f"),
+            ("vs_raw", "per worker vs raw encode", ".1%")], pre or [ctx.row(step, name="preprocess")],
+            ["anchor: the tokenizer's own single-thread encode loop on the same texts, same call (none for the "
+             "byte tokenizer); best of the repeats"]),
+        table("GPTDataset index build (sequence 4096, one epoch, fresh process per build)", [
+            ("name", "documents, order", ""), ("build", "build s", ".3f"), ("rss", "peak RSS MB", ",.0f"),
+            ("reload", "cache reload s", ".4f"), ("read", "read µs per sample", ".0f"),
+            ("vs_megatron", "speed-up vs Megatron's order", ".1f")], idx or [ctx.row(step, name="index")],
+            ["megatron: Megatron-LM's shuffle and sample index, built by the same code path; fast: the bucketed "
+             "shuffle (ordering=fast, the default)"]),
+    ]  # fmt: skip
+
+
+def checkpoint(ctx: Context) -> list[dict[str, Any]]:
+    preset = "llama-1b" if ctx.gpus and not ctx.quick else "gpt2-124m"
+    out = ctx.path("ckpt.json")
+    step = ctx.run([PY, "bench/checkpoint_bench.py", "--preset", preset, "--dir", ctx.path("ckpt"), "--json", out],
+                   timeout=900, out=out)  # fmt: skip
+    d = step.data or {}
+    rows = []
+    for key, label in (("mcore", "mcore (sharded zarr)"), ("torch", "torch.save / torch.load"),
+                       ("dcp", "torch.distributed.checkpoint")):  # fmt: skip
+        save, load = d.get(f"{key}_save_s"), d.get(f"{key}_load_s")
+        gb = d.get("state_gb")
+        rows.append(ctx.row(step, name=label, save=save, save_gbs=gb / save if gb and save else None, load=load,
+                            load_gbs=gb / load if gb and load else None,
+                            first=d.get(f"{key}_async_blocking_first_s"), later=d.get(f"{key}_async_blocking_s"),
+                            published=d.get(f"{key}_async_total_s")))  # fmt: skip
+    cols = [("name", "method", ""), ("save", "save s", ".2f"), ("save_gbs", "GB/s", ".2f"), ("load", "load s", ".2f"),
+            ("load_gbs", "GB/s", ".2f"), ("first", "async: caller blocked, first save s", ".2f"),
+            ("later", "later saves s", ".2f"), ("published", "until published s", ".2f")]  # fmt: skip
+    size = f"{d['state_gb']:.2f} GB in {d['tensors']} tensors" if d.get("state_gb") else "the training state"
+    tables = [table(f"{preset} training state ({size}: bf16 weights, fp32 master weights, Adam moments)", cols, rows,
+                    ["anchors: torch.save and DCP on the same tensors, same process"])]  # fmt: skip
+    out = ctx.path("ckpt-first.json")
+    step = ctx.run([PY, "bench/checkpoint_bench.py", "--preset", preset, "--dir", ctx.path("ckpt-first"),
+                    "--first-save-only", "reserved", "--json", out], timeout=600, out=out)  # fmt: skip
+    d = step.data or {}
+    tables.append(table("the first async save of a fresh process, after CheckpointManager.reserve()", [
+        ("name", "", ""), ("call", "reserve() returns s", ".3f"), ("background", "background allocation s", ".2f"),
+        ("blocked", "first save: caller blocked s", ".2f"), ("published", "until published s", ".2f")],
+        [ctx.row(step, name=preset, call=d.get("mcore_reserve_call_s"), background=d.get("mcore_reserve_background_s"),
+                 blocked=d.get("mcore_async_blocking_reserved_first_s"),
+                 published=d.get("mcore_async_total_reserved_first_s"))],
+        ["the training loop calls reserve() after its first step: the pinned staging buffer is allocated while it "
+         "trains"]))  # fmt: skip
+    return tables
+
+
+def gpu_tests(ctx: Context) -> list[dict[str, Any]]:
+    step = ctx.run([PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
+                    "--continue-on-collection-errors"], timeout=900)  # fmt: skip
+    summary = [line for line in step.log.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1])} \
+        if summary else {}  # fmt: skip
+    seconds = re.search(r" in ([\d.]+)s", summary[-1]) if summary else None
+    problems = [line for line in step.log.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    row = ctx.row(step, measured=bool(summary), gpus=ctx.gpus, passed=counts.get("passed", 0 if summary else None),
+                  failed=counts.get("failed", 0 if summary else None), skipped=counts.get("skipped"),
+                  errors=counts.get("error", counts.get("errors")), seconds=float(seconds[1]) if seconds else None)  # fmt: skip
+    cols = [("gpus", "GPUs", "d"), ("passed", "passed", "d"), ("failed", "failed", "d"), ("skipped", "skipped", "d"),
+            ("errors", "collection errors", "d"), ("seconds", "seconds", ".0f")]  # fmt: skip
+    return [table("every test marked gpu", cols, [row], problems[:30])]
+
+
+SYSTEM_SUITES = [
+    Suite("serve", "llama-1b serving on one GPU: the engine at 1 to 256 concurrent requests, the HTTP server at 64, "
+          "the engine's host time per step", "Hugging Face generate() with a static cache and torch.compile, same "
+          "call", 7, 1, serve),
+    Suite("kernels", "attention backends, decode GEMVs, SwiGLU GEMM epilogues, the QKV/RoPE kernel, the matmul rate "
+          "burst and sustained, NCCL collectives (with more than one GPU)",
+          "cuBLAS, PyTorch's ops under torch.compile, the other SDPA backend, same process", 7, 1, kernels,
+          use=lambda v: max(v, 1)),
+    Suite("data", "mcore-data preprocess throughput and GPTDataset index build, reload and read",
+          "the tokenizer's raw encode loop and Megatron's index order, same call", 5, 0, data, use=lambda v: 0),
+    Suite("checkpoint", "save, load and async save of a training state (llama-1b on a GPU, gpt2-124m on a CPU)",
+          "torch.save and torch.distributed.checkpoint on the same tensors, same process", 6, 0, checkpoint,
+          use=lambda v: min(v, 1)),
+    Suite("gpu-tests", "every test marked gpu (kernels, NCCL parity, CUDA graphs) on the GPUs it is given",
+          "the float64 / CPU references inside the tests", 3, 1, gpu_tests, use=lambda v: max(v, 1)),
+]  # fmt: skip
