@@ -86,7 +86,7 @@ def test_compile_keeps_parameter_names() -> None:
 
 
 def test_compile_choice_is_checked() -> None:
-    with pytest.raises(ValueError, match="compile='all' must be none or layers"):
+    with pytest.raises(ValueError, match="training.compile='all' must be one of none, layers"):
         config("training.compile=all")
 
 
@@ -126,5 +126,7 @@ def test_compile_mode_reaches_every_layer(monkeypatch: pytest.MonkeyPatch) -> No
     setup(config("training.train_iters=3", "training.device=cpu", "training.compile=layers",
                  "training.compile_mode=max-autotune-no-cudagraphs"))  # fmt: skip
     assert modes == ["max-autotune-no-cudagraphs"] * 4  # the tiny model's four layers
-    with pytest.raises(ConfigError, match="compile_mode='fast' must be default or max-autotune-no-cudagraphs"):
+    with pytest.raises(
+        ConfigError, match="training.compile_mode='fast' must be one of default, max-autotune-no-cudagraphs"
+    ):
         config("training.compile_mode=fast")

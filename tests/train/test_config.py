@@ -42,11 +42,12 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         "optimzer: unknown section; did you mean 'optimizer'?",
         "training.micro_batch_size: expected an integer, got 'two'",
         "model.hidden_sise: unknown key; did you mean 'hidden_size'?",
-        "ordering='random' must be fast or megatron",
-        "decay_style='exp' must be cosine, linear, constant or wsd",
+        "data.ordering='random' must be one of fast, megatron",
+        "scheduler.decay_style='exp' must be one of cosine, linear, constant, wsd",
+        "training.on_nan='explode' must be one of stop, skip",
     ):
         assert expected in text, expected
-    assert len(exc.value.problems) == 5
+    assert len(exc.value.problems) == 6
 
 
 def test_layout_problems_for_a_world_size() -> None:
@@ -101,11 +102,11 @@ def test_example_yaml_files_load(path: Path) -> None:
 
 
 def test_tp_comm_choices_are_checked() -> None:
-    with pytest.raises(ConfigError, match="tp_comm='ring' must be auto, nccl, symmetric_memory or p2p"):
+    with pytest.raises(ConfigError, match="parallel.tp_comm='ring' must be one of auto, nccl, symmetric_memory, p2p"):
         config("parallel.tp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm=symmetric_memory applies to sequence-parallel layers"):
         config("parallel.tp_comm=symmetric_memory", "parallel.tp=2")
-    with pytest.raises(ConfigError, match="dp_comm='ring' must be auto, nccl or p2p"):
+    with pytest.raises(ConfigError, match="parallel.dp_comm='ring' must be one of auto, nccl, p2p"):
         config("parallel.dp_comm=ring")
     with pytest.raises(ConfigError, match="tp_comm_chunks=0 must be at least 1"):
         config("parallel.tp_comm_chunks=0")

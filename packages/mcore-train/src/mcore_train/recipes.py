@@ -1,52 +1,40 @@
-"""Named recipes: functions returning a config tree (plain mappings), the starting point of ``load_config``."""
+"""Named recipes: functions returning a :class:`~mcore_train.config.TrainConfig`, the starting point of
+``load_config(recipe=...)`` and ``mcore-train pretrain --recipe NAME``."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
+from mcore_models import TransformerConfig, preset
+from mcore_parallel.optim import OptimizerConfig
+from mcore_train.config import TrainConfig, config_changes
+from mcore_train.sections import CheckpointSection, DataSection, ParallelSection, SchedulerSection, TrainingSection
+
 __all__ = ["RECIPES", "recipe_tree"]
 
-Tree = dict[str, Any]
 
-
-def tiny() -> Tree:
+def tiny() -> TrainConfig:
     """A small Llama-style model on byte tokens that trains on a laptop CPU in minutes (the demo)."""
-    return {
-        "model": {
-            "num_layers": 4,
-            "hidden_size": 128,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "ffn_hidden_size": 384,
-            "activation": "swiglu",
-            "normalization": "rmsnorm",
-            "position_embedding": "rope",
-            "add_bias_linear": False,
-            "vocab_size": 259,
-            "make_vocab_size_divisible_by": 64,
-            "max_position_embeddings": 256,
-            "share_embeddings_and_output_weights": True,
-        },
-        "data": {"seq_length": 256, "tokenizer": "byte", "split": "98,2,0"},
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "adam_beta2": 0.95, "clip_grad": 1.0},
-        "scheduler": {"decay_style": "cosine", "warmup_iters": 20, "min_lr": 3e-4},
-        "training": {
-            "micro_batch_size": 8,
-            "global_batch_size": 16,
-            "train_iters": 300,
-            "eval_interval": 100,
-            "eval_iters": 4,
-            "generate_at_end": 120,
-        },
-        "checkpoint": {"save_interval": 100, "keep_last": 2},
-        "logging": {"log_interval": 10},
-    }
+    model = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                              ffn_hidden_size=384, activation="swiglu", normalization="rmsnorm",
+                              position_embedding="rope", add_bias_linear=False, vocab_size=259,
+                              make_vocab_size_divisible_by=64, max_position_embeddings=256,
+                              share_embeddings_and_output_weights=True)  # fmt: skip
+    training = TrainingSection(micro_batch_size=8, global_batch_size=16, train_iters=300, eval_interval=100,
+                               eval_iters=4, generate_at_end=120)  # fmt: skip
+    return TrainConfig(
+        model=model,
+        data=DataSection(seq_length=256, tokenizer="byte", split="98,2,0"),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0),
+        scheduler=SchedulerSection(decay_style="cosine", warmup_iters=20, min_lr=3e-4),
+        training=training,
+        checkpoint=CheckpointSection(save_interval=100, keep_last=2),  # logging: the default, every 10 steps
+    )
 
 
 def _pretraining(
-    preset: str,
+    preset_name: str,
     *,
     seq: int,
     lr: float,
@@ -56,50 +44,41 @@ def _pretraining(
     iters: int,
     eval_interval: int,
     save_interval: int,
-    parallel: Tree | None = None,
-) -> Tree:
+    parallel: ParallelSection | None = None,
+) -> TrainConfig:
     """A bf16 pretraining run of a model preset: AdamW (beta2 0.95, wd 0.1, clip 1), cosine to lr/10, ZeRO-1."""
-    tree: Tree = {
-        "model": {"preset": preset, "params_dtype": "bfloat16"},
-        "data": {"seq_length": seq, "tokenizer": "hf"},
-        "optimizer": {
-            "lr": lr,
-            "weight_decay": 0.1,
-            "adam_beta2": 0.95,
-            "clip_grad": 1.0,
-            "use_distributed_optimizer": True,
-        },
-        "scheduler": {"decay_style": "cosine", "warmup_iters": warmup, "min_lr": lr / 10},
-        "training": {
-            "micro_batch_size": micro_batch,
-            "global_batch_size": global_batch,
-            "train_iters": iters,
-            "eval_interval": eval_interval,
-        },
-        "checkpoint": {"save_interval": save_interval, "async_save": True},
-    }
-    if parallel:
-        tree["parallel"] = parallel
-    return tree
+    return TrainConfig(
+        model=preset(preset_name, params_dtype="bfloat16"),
+        parallel=parallel or ParallelSection(),
+        data=DataSection(seq_length=seq, tokenizer="hf"),
+        optimizer=OptimizerConfig(
+            lr=lr, weight_decay=0.1, adam_beta2=0.95, clip_grad=1.0, use_distributed_optimizer=True
+        ),
+        scheduler=SchedulerSection(decay_style="cosine", warmup_iters=warmup, min_lr=lr / 10),
+        training=TrainingSection(
+            micro_batch_size=micro_batch, global_batch_size=global_batch, train_iters=iters, eval_interval=eval_interval
+        ),
+        checkpoint=CheckpointSection(save_interval=save_interval, async_save=True),
+    )
 
 
-def gpt2_124m() -> Tree:
+def gpt2_124m() -> TrainConfig:
     return _pretraining("gpt2-124m", seq=1024, lr=6e-4, warmup=700, micro_batch=16, global_batch=512, iters=20000,
                         eval_interval=1000, save_interval=1000)  # fmt: skip
 
 
-def llama_1b() -> Tree:
+def llama_1b() -> TrainConfig:
     return _pretraining("llama-1b", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
                         eval_interval=2000, save_interval=1000)  # fmt: skip
 
 
-def llama3_8b() -> Tree:
+def llama3_8b() -> TrainConfig:
     return _pretraining("llama3-8b", seq=8192, lr=3e-4, warmup=2000, micro_batch=1, global_batch=128, iters=100000,
                         eval_interval=2000, save_interval=500,
-                        parallel={"tp": 2, "pp": 1, "sequence_parallel": True})  # fmt: skip
+                        parallel=ParallelSection(tp=2, pp=1, sequence_parallel=True))  # fmt: skip
 
 
-RECIPES: dict[str, Callable[[], Tree]] = {
+RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "gpt2-124m": gpt2_124m,
     "llama-1b": llama_1b,
@@ -107,9 +86,11 @@ RECIPES: dict[str, Callable[[], Tree]] = {
 }
 
 
-def recipe_tree(name: str) -> Tree:
+def recipe_tree(name: str) -> dict[str, Any]:
+    """Recipe ``name`` as the plain tree :func:`~mcore_train.config.load_config` merges a YAML file and overrides
+    into (:func:`~mcore_train.config.config_changes`)."""
     from mcore_train.errors import ConfigError
 
     if name not in RECIPES:
         raise ConfigError([f"recipe: unknown recipe {name!r}; known: {', '.join(RECIPES)}"])
-    return {"recipe": name, **copy.deepcopy(RECIPES[name]())}
+    return {"recipe": name, **config_changes(RECIPES[name]())}

@@ -19,7 +19,7 @@ from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
 from mcore_parallel import ParallelState, ShardedTensor
 from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
-from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
+from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
 from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed, with_symmetric_memory
@@ -172,22 +172,16 @@ def _with_tp_exchange(config: TrainConfig, state: ParallelState) -> ParallelStat
 
 def setup(config: TrainConfig) -> Run:
     """Everything a run needs, resumed from a checkpoint when one is configured or found."""
-    state = ParallelState.initialize(
-        config.parallel.parallel_config(),
-        backend=config.parallel.backend,
-        device=config.training.device,
-    )
+    state = ParallelState.initialize(config.parallel, backend=config.parallel.backend, device=config.training.device)
     config.check_layout(state.world_size)
     state = _with_tp_exchange(config, state)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip
     chunks = build_model_chunks(config, model_config, state, tracker)
-    ddp_config = DDPConfig(
-        bucket_size=config.parallel.bucket_size,
-        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+    ddp_config = dataclasses.replace(
+        config.parallel.ddp,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
-        gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
         exchange=resolve_dp_comm(config.parallel.dp_comm, state),
     )
     ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]

@@ -1,0 +1,281 @@
+"""The sections of a training configuration that mcore-train owns, and the parallel section built on
+``mcore_parallel``'s own configs.
+
+Each is a small dataclass: every field has a default and a one-line doc; a field with a fixed set of values is a
+``Literal`` (checked, with the choices named, by the loader in :mod:`mcore_train._typed`); ``__post_init__`` checks
+ranges and combinations of fields. :class:`~mcore_train.config.TrainConfig` puts them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mcore_parallel import ParallelConfig
+from mcore_parallel.ddp import DDPConfig
+from mcore_parallel.errors import ParallelConfigError
+from mcore_train._typed import inline
+from mcore_train.profiling import window_problem
+
+__all__ = [
+    "ParallelSection",
+    "DataSection",
+    "SchedulerSection",
+    "TrainingSection",
+    "CheckpointSection",
+    "LoggingSection",
+]
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ParallelSection(ParallelConfig):
+    """How the model is split across ranks (dp is what remains of the world size) and how its gradients are reduced.
+
+    It is the run's :class:`~mcore_parallel.ParallelConfig` (``tp``, ``pp``, ``cp``, ``ep``, ``expert_tp``, ``vpp``,
+    ``order``, ``sequence_parallel``), which builds the :class:`~mcore_parallel.ParallelState`, and holds the run's
+    :class:`~mcore_parallel.ddp.DDPConfig` as ``ddp``, whose fields are keys of this section too
+    (``parallel.bucket_size``); the trainer fills in the DDP config's ``use_distributed_optimizer`` (from
+    ``optimizer.use_distributed_optimizer``) and ``exchange`` (from ``dp_comm``).
+    """
+
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (the rest split evenly)."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage."""
+    ddp: DDPConfig = field(default_factory=DDPConfig, metadata=inline(("use_distributed_optimizer", "exchange")))
+    """Gradient buckets: ``bucket_size``, ``overlap_grad_reduce``, ``gradient_accumulation_fusion``."""
+    backend: str | None = None
+    """torch.distributed backend; default nccl with CUDA, else gloo."""
+    tp_comm: Literal["auto", "nccl", "symmetric_memory", "p2p"] = "auto"
+    """How sequence-parallel linears exchange the sequence: nccl (collectives overlapped with the GEMMs),
+    symmetric_memory (PyTorch's fused all-gather-matmul / matmul-reduce-scatter over peer-to-peer copies between the
+    GPUs of one host; needs CUDA, tp > 1 and sequence_parallel), p2p (mcore's own exchange over the same symmetric
+    memory: one barrier per exchange instead of three, no copy of the local shard on the compute stream; see
+    ``mcore_parallel.tensor.p2p``; at tp2 + SP on 2x H200 92.3-94.4% of one GPU's tokens/s per GPU against 90.1%
+    with symmetric_memory, which is +5% over nccl) or auto (where it applies: CUDA, tp > 1 with sequence_parallel,
+    every rank of the tensor-parallel group on this host with peer access to this GPU: p2p at tp2, the size measured
+    on GPUs, symmetric_memory at larger tp; else nccl)."""
+    dp_comm: Literal["auto", "nccl", "p2p"] = "auto"
+    """How the data-parallel gradient reduction and the distributed optimizer's parameter all-gather run: nccl
+    (collectives), p2p (peer-to-peer copies between symmetric buffers on the copy engines, which run beside the
+    backward's GEMMs where NCCL's kernels wait for free SMs; GPUs of one host with peer access, or CPU) or auto (p2p
+    at dp2, the size measured on GPUs, with the whole data-parallel group on this host with peer access; else
+    nccl)."""
+    tp_comm_chunks: int = 2
+    """With tp_comm=p2p: each peer's rows are pulled in this many pieces, each multiplied (or added) as soon as it
+    arrives, so less of the copy waits after the local GEMM."""
+    tp_comm_in_graph: bool = False
+    """Experimental, with symmetric memory: let ``training.compile=layers`` trace the sequence-parallel linears into
+    the compiled layers instead of breaking each layer's graph at them (less host work per step)."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        try:
+            super().__post_init__()  # the layout's own checks
+        except ParallelConfigError as e:
+            problems.extend(e.problems)
+        if self.tp_comm in ("symmetric_memory", "p2p") and (self.tp < 2 or not self.sequence_parallel):
+            problems.append(
+                f"tp_comm={self.tp_comm} applies to sequence-parallel layers: set tp > 1 (is {self.tp}) and "
+                "sequence_parallel=true, or use tp_comm=nccl"
+            )
+        if self.tp_comm_chunks < 1:
+            problems.append(f"tp_comm_chunks={self.tp_comm_chunks} must be at least 1")
+        if self.tp_comm_in_graph and self.ddp.gradient_accumulation_fusion:
+            problems.append(
+                "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "
+                "main_grad in place; turn one of them off"
+            )
+        if self.tp_comm_in_graph and self.tp_comm in ("nccl", "p2p"):
+            problems.append(
+                f"tp_comm_in_graph=true traces PyTorch's fused ops (tp_comm={self.tp_comm}): set tp_comm=auto or "
+                "symmetric_memory"
+            )
+        if self.cp != 1:
+            problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
+        if self.ep != 1:
+            problems.append(
+                f"ep={self.ep}: expert parallelism needs MoE models, which are not implemented yet; use ep=1"
+            )
+        _raise(problems)
+
+
+@dataclass
+class DataSection:
+    """Where samples come from."""
+
+    path: list[str] = field(default_factory=list)
+    """One prefix, or a blend 'weight prefix weight prefix ...', split into train/valid/test by ``split``."""
+    train_path: list[str] = field(default_factory=list)
+    """Per-split blends (instead of ``path``)."""
+    valid_path: list[str] = field(default_factory=list)
+    """Per-split blend of the validation set."""
+    test_path: list[str] = field(default_factory=list)
+    """Per-split blend of the test set."""
+    split: str = "969,30,1"
+    """Train/valid/test document weights when ``path`` is used."""
+    mock: bool = False
+    """Random tokens instead of files (for smoke tests and benchmarks)."""
+    seq_length: int = 1024
+    """Tokens per sample."""
+    tokenizer: Literal["byte", "sentencepiece", "hf"] = "byte"
+    """byte, sentencepiece or hf."""
+    tokenizer_model: str | None = None
+    """The SentencePiece .model or HF tokenizer.json (copied into every checkpoint)."""
+    ordering: Literal["fast", "megatron"] = "fast"
+    """Sample order: fast, or megatron (Megatron-LM's exact indices)."""
+    cache_dir: str | None = None
+    """Index cache directory (default next to the data)."""
+    seed: int = 1234
+    """Seed of the data shuffles."""
+    eod_mask_loss: bool = False
+    """No loss on end-of-document tokens."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.seq_length < 2:
+            problems.append(f"seq_length={self.seq_length} must be at least 2")
+        if self.path and (self.train_path or self.valid_path or self.test_path):
+            problems.append("give either data.path or data.train_path/valid_path/test_path, not both")
+        _raise(problems)
+
+
+@dataclass
+class SchedulerSection:
+    """The learning-rate schedule (the peak LR is ``optimizer.lr``)."""
+
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    warmup_iters: int = 0
+    """Linear warmup from 0 to the peak LR."""
+    decay_iters: int | None = None
+    """Iterations from step 0 to the end of decay (default: training.train_iters)."""
+    min_lr: float = 0.0
+    """LR at the end of decay."""
+    wsd_decay_iters: int | None = None
+    """wsd: length of the final decay phase (default 10% of decay_iters)."""
+    wsd_decay_style: Literal["linear", "cosine", "sqrt"] = "linear"
+    """wsd: shape of the final decay."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_iters < 0 or self.min_lr < 0:
+            raise ValueError("warmup_iters and min_lr must be >= 0")
+
+
+@dataclass
+class TrainingSection:
+    """Batch sizes, length of the run, evaluation and exit conditions."""
+
+    micro_batch_size: int = 1
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step (micro-batch x dp x accumulation steps)."""
+    rampup_batch_size: list[int] = field(default_factory=list)
+    """Batch-size ramp-up: [start, increment, ramp samples] (Megatron's --rampup-batch-size)."""
+    train_iters: int | None = 100
+    """Stop after this many steps."""
+    train_tokens: int | None = None
+    """Or stop after this many tokens."""
+    eval_interval: int | None = None
+    """Evaluate on the validation split every N steps (and at the end); None: only at the end."""
+    eval_iters: int = 10
+    """Validation batches per evaluation (0 disables evaluation)."""
+    exit_interval: int | None = None
+    """Save and exit when the step number is a multiple of this (Megatron's --exit-interval)."""
+    exit_duration_minutes: float | None = None
+    """Save and exit after this much wall-clock time."""
+    on_nan: Literal["stop", "skip"] = "stop"
+    """On a nan/inf loss: stop (with the step named) or skip (drop the step's update)."""
+    read_loss_every_step: bool = False
+    """Read each step's loss on the host before its update (a host sync per step; the GPU idles while the next step
+    is prepared). By default, when the optimizer can skip a nan/inf step on the device (fused AdamW, the default on
+    GPUs), the loss is read one step later, after the next step is enqueued; a nan loss and a stop request then act
+    one step later. For comparisons and debugging."""
+    seed: int = 1234
+    """Seed of initialisation and dropout."""
+    device: str | None = None
+    """Override the device (default: cuda with CUDA, else cpu)."""
+    compile: Literal["none", "layers"] = "none"
+    """``torch.compile``: none, or layers (each transformer layer compiled on its own: fuses norms, RoPE, SwiGLU and
+    residual adds; one compilation shared by all layers of the same shape)."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    """``torch.compile`` mode of the compiled layers: default, or max-autotune-no-cudagraphs (inductor benchmarks its
+    Triton GEMM templates against cuBLAS per shape and can fuse elementwise epilogues into them; compiles for
+    minutes)."""
+    generate_at_end: int = 0
+    """Greedily generate this many tokens from a prompt at the end and log the text (0: off)."""
+    generate_prompt: str = "def "
+    """The prompt for ``generate_at_end``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            problems.append("micro_batch_size and global_batch_size must be positive")
+        if self.train_iters is None and self.train_tokens is None:
+            problems.append("set training.train_iters or training.train_tokens")
+        if self.rampup_batch_size and len(self.rampup_batch_size) != 3:
+            problems.append("rampup_batch_size must be [start, increment, ramp samples]")
+        _raise(problems)
+
+
+@dataclass
+class CheckpointSection:
+    """Saving and loading."""
+
+    dir: str | None = None
+    """Where checkpoints go (None: never save)."""
+    save_interval: int | None = None
+    """Save every N steps (and always at the end and on SIGTERM/SIGINT or the time limit)."""
+    keep_last: int | None = 3
+    """Keep the newest N checkpoints."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    load: str | None = None
+    """A checkpoint (or run directory) to start from; default: resume from ``dir`` if it has one."""
+    finetune: bool = False
+    """Load weights only: fresh optimizer, schedule, step 0 and data from the start."""
+    auto_resume: bool = True
+    """Resume from ``dir``'s latest checkpoint when present."""
+    save_at_end: bool = True
+    """Save when training ends."""
+
+
+@dataclass
+class LoggingSection:
+    """What is reported and where."""
+
+    log_interval: int = 10
+    """Log every N steps."""
+    dir: str | None = None
+    """Directory for metrics.jsonl and TensorBoard (default: the checkpoint dir)."""
+    jsonl: bool = True
+    """Write metrics.jsonl."""
+    tensorboard: bool = False
+    """Write TensorBoard events (pip install mcore-train[tensorboard])."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases (pip install mcore-train[wandb])."""
+    progress_bar: bool = True
+    """A progress bar with ETA on rank 0."""
+    peak_tflops: float | None = None
+    """Peak bf16 TFLOP/s per GPU for MFU (default: known for H100/H200/A100)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Profile steps [first, end) with torch.profiler, e.g. [6, 8]: a kernel-time summary per profiled rank,
+    profile-rank<R>.md, in the log directory."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Ranks that profile."""
+    profile_trace: bool = False
+    """Also write the Chrome/Perfetto trace trace-rank<R>.json (large)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.log_interval < 1:
+            problems.append(f"log_interval={self.log_interval} must be at least 1")
+        window = window_problem(self.profile_steps)
+        if window is not None:
+            problems.append(window)
+        _raise(problems)
