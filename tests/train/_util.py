@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mcore_train import TrainConfig, load_config, loop
+from mcore_train import TrainConfig, load_config, step
 
 TINY_MODEL = [
     "model.num_layers=4",
@@ -32,7 +32,7 @@ def config(*overrides: str, **kw: Any) -> TrainConfig:
     return load_config(recipe="tiny", overrides=[*TINY_MODEL, *overrides], **kw)
 
 
-_SCHEDULE = loop._schedule_loss  # the real one: every injection wraps it, not an earlier injection
+_SCHEDULE = step._schedule_loss  # the real one: every injection wraps it, not an earlier injection
 
 
 def nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
@@ -47,4 +47,4 @@ def nan_at_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(loop, "_schedule_loss", patched)
+    monkeypatch.setattr(step, "_schedule_loss", patched)

@@ -12,7 +12,7 @@ import torch
 from mcore_parallel.checkpoint import latest_checkpoint, read_metadata
 from mcore_parallel.optim import MixedPrecisionOptimizer
 from mcore_parallel.testing import run_distributed
-from mcore_train import TrainingDiverged, loop
+from mcore_train import TrainingDiverged, loop, step
 from mcore_train.api import pretrain
 from mcore_train.trainer import setup
 
@@ -23,21 +23,21 @@ FUSED = ["optimizer.fused=true", "training.device=cpu"]
 
 def _events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Records ("launch", n) when the n-th training schedule is enqueued and ("read", n) when the host reads the
-    n-th step's agreed loss."""
+    n-th step's values (its agreed loss)."""
     events: list[tuple[str, int]] = []
-    launch, read = loop._schedule_loss, loop._agree_values
+    launch, read = step._schedule_loss, step._read_host
 
     def launched(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
         if not forward_only:
             events.append(("launch", sum(e == "launch" for e, _ in events) + 1))
         return launch(run, iterators, num_micro, forward_only)
 
-    def reads(run, loss_sum, stops):  # type: ignore[no-untyped-def]
+    def reads(values, ready):  # type: ignore[no-untyped-def]
         events.append(("read", sum(e == "read" for e, _ in events) + 1))
-        return read(run, loss_sum, stops)
+        return read(values, ready)
 
-    monkeypatch.setattr(loop, "_schedule_loss", launched)
-    monkeypatch.setattr(loop, "_agree_values", reads)
+    monkeypatch.setattr(step, "_schedule_loss", launched)
+    monkeypatch.setattr(step, "_read_host", reads)
     return events
 
 
@@ -85,16 +85,16 @@ def test_logged_throughput_is_timed_between_step_ends_on_the_device(
     """Each training step takes 2 s of (simulated) device time while the host races ahead: the logged tokens/s must
     be the tokens over the device's time between step ends, whatever the host's clock says when it reads a step."""
     device = {"now": 0.0}
-    monkeypatch.setattr(loop, "_timed_on_device", lambda dev: True)
-    monkeypatch.setattr(loop, "_mark_end", lambda: _DeviceEvent(device["now"]))
-    schedule = loop._schedule_loss
+    monkeypatch.setattr(step, "_timed_on_device", lambda dev: True)
+    monkeypatch.setattr(step, "_mark_end", lambda: _DeviceEvent(device["now"]))
+    schedule = step._schedule_loss
 
     def step_takes_two_seconds(run, iterators, num_micro, forward_only):  # type: ignore[no-untyped-def]
         if not forward_only:
             device["now"] += 2.0
         return schedule(run, iterators, num_micro, forward_only)
 
-    monkeypatch.setattr(loop, "_schedule_loss", step_takes_two_seconds)
+    monkeypatch.setattr(step, "_schedule_loss", step_takes_two_seconds)
     extra = ["training.read_loss_every_step=true"] if mode == "read_every_step" else []
     pretrain(config("training.train_iters=6", "logging.log_interval=2", f"logging.dir={tmp_path}", *FUSED, *extra))
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

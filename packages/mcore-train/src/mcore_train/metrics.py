@@ -1,18 +1,23 @@
-"""Training metrics: throughput and model FLOPs, and the sinks they go to (console, JSONL, TensorBoard, W&B)."""
+"""Training metrics: the log record of a window of steps (throughput, model FLOPs, memory), and the sinks records go
+to (JSONL, TensorBoard, W&B)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from mcore_parallel.tensor.p2p import symmetric_bytes
 
-__all__ = ["MetricsWriter", "peak_tflops_for", "memory_stats"]
+if TYPE_CHECKING:
+    from mcore_train.step import StepOutcome
+
+__all__ = ["MetricsWindow", "MetricsWriter", "peak_tflops_for", "memory_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,70 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             stats["mem_symmetric_gib"] = symmetric / 2**30
         return stats
     return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class _Clock(Protocol):
+    def lap(self, end: Any) -> float: ...
+
+
+class MetricsWindow:
+    """The steps between two log lines: their losses, samples and tokens, and the time from the end of the step
+    before the window to the end of its last step (``clock``, a :class:`~mcore_train.step.StepClock`). :meth:`close`
+    makes the log record and starts the next window."""
+
+    def __init__(self, clock: _Clock, *, flops_per_token: float, world_size: int, peak_tflops: float | None,
+                 device: torch.device) -> None:  # fmt: skip
+        self.clock = clock
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum = 0.0
+        self.losses = 0  # the finite ones
+        self.samples = 0
+        self.tokens = 0
+        self.profiled = False
+
+    def add(self, step: StepOutcome, profiled: bool = False) -> None:
+        """One more step: its loss counts in the mean when finite, its samples and tokens always; ``profiled``: it ran
+        under the profiler (the window's throughput is then not a measurement)."""
+        if math.isfinite(step.loss):
+            self.loss_sum += step.loss
+            self.losses += 1
+        self.samples += step.global_batch
+        self.tokens += step.tokens
+        self.profiled = self.profiled or profiled
+
+    def close(self, last: StepOutcome, skipped_steps: int) -> dict[str, Any]:
+        """The record of the window ending with step ``last`` (whose LR, gradient norm, zero count and loss scale it
+        reports), and a new, empty window from there."""
+        elapsed = self.clock.lap(last.end)
+        tok_s = self.tokens / elapsed
+        tflops = tok_s * self.flops_per_token / self.world_size / 1e12
+        norm = last.grad_norm
+        record: dict[str, Any] = {
+            "loss": self.loss_sum / max(self.losses, 1),
+            "lr": last.lr,
+            "grad_norm": None if last.update is None or math.isnan(norm) else norm,
+            "num_zeros": None if last.update is None else last.num_zeros,
+            "loss_scale": last.loss_scale,
+            "tokens_per_s": tok_s,
+            "samples_per_s": self.samples / elapsed,
+            "tflops_per_gpu": tflops,
+            "global_batch_size": last.global_batch,
+            "consumed_tokens": last.tokens_after,
+            "skipped_steps": skipped_steps,
+            **memory_stats(self.device),
+        }
+        if self.profiled:
+            record["profiled"] = True  # its throughput includes the profiler's overhead: not a measurement
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        self._reset()
+        return record
 
 
 class MetricsWriter:
