@@ -107,6 +107,8 @@ def train_switches(ctx: Context) -> list[dict[str, Any]]:
     step, results = run_cases(ctx, ["llama-1b/best"], "--extra", "training.global_batch_size=64", *variants)
     base = results.get("llama-1b/best")
     rows = [case_row(ctx, step, "llama-1b/best at global batch 64 (every switch on)", base)]
+    if base and "error" not in base:
+        rows[0]["vs_all_on"] = 1.0
     for s in SWITCHES:
         rows.append(case_row(ctx, step, f"  with {s}", results.get(f"llama-1b/best+{s}")))
         if base and "error" not in base and "tokens_s_gpu" in rows[-1]:

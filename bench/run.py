@@ -111,7 +111,8 @@ def fmt(value: Any, spec: str) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The tables of a result as markdown, each row numbered to the command that measured it."""
     env = result["environment"]
-    where = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "driver", "commit") if env.get(k))
+    labels = {"torch": "torch", "cuda": "CUDA", "driver": "driver", "commit": "commit", "recorded_in": "recorded in"}
+    where = ", ".join(f"{v} {env[k]}" for k, v in labels.items() if env.get(k))
     lines = [f"# {result['suite']} on {result['hardware']}", "", result["summary"], "",
              f"Anchor: {result['anchor']}", "",
              f"Written {env.get('date')} by `{result['command']}` ({env.get('gpu') or 'no GPU'}; {where})."]  # fmt: skip
