@@ -22,6 +22,15 @@ def tiny_model(tp: Group | None = None, **kw: Any) -> GPTModel:
     return GPTModel(tiny_config(**kw), tp=tp).eval()
 
 
+def tiny_llm(model: GPTModel, **kw: Any) -> Any:
+    """An ``LLM`` over ``model`` with a small cache and step budget (``kw``: more ``EngineConfig`` fields)."""
+    from mcore_infer import LLM, EngineConfig
+
+    cfg: dict[str, Any] = dict(block_size=16, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
+    cfg.update(kw)
+    return LLM(model=model, config=EngineConfig(**cfg))
+
+
 @torch.no_grad()
 def reference_greedy(model: GPTModel, prompt: list[int], n: int) -> list[int]:
     """Recompute the whole sequence for every new token (no cache), argmax of the last position."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_infer import LLM, ContextLengthError, EngineConfig, InvalidRequestError, SamplingParams
+from mcore_infer import ContextLengthError, InvalidRequestError, SamplingParams
 from mcore_infer.attention import Segment, plain_paged_attention
-from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_llm, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+_llm = tiny_llm
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +18,13 @@ def model():
     return tiny_model()
 
 
-def _llm(model, **kw) -> LLM:
-    cfg = dict(block_size=16, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
-    cfg.update(kw)
-    return LLM(model=model, config=EngineConfig(**cfg))
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["default-fusions", "unfused"])
-def test_batched_greedy_matches_full_recompute(model, fused: bool) -> None:
+@pytest.mark.parametrize("kernels", ["auto", "none"])
+def test_batched_greedy_matches_full_recompute(model, kernels: str) -> None:
     # 6 prompts, max 4 running, 32-token budget: long prompts are prefilled in chunks next to running decodes,
     # and queued requests join the batch as others finish; with the default decode fusions and without them
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    llm = _llm(model, fuse_residual=fused, fuse_rope=fused, fuse_kv_write=fused)
-    assert llm.runner.model.defer_residual_adds is fused
+    llm = _llm(model, decode_kernels=kernels)
+    assert llm.runner.plan.defer_residual is (kernels == "auto")
     res = llm.generate(prompts, GREEDY)
     for p, r in zip(prompts, res):
         assert r.outputs[0].token_ids == reference_greedy(model, p, 10)
@@ -169,7 +164,7 @@ def test_compiled_layers_give_the_same_tokens() -> None:
     attention call stays out of the compiled graphs (one graph break per layer call, no recompiles per step)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from mcore_models.transformer.layer import TransformerLayer
+    from mcore_infer.decode_layers import FusedDecodeLayer
 
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model(num_layers=4)  # the same weights (seeded init), never compiled
@@ -186,32 +181,35 @@ def test_compiled_layers_give_the_same_tokens() -> None:
     # the four layers share their compiled entries (one token / many tokens; with the deferred residual adds of the
     # defaults, the first layer, which has no residual yet, has its own), none specialises on its layer number: with
     # one entry per layer, torch's limit of 8 entries per code object sends a 16-layer model back to eager
-    assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) <= 4
+    assert len(_debug_get_cache_entry_list(FusedDecodeLayer.forward.__code__)) <= 4
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_deferred_residual_adds_give_the_same_tokens(compiled: bool) -> None:
-    """EngineConfig.fuse_residual: each layer's last residual add moves into the next layer (fused with its norm
-    when compiled); greedy tokens unchanged, and the layers really returned their residual unsummed."""
-    from mcore_models.transformer.layer import TransformerLayer
+    """The deferred residual add (auto's ``defer_residual``): each layer's last residual add moves into the next
+    layer (fused with its norm when compiled); greedy tokens unchanged, and every layer really returned its residual
+    unsummed (seen at trace time when compiled)."""
+    from mcore_infer.decode_layers import FusedDecodeLayer
 
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model(num_layers=4)
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     torch._dynamo.reset()
     deferred = []
-    real = TransformerLayer.forward
+    real = FusedDecodeLayer.forward
 
     def spy(self, *a, **k):  # type: ignore[no-untyped-def]
-        deferred.append(k.get("defer_residual", False))
-        return real(self, *a, **k)
+        out = real(self, *a, **k)
+        deferred.append(out[1] is not None)
+        return out
 
-    TransformerLayer.forward = spy  # type: ignore[method-assign]
+    FusedDecodeLayer.forward = spy  # type: ignore[method-assign]
     try:
-        llm = _llm(tiny_model(num_layers=4), compile=compiled, fuse_residual=True)
+        llm = _llm(tiny_model(num_layers=4), compile=compiled)
+        assert llm.runner.plan.defer_residual
         res = llm.generate(prompts, GREEDY)
     finally:
-        TransformerLayer.forward = real  # type: ignore[method-assign]
+        FusedDecodeLayer.forward = real  # type: ignore[method-assign]
     assert [r.outputs[0].token_ids for r in res] == expected
     assert deferred and all(deferred)
 
@@ -273,173 +271,3 @@ def test_requests_joining_and_aborting_with_lookahead(model, lookahead: bool) ->
     assert llm.runner.blocks.num_free == llm.runner.blocks.capacity
     if lookahead:
         assert eng.num_lookahead_steps > 0
-
-
-FUSED_PROMPTS = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-
-
-@pytest.fixture(scope="module")
-def fused_expected() -> list[list[int]]:
-    """The plain recompute loop's greedy tokens for FUSED_PROMPTS (computed before any test installs its spies)."""
-    return [reference_greedy(tiny_model(num_layers=3), p, 10) for p in FUSED_PROMPTS]
-
-
-def _spy_rows(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Record the token count (rows of the first argument) of every call to ``module.name``."""
-    rows: list[int] = []
-    real = getattr(module, name)
-
-    def spy(x, *a):  # type: ignore[no-untyped-def]
-        rows.append(x.numel() // x.shape[-1])
-        return real(x, *a)
-
-    monkeypatch.setattr(module, name, spy)
-    return rows
-
-
-def _spy_deferred_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record, for every ``add_deferred`` of the layers, how many dims its output had over the residual (1: the
-    output was split-K partial sums)."""
-    from mcore_models.transformer import layer as layer_module
-
-    added: list[int] = []
-    real = layer_module.add_deferred
-
-    def spy(x, residual):  # type: ignore[no-untyped-def]
-        added.append(x.dim() - residual.dim())
-        return real(x, residual)
-
-    monkeypatch.setattr(layer_module, "add_deferred", spy)
-    return added
-
-
-def _assert_same_greedy_tokens(expected: list[list[int]], **cfg: object) -> None:
-    torch._dynamo.reset()
-    res = _llm(tiny_model(num_layers=3), **cfg).generate(FUSED_PROMPTS, GREEDY)
-    assert [r.outputs[0].token_ids for r in res] == expected
-
-
-@pytest.mark.parametrize(
-    ("compiled", "residual"), [(False, False), (True, True)], ids=["eager", "compiled-fuse_residual"]
-)
-def test_norms_fused_into_the_projections_give_the_same_tokens(
-    compiled: bool, residual: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """EngineConfig.fuse_norm_linear: steps of at most 16 tokens run each norm inside the projection after it (with
-    the residual add and SwiGLU), prefill chunks above 16 tokens do not; greedy tokens unchanged. On the CPU the op
-    computes with PyTorch ops (the Triton kernel is checked in tests/models/test_norm_linear.py): this checks the
-    layer wiring (residual stream, attention from the fused QKV, SwiGLU, the fused output layer)."""
-    from mcore_models.transformer import norm_linear as nl
-
-    rows = _spy_rows(monkeypatch, nl, "norm_linear_reference")
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_residual=residual, fuse_norm_linear=True)
-    # 2 norms per layer + the final norm, on every step of at most 16 tokens: decode steps (1-4 rows) ran fused
-    assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 7 == 0
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_swiglu_inside_the_down_projection_gives_the_same_tokens(
-    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """EngineConfig.fuse_swiglu_down: steps of at most 4 tokens run each MLP's SwiGLU inside its down projection,
-    longer prefill chunks do not; greedy tokens unchanged. On the CPU the op computes with PyTorch ops (the Triton
-    kernel is checked in tests/models/test_small_gemv.py): this checks the wiring."""
-    from mcore_models.transformer import small_gemv as sg
-
-    rows = _spy_rows(monkeypatch, sg, "swiglu_down_reference")
-    added = _spy_deferred_adds(monkeypatch)
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_swiglu_down=True)
-    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
-    # with fuse_residual (the default) the next layer adds the down projection's partial sums itself (seen at
-    # trace time when compiled)
-    assert 1 in added and 0 in added  # decode steps: partials; long prefill chunks: the plain output
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_output_projection_partials_give_the_same_tokens(
-    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """EngineConfig.fuse_proj_partials: steps of at most 4 tokens leave each attention output projection as
-    split-K partial sums that the layer's residual add sums; greedy tokens unchanged (the Triton kernel itself is
-    checked in tests/models/test_small_gemv.py; on the CPU the op computes with PyTorch ops)."""
-    added = _spy_deferred_adds(monkeypatch)
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, fuse_proj_partials=True, fuse_residual=False)
-    assert 1 in added  # without fuse_residual, only the projection's partial sums reach add_deferred
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_row_gemv_projections_give_the_same_tokens(
-    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """EngineConfig.row_gemv (with the projection and SwiGLU partials too): steps of at most 4 tokens run the QKV
-    projection through the row_linear op, longer steps through cuBLAS; greedy tokens unchanged."""
-    from mcore_models.transformer import attention as attention_module
-
-    rows = _spy_rows(monkeypatch, attention_module, "row_linear")
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, row_gemv=True, fuse_swiglu_down=True,
-                               fuse_proj_partials=True)  # fmt: skip
-    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
-
-
-def test_fuse_proj_partials_is_checked() -> None:
-    with pytest.raises(ValueError, match="fuse_proj_partials.*add_bias_linear"):
-        _llm(tiny_model(add_bias_linear=True), fuse_proj_partials=True)
-    with pytest.raises(ValueError, match="fuse_proj_partials and fuse_norm_linear are exclusive"):
-        EngineConfig(fuse_proj_partials=True, fuse_norm_linear=True)
-    with pytest.raises(ValueError, match="row_gemv and fuse_norm_linear are exclusive"):
-        EngineConfig(row_gemv=True, fuse_norm_linear=True)
-    with pytest.raises(ValueError, match="row_gemv.*add_bias_linear"):
-        _llm(tiny_model(add_bias_linear=True), row_gemv=True)
-
-
-def test_row_kernels_default_to_auto() -> None:
-    """The one-row kernels default to None (auto): on for a compiled runner on CUDA with the Triton backend when the
-    model allows each one, off elsewhere and off (never an error) where the model does not allow it; an explicit
-    False stays off and an explicit True raises for a model that cannot take it (tested above)."""
-    from mcore_infer.config import ROW_KERNELS
-    from mcore_infer.runner import apply_row_kernels
-
-    def flags(m):
-        layers = list(m.decoder.layers.values())
-        got = {
-            "fuse_swiglu_down": {layer.mlp.fuse_swiglu_down for layer in layers},
-            "fuse_proj_partials": {layer.self_attention.proj_partials for layer in layers},
-            "row_gemv": {layer.self_attention.row_gemv for layer in layers},
-        }
-        assert all(len(v) == 1 for v in got.values())
-        return {k: v.pop() for k, v in got.items()}
-
-    assert all(getattr(EngineConfig(), k) is None for k in ROW_KERNELS)
-    all_on = dict.fromkeys(ROW_KERNELS, True)
-    all_off = dict.fromkeys(ROW_KERNELS, False)
-    m = tiny_model(num_layers=2)
-    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == all_on == flags(m)
-    for cfg, dev, backend in [
-        (EngineConfig(compile=True), "cpu", "plain"),
-        (EngineConfig(compile=True), "cuda", "plain"),
-        (EngineConfig(compile=False), "cuda", "triton"),
-        (EngineConfig(compile=True, fuse_norm_linear=True), "cuda", "triton"),
-    ]:
-        m = tiny_model(num_layers=2)
-        apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton")  # on first: auto must switch them off
-        assert apply_row_kernels(m, cfg, dev, backend) == all_off == flags(m), (cfg, dev, backend)
-    m = tiny_model(num_layers=2, activation="gelu")
-    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == {**all_on, "fuse_swiglu_down": False}
-    m = tiny_model(num_layers=2, add_bias_linear=True)
-    assert apply_row_kernels(m, EngineConfig(compile=True), "cuda", "triton") == all_off == flags(m)
-    m = tiny_model(num_layers=2)
-    cfg = EngineConfig(compile=True, row_gemv=False)
-    assert apply_row_kernels(m, cfg, "cuda", "triton") == {**all_on, "row_gemv": False} == flags(m)
-
-
-def test_fuse_swiglu_down_is_checked() -> None:
-    with pytest.raises(ValueError, match="fuse_swiglu_down.*activation='gelu'"):
-        _llm(tiny_model(activation="gelu"), fuse_swiglu_down=True)
-    with pytest.raises(ValueError, match="fuse_swiglu_down and fuse_norm_linear are exclusive"):
-        EngineConfig(fuse_swiglu_down=True, fuse_norm_linear=True)
-
-
-def test_fuse_norm_linear_refuses_a_layernorm_model() -> None:
-    model = tiny_model(normalization="layernorm")
-    with pytest.raises(ValueError, match="fuse_norm_linear.*normalization='layernorm'"):
-        _llm(model, fuse_norm_linear=True)

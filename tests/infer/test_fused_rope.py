@@ -1,4 +1,4 @@
-"""RoPE applied inside the paged-attention and KV-write kernels (``EngineConfig.fuse_rope``) equals rotating q and k
+"""RoPE applied inside the paged-attention and KV-write kernels (``DecodePlan.rope_in_attention``) equals rotating q and k
 first (``apply_rotary``) and running the plain path. Kernel checks run on GPUs, or on the CPU under
 ``TRITON_INTERPRET=1`` (float32)."""
 
@@ -12,12 +12,7 @@ import torch
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
 from mcore_models.transformer.rope import RotaryEmbedding, apply_rotary
-
-DEVICES = []
-if torch.cuda.is_available() and triton_available():
-    DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
-if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
-    DEVICES.append("cpu")
+from tests.infer._kernels import KERNEL_DEVICES as DEVICES
 
 
 @pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
@@ -68,18 +63,18 @@ def test_engine_with_fused_kernels_in_the_interpreter_matches_recompute() -> Non
     prompts = prompts_of_lengths(5, 19, 3)
     expected = [reference_greedy(model, p, 4) for p in prompts]
     cfg = EngineConfig(block_size=16, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=16,
-                       attention_backend="triton", fuse_rope=True, fuse_kv_write=True)  # fmt: skip
+                       attention_backend="triton", decode_kernels="attention")  # fmt: skip
     llm = LLM(model=model, config=cfg)
     ctx_seen = []
     fused_writes = []
-    real = llm.runner.model.forward
+    real = llm.runner.decode.forward
 
     def spy(*a: object, **k: object) -> object:
         ctx_seen.append(getattr(k.get("inference_context"), "fuses_rotary", None))
         fused_writes.append(getattr(k.get("inference_context"), "fuse_kv_write", None))
         return real(*a, **k)
 
-    llm.runner.model.forward = spy  # type: ignore[method-assign]
+    llm.runner.decode.forward = spy  # type: ignore[method-assign]
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
     assert ctx_seen and all(ctx_seen)

@@ -3,12 +3,15 @@ plain gather + SDPA path, CUDA-graph decode against eager steps, and the GPU eng
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from mcore_infer import LLM, EngineConfig, SamplingParams
+from mcore_infer import DECODE_PRESETS, LLM, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams
 from mcore_infer._triton_attention import num_splits, paged_attention_triton, store_kv_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
+from mcore_infer.kernels import GemvLaunch, NormLinearLaunch
 from mcore_infer.runner import StepBatch
 from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
 
@@ -135,39 +138,56 @@ def test_lookahead_with_cuda_graphs_matches_recompute() -> None:
     assert llm.engine.num_lookahead_steps > 0
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["", "fuse_residual"])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "deferred_residual"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_rope_engine_matches_recompute(compiled: bool, residual: bool) -> None:
-    """EngineConfig.fuse_rope: RoPE inside the KV-write and attention kernels (q/k/v read in place from the QKV
+    """``rope_in_attention``: RoPE inside the KV-write and attention kernels (q/k/v read in place from the QKV
     output), in CUDA graphs, with and without compiled layers, deferred residual adds and the KV write inside the
     attention kernel: greedy tokens unchanged."""
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model().cuda()
     expected = [reference_greedy(eager, p, 10) for p in prompts]
-    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
-                       compile=compiled, fuse_residual=residual, fuse_kv_write=residual)  # fmt: skip
+    plan = DecodePlan(rope_in_attention=True, kv_write_in_attention=residual, defer_residual=residual)
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, compile=compiled,
+                       decode_kernels=plan)  # fmt: skip
     llm = LLM(model=tiny_model().cuda(), config=cfg)
-    assert llm.runner.backend == "triton" and llm.runner.graphs
+    assert llm.runner.backend == "triton" and llm.runner.graphs and llm.runner.plan == plan
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == expected
+
+
+ATTENTION = DECODE_PRESETS["attention"]
+LAUNCHES = DecodeLaunches(swiglu_down=GemvLaunch(4, 16), proj_partials=GemvLaunch(2, 8, 512, 2),
+                          row_gemv=GemvLaunch(1, 16, 256, 4), norm_linear=NormLinearLaunch(2, 32, 4, 3))  # fmt: skip
+GEMV_PLANS = {
+    **{k: replace(ATTENTION, **{k: True}) for k in ("norm_linear", "swiglu_down", "proj_partials", "row_gemv")},
+    "row": DECODE_PRESETS["row"],
+    "row-launches": replace(DECODE_PRESETS["row"], launches=LAUNCHES),
+    "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fusion", list(GEMV_PLANS))
+def test_gemv_fusions_match_recompute(fusion: str, compiled: bool) -> None:
+    """The decode plans with the Triton GEMV kernels (norms inside the projections, SwiGLU inside the split-K down
+    projection, the output projection's partial sums, the QKV row GEMV; at the heuristic launches and at launches
+    the plan passes), in CUDA graphs, with every other decode fusion: greedy tokens unchanged."""
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    eager = tiny_model().cuda()
+    expected = [reference_greedy(eager, p, 10) for p in prompts]
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, compile=compiled,
+                       decode_kernels=GEMV_PLANS[fusion])  # fmt: skip
+    llm = LLM(model=tiny_model().cuda(), config=cfg)
+    assert llm.runner.backend == "triton" and llm.runner.graphs and llm.runner.plan == GEMV_PLANS[fusion]
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize(
-    "fusion", ["fuse_norm_linear", "fuse_swiglu_down", "fuse_proj_partials", "row_gemv", "all_row_kernels"]
-)
-def test_gemv_fusions_match_recompute(fusion: str, compiled: bool) -> None:
-    """EngineConfig.fuse_norm_linear (norms inside the projections) and fuse_swiglu_down (SwiGLU inside the
-    split-K down projection) on the GPU: the Triton kernels in CUDA graphs, with every other decode fusion; greedy
-    tokens unchanged."""
-    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
-    eager = tiny_model().cuda()
-    expected = [reference_greedy(eager, p, 10) for p in prompts]
-    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, fuse_rope=True,
-                       compile=compiled, fuse_residual=True, fuse_kv_write=True,
-                       **({"fuse_swiglu_down": True, "fuse_proj_partials": True, "row_gemv": True}
-                          if fusion == "all_row_kernels" else {fusion: True}))  # fmt: skip
+def test_auto_plan_on_the_gpu(compiled: bool) -> None:
+    """``decode_kernels="auto"`` (the default) on CUDA with the Triton backend: the row kernels with compiled
+    layers, the attention-side fusions alone without."""
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, compile=compiled)
     llm = LLM(model=tiny_model().cuda(), config=cfg)
-    assert llm.runner.backend == "triton" and llm.runner.graphs
-    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    assert [r.outputs[0].token_ids for r in res] == expected
+    assert llm.runner.plan == DECODE_PRESETS["row" if compiled else "attention"]

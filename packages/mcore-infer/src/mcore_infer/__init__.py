@@ -6,6 +6,7 @@ for the HTTP server (``pip install mcore-infer[server]``).
 
 from mcore_infer.api import LLM, Generation, load_model
 from mcore_infer.config import EngineConfig
+from mcore_infer.decode import DECODE_PRESETS, DecodeLaunches, DecodeModel, DecodePlan, prepare_for_decode
 from mcore_infer.engine import LLMEngine, RequestOutput
 from mcore_infer.errors import (
     ContextLengthError,
@@ -21,7 +22,11 @@ from mcore_infer.sampling import Sampler, SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "DECODE_PRESETS",
     "ContextLengthError",
+    "DecodeLaunches",
+    "DecodeModel",
+    "DecodePlan",
     "EngineConfig",
     "EngineDeadError",
     "Generation",
@@ -38,4 +43,5 @@ __all__ = [
     "StepBatch",
     "__version__",
     "load_model",
+    "prepare_for_decode",
 ]

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import get_args
 
-from mcore_infer.config import ROW_KERNELS, EngineConfig
+from mcore_infer.config import EngineConfig
+from mcore_infer.decode import DecodeKernels
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["main"]
@@ -34,11 +36,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch each decode step before reading the last one (default on; one TP rank)")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
     p.add_argument(
-        "--row-kernels",
+        "--decode-kernels",
         default="auto",
-        choices=["auto", "on", "off"],
-        help="one-row Triton kernels of small decode steps (EngineConfig.fuse_swiglu_down, fuse_proj_partials, "
-        "row_gemv); auto: on with --compile on CUDA where the model allows them",
+        choices=get_args(DecodeKernels),
+        help="the serving-only fusions of each step (EngineConfig.decode_kernels): auto (the fastest the device and "
+        "model allow), none, attention (RoPE and KV write in the attention kernels, deferred residual adds), row "
+        "(plus the one-row GEMV kernels), norm_linear (plus RMSNorm inside the projections)",
     )
 
 
@@ -63,7 +66,7 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         compile=args.compile if args.compile is not None else str(device).startswith("cuda"),
         lookahead=args.lookahead,
         attention_backend=args.attention,
-        **dict.fromkeys(ROW_KERNELS, {"auto": None, "on": True, "off": False}[args.row_kernels]),
+        decode_kernels=args.decode_kernels,
     )
     return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)
 

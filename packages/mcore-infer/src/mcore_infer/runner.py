@@ -1,6 +1,8 @@
 """The model runner: one forward step of ``GPTModel`` over a flat batch of decode tokens and prefill chunks.
 
-It owns the KV cache and the device-side inputs. A step arrives as a :class:`StepBatch` (host lists made by the
+It owns the KV cache, the device-side inputs and the decode module (:func:`~mcore_infer.decode.prepare_for_decode`:
+the caller's model with ``EngineConfig.decode_kernels``' fusions, sharing its parameters; with ``compile`` its
+per-layer wrappers are compiled, never the caller's layers). A step arrives as a :class:`StepBatch` (host lists made by the
 scheduler); the runner packs them into one int64 array, copies it to the device once, and calls the model with a
 :class:`~mcore_infer.attention.PagedAttentionContext`. Steps made only of decode tokens replay a CUDA graph captured
 for the next larger batch size (GPU, triton backend); padded rows write to the scratch block and attend to nothing.
@@ -23,7 +25,8 @@ import torch.distributed as dist
 
 from mcore_infer._triton_attention import triton_available
 from mcore_infer.attention import PagedAttentionContext, Segment
-from mcore_infer.config import ROW_KERNELS, EngineConfig
+from mcore_infer.config import EngineConfig
+from mcore_infer.decode import prepare_for_decode
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_models import GPTModel
 from mcore_parallel import Group
@@ -72,52 +75,23 @@ class StepBatch:
             self.logits_index.extend(range(t0, t0 + n))
 
 
-def apply_row_kernels(model: GPTModel, config: EngineConfig, device_type: str, backend: str) -> dict[str, bool]:
-    """Switch ``fuse_norm_linear`` and the one-row kernels (:data:`~mcore_infer.config.ROW_KERNELS`) of ``model`` as
-    ``config`` says, the ``None`` (auto) ones resolved for this device, backend and model; returns what is on."""
-    try:
-        model.fuse_norm_linear(config.fuse_norm_linear)
-    except ValueError as e:
-        raise ValueError(f"EngineConfig.fuse_norm_linear=True: {e}; set it to False for this model") from e
-    apply = {
-        "fuse_swiglu_down": model.fuse_swiglu_down,
-        "fuse_proj_partials": model.fuse_proj_partials,
-        "row_gemv": model.use_row_gemv,
-    }
-    auto_ok = device_type == "cuda" and backend == "triton" and config.compile and not config.fuse_norm_linear
-    on: dict[str, bool] = {}
-    for option in ROW_KERNELS:
-        want = getattr(config, option)
-        on[option] = auto_ok if want is None else bool(want)
-        try:
-            apply[option](on[option])
-        except ValueError as e:
-            if want:
-                raise ValueError(f"EngineConfig.{option}=True: {e}; set it to False for this model") from e
-            log.info("EngineConfig.%s (auto) is off: %s", option, e)
-            apply[option](False)  # the check raised before switching: undo an earlier True
-            on[option] = False
-    return on
-
-
 class ModelRunner:
     """Runs steps of one ``GPTModel`` (this rank's TP shard) over a paged KV cache."""
 
     def __init__(self, model: GPTModel, config: EngineConfig, tp: Group | None = None) -> None:
-        if not (model.pre_process and model.post_process):
-            raise ValueError("serving needs the whole model on each TP rank (pipeline stages are not supported)")
-        self.model = model.eval()
+        self.model = model  # the caller's (in eval mode): read, never changed
         self.config = config
-        model.defer_residual_adds = config.fuse_residual
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and triton_available() else "plain"
         self.backend = backend
-        self.row_kernels = apply_row_kernels(model, config, self.device.type, backend)
+        self.decode = prepare_for_decode(model, config.decode_kernels, device_type=self.device.type, backend=backend,
+                                         compiled=config.compile)  # fmt: skip
+        self.plan = self.decode.plan
         if config.compile:
-            model.compile_layers(dynamic=True)  # compiled on the first steps (and the CUDA-graph warm-up)
+            self.decode.compile_layers()  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")
         mc = model.config
         self.vocab_size = mc.vocab_size
@@ -214,10 +188,10 @@ class ModelRunner:
             backend=self.backend,
             segments=batch.segments,
             block_tables_host=batch.block_tables,
-            fuse_rotary=self.config.fuse_rope,
-            fuse_kv_write=self.config.fuse_kv_write and batch.decode_only,
+            fuse_rotary=self.plan.rope_in_attention,
+            fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
         )
-        out = self.model(ids[None], positions[None], gather_logits=True, inference_context=ctx)
+        out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx)
         return out[0]
 
     # ------------------------------------------------------------------------------------------- CUDA graphs
@@ -253,19 +227,19 @@ class ModelRunner:
                     st["tctx"][:b],
                     None,
                     backend="triton",
-                    fuse_rotary=self.config.fuse_rope,
-                    fuse_kv_write=self.config.fuse_kv_write,  # decode graphs: one new token per request
+                    fuse_rotary=self.plan.rope_in_attention,
+                    fuse_kv_write=self.plan.kv_write_in_attention,  # decode graphs: one new token per request
                 )
                 args = (st["ids"][:b][None], st["pos"][:b][None])
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        self.model(*args, gather_logits=True, inference_context=ctx)
+                        self.decode(*args, gather_logits=True, inference_context=ctx)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(*args, gather_logits=True, inference_context=ctx)
+                    out = self.decode(*args, gather_logits=True, inference_context=ctx)
                 pool = graph.pool()
                 self.graphs[b] = (graph, out[0])
         torch.cuda.synchronize(self.device)

@@ -21,10 +21,7 @@ from mcore_models.embedding import LanguageModelEmbedding
 from mcore_models.spec import LayerSpec, default_spec
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.context import ModelContext
-from mcore_models.transformer.norm import RMSNorm
-from mcore_models.transformer.norm_linear import MAX_ROWS, norm_linear
 from mcore_models.transformer.rope import RotaryEmbedding
-from mcore_models.transformer.small_gemv import add_deferred
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
     ColumnParallelLinear,
@@ -106,9 +103,6 @@ class GPTModel(nn.Module):
         self._full_recompute = self._recompute_set(config)
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
         self._fused_vocab_loss = False  # set by compile_layers (several tensor-parallel ranks)
-        # inference engines: each layer's last residual add is done by the next layer, fused with its first norm
-        self.defer_residual_adds = False
-        self._norm_linear_head = False  # set by fuse_norm_linear
 
     def _recompute_set(self, config: TransformerConfig) -> set[int]:
         if config.recompute != "full":
@@ -121,7 +115,7 @@ class GPTModel(nn.Module):
         """``torch.compile`` each transformer layer in place (names, checkpoints and the layer objects unchanged).
 
         Fuses the elementwise work between matmuls (norms, RoPE, SwiGLU, residual adds). Layers of one shape share
-        the compiled code. ``dynamic=True`` keeps the token count symbolic (inference, where every step differs);
+        the compiled code. ``dynamic=True`` keeps the token count symbolic (every step a different shape);
         ``mode`` is ``torch.compile``'s (e.g. ``max-autotune-no-cudagraphs``).
         """
         for layer in self.decoder.layers.values():
@@ -133,91 +127,6 @@ class GPTModel(nn.Module):
         elif self.post_process and not dynamic:
             # vocabulary-parallel: the same in three compiled passes with the all-reduces between them
             self._fused_vocab_loss = True
-
-    def fuse_norm_linear(self, enable: bool = True) -> None:
-        """Inference steps of at most :data:`~mcore_models.transformer.norm_linear.MAX_ROWS` tokens (small decode
-        batches) run every RMSNorm inside the projection after it (with the residual add before it and SwiGLU after
-        the up projection): one Triton kernel instead of three per norm (see
-        :mod:`mcore_models.transformer.norm_linear`). Needs RMSNorm and bias-free QKV, up and output projections
-        without sequence parallelism; the results equal the unfused layers up to rounding."""
-        if enable:
-            problems = []
-            if self.config.normalization != "rmsnorm":
-                problems.append(f"normalization={self.config.normalization!r} (needs rmsnorm)")
-            layer: Any
-            for layer in self.decoder.layers.values():
-                for name, lin in (
-                    ("linear_qkv", layer.self_attention.linear_qkv),
-                    ("linear_fc1", layer.mlp.linear_fc1),
-                ):
-                    if getattr(lin, "bias", None) is not None or getattr(lin, "sequence_parallel", False):
-                        problems.append(f"{name} has a bias or is sequence-parallel")
-                    if getattr(lin, "gather_output", False) or getattr(lin, "weight", None) is None:
-                        problems.append(f"{name} is not a plain column-parallel layer")
-                if not isinstance(layer.input_layernorm, RMSNorm) or not isinstance(layer.pre_mlp_layernorm, RMSNorm):
-                    problems.append("a layer's norms are not RMSNorm modules")
-                break  # every layer is built from the same spec
-            if problems:
-                raise ValueError(f"fuse_norm_linear cannot fuse this model: {'; '.join(sorted(set(problems)))}")
-        for layer in self.decoder.layers.values():
-            layer.fuse_norm_linear = enable
-        head = self.output_layer if self.post_process else None
-        self._norm_linear_head = bool(
-            enable
-            and head is not None
-            and head.bias is None
-            and not head.gather_output
-            and not head.sequence_parallel
-            and isinstance(self.decoder.final_layernorm, RMSNorm)
-        )
-
-    def _check_row_kernel(self, name: str, tp_reason: str, extra: list[str] | None = None) -> None:
-        """The one-row GEMV fusions need bias-free projections and one tensor-parallel rank (``extra``: more
-        problems the caller found); raise a ValueError naming every problem."""
-        problems = list(extra or [])
-        if self.config.add_bias_linear:
-            problems.append("linear biases (add_bias_linear)")
-        if self.ctx.tp.size > 1:
-            problems.append(f"tensor parallelism (tp={self.ctx.tp.size}; {tp_reason})")
-        if problems:
-            raise ValueError(f"{name} cannot apply to this model: {'; '.join(problems)}")
-
-    def fuse_swiglu_down(self, enable: bool = True) -> None:
-        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens compute each
-        gated MLP's SwiGLU inside its down projection (:func:`~mcore_models.transformer.small_gemv.swiglu_down`: one
-        split-K Triton kernel reads ``[gate | up]`` and the weight; the activation is no kernel of its own). Needs
-        SwiGLU, a bias-free down projection and one tensor-parallel rank; the same results up to rounding."""
-        if enable:
-            extra = (
-                [] if self.config.activation == "swiglu" else [f"activation={self.config.activation!r} (needs swiglu)"]
-            )
-            self._check_row_kernel("fuse_swiglu_down", "the down projection's all-reduce", extra)
-        layer: Any
-        for layer in self.decoder.layers.values():
-            layer.mlp.fuse_swiglu_down = enable
-
-    def fuse_proj_partials(self, enable: bool = True) -> None:
-        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens compute each
-        attention output projection as split-K float32 partial sums
-        (:func:`~mcore_models.transformer.small_gemv.linear_partials`, one Triton kernel) that the residual add after
-        it sums (the add and the next norm stay one compiled kernel): no cuBLAS split-K reduction kernel. Needs a
-        bias-free projection and one tensor-parallel rank; the same results up to one rounding."""
-        if enable:
-            self._check_row_kernel("fuse_proj_partials", "the output projection's all-reduce")
-        layer: Any
-        for layer in self.decoder.layers.values():
-            layer.self_attention.proj_partials = enable
-
-    def use_row_gemv(self, enable: bool = True) -> None:
-        """Inference steps of at most :data:`~mcore_models.transformer.small_gemv.FMA_MAX_ROWS` tokens run each QKV
-        projection with the one-row Triton GEMV (:func:`~mcore_models.transformer.small_gemv.row_linear`) instead of
-        cuBLAS (one H200, one row: 3.8 against 5.1 µs; the up projection stays on cuBLAS, 18.4 against 19.5). Needs
-        bias-free projections and one tensor-parallel rank; the same results up to float32 summation order."""
-        if enable:
-            self._check_row_kernel("use_row_gemv", "tensor-parallel shards")
-        layer: Any
-        for layer in self.decoder.layers.values():
-            layer.self_attention.row_gemv = enable
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states from the previous pipeline stage (``[s (/ tp), b, hidden]``)."""
@@ -232,7 +141,7 @@ class GPTModel(nn.Module):
         gather_logits: bool = False,
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
-        """Run this stage.
+        """Run this stage: :meth:`embed`, each layer in turn, then (last stage) :meth:`head`.
 
         ``input_ids``, ``position_ids``, ``labels``: ``[b, s]``. Returns, on the last stage, the per-token loss
         ``[b, s]`` (float32) when ``labels`` are given, else logits ``[b, s, vocab / tp]`` (``[b, s, vocab]`` with
@@ -241,6 +150,25 @@ class GPTModel(nn.Module):
         ``inference_context`` (an engine's :class:`InferenceContext`, batch 1 of flat tokens) makes attention read
         and write the engine's KV cache; only the rows in its ``logits_index`` get logits.
         """
+        hidden, rotary = self.embed(input_ids, position_ids)
+        for key, layer in self.decoder.layers.items():
+            if inference_context is not None:
+                inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
+            if inference_context is None and self.training and int(key) in self._full_recompute:
+                hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
+            else:
+                hidden = layer(hidden, rotary, inference_context)
+        if not self.post_process:
+            return hidden
+        if inference_context is not None and inference_context.logits_index is not None:
+            hidden = hidden.index_select(0, inference_context.logits_index)
+        return self.head(hidden, labels, gather_logits=gather_logits)
+
+    def embed(
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The first layer's input ``[s (/ tp), b, hidden]`` (the embedding on the first stage, else the tensor of
+        :meth:`set_input_tensor`) and the rotary tables ``(cos, sin)`` of the positions (None without RoPE)."""
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
@@ -254,44 +182,35 @@ class GPTModel(nn.Module):
             s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
             pos = self._positions(position_ids, s, hidden.device)
         rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
-        pending: torch.Tensor | None = None  # a residual not added yet (defer_residual_adds)
-        for key, layer in self.decoder.layers.items():
-            if inference_context is not None:
-                inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
-                if self.defer_residual_adds:
-                    hidden, pending = layer(hidden, rotary, inference_context, residual=pending, defer_residual=True)
-                else:
-                    hidden = layer(hidden, rotary, inference_context)
-            elif int(key) in self._full_recompute and self.training:
-                hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
-            else:
-                hidden = layer(hidden, rotary)
-        if inference_context is not None and self._norm_linear_head and hidden.shape[0] * hidden.shape[1] <= MAX_ROWS:
-            # the last residual add, the final norm and the output layer in one kernel (rows are independent:
-            # selecting the logits rows first changes nothing)
-            index = inference_context.logits_index
-            if index is not None:
-                hidden = hidden.index_select(0, index)
-                pending = pending.index_select(0, index) if pending is not None else None
-            norm = self.decoder.final_layernorm
-            assert isinstance(norm, RMSNorm)
-            w = self.output_layer.weight
-            if w is None:  # tied to the embedding
-                w = self.embedding.word_embeddings.weight
-            logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w)
-        else:
-            if pending is not None:
-                hidden = add_deferred(hidden, pending)
-            if not self.post_process:
-                return hidden
-            assert self.decoder.final_layernorm is not None
-            if inference_context is not None and inference_context.logits_index is not None:
-                hidden = hidden.index_select(0, inference_context.logits_index)
-            hidden = self.decoder.final_layernorm(hidden)
-            weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-            if labels is not None and self.config.cross_entropy_fusion and inference_context is None:
-                return self._fused_loss(hidden, weight, labels)
-            logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
+        return hidden, rotary
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight ``[vocab / tp, hidden]`` (the embedding's when they are tied)."""
+        w = self.output_layer.weight
+        if w is None:
+            w = self.embedding.word_embeddings.weight
+        assert w is not None
+        return w
+
+    def head(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, gather_logits: bool = False
+    ) -> torch.Tensor:
+        """The last stage's final norm, output layer and loss over the last layer's output ``[s, b, hidden]``: the
+        per-token loss ``[b, s]`` with ``labels``, else the logits (see :meth:`forward`)."""
+        assert self.decoder.final_layernorm is not None
+        hidden = self.decoder.final_layernorm(hidden)
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if labels is not None and self.config.cross_entropy_fusion:
+            return self._fused_loss(hidden, weight, labels)
+        logits = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
+        return self.finish_logits(logits, labels, gather_logits=gather_logits)
+
+    def finish_logits(
+        self, logits: torch.Tensor, labels: torch.Tensor | None = None, *, gather_logits: bool = False
+    ) -> torch.Tensor:
+        """The output layer's logits ``[s, b, vocab / tp]`` as :meth:`forward` returns them: batch-first (gathered
+        over the TP group and unpadded with ``gather_logits``), or the per-token loss ``[b, s]`` with ``labels``."""
         if labels is None:
             if gather_logits:
                 logits = gather_from_tp_region(logits, self.ctx.tp)[..., : self.config.vocab_size]

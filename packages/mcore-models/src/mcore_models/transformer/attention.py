@@ -20,7 +20,6 @@ from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import build_norm
 from mcore_models.transformer.qkv_rope import qkv_rope
 from mcore_models.transformer.rope import apply_rotary
-from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, linear_partials, row_linear
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
 if TYPE_CHECKING:
@@ -143,24 +142,26 @@ class SelfAttention(nn.Module):
             seed=ctx.seed_for(f"{prefix}.linear_proj.weight"),
             **common,
         )
-        # inference steps of at most FMA_MAX_ROWS tokens: the output projection as split-K partial sums (see
-        # GPTModel.fuse_proj_partials)
-        self.proj_partials = False
-        self.row_gemv = False  # the same steps: the QKV projection with the one-row kernel (GPTModel.use_row_gemv)
 
     def forward(
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         inference_context: InferenceContext | None = None,
-        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``qkv``: the QKV projection of ``x`` computed already (a fused norm + projection); ``x`` is then unused."""
-        if qkv is None:
-            if self.row_gemv and inference_context is not None and x.numel() // x.shape[-1] <= FMA_MAX_ROWS:
-                qkv = row_linear(x, self.linear_qkv.weight)  # GPTModel.use_row_gemv: one-row Triton kernel
-            else:
-                qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        """``x`` ``[s, b, hidden]`` → the QKV projection, :meth:`attend`, the output projection."""
+        return self.linear_proj(self.attend(self.linear_qkv(x), rotary, inference_context))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        inference_context: InferenceContext | None = None,
+    ) -> torch.Tensor:
+        """The attention between the two projections: the QKV projection's output ``[s, b, groups * (heads /
+        groups + 2) * d]`` (this rank's groups) → ``[s, b, heads * d]``, the output projection's input. Splits q, k
+        and v, applies q/k norms and RoPE, and runs causal attention, or ``inference_context.attention`` over an
+        engine's KV cache."""
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
@@ -169,7 +170,7 @@ class SelfAttention(nn.Module):
         if inference_context is not None and fused_rope and getattr(inference_context, "fuses_rotary", False):
             # the context's kernels read q/k/v in place and rotate q and k as they load them
             q_grouped, k = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
-            return self._project(inference_context.attention(q_grouped, k, v, rotary=rotary))
+            return inference_context.attention(q_grouped, k, v, rotary=rotary)
         if rotary is not None and self.q_layernorm is None:
             cos, sin = rotary
             if self.rope_kernel and inference_context is None and cos.shape[-1] == self.head_dim:
@@ -189,17 +190,7 @@ class SelfAttention(nn.Module):
                 cos, sin = rotary
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
-            return self._project(inference_context.attention(q, k, v))
-        elif self.selective_recompute and self.training:
-            out = self.ctx.recompute(self.core_attention, q, k, v)
-        else:
-            out = self.core_attention(q, k, v)
-        return self.linear_proj(out)
-
-    def _project(self, out: torch.Tensor) -> torch.Tensor:
-        """The output projection of an inference step; for steps of at most ``FMA_MAX_ROWS`` tokens with
-        ``proj_partials`` (``GPTModel.fuse_proj_partials``) its float32 split-K partial sums, which the layer's
-        residual add sums."""
-        if self.proj_partials and not self.training and out.numel() // out.shape[-1] <= FMA_MAX_ROWS:
-            return linear_partials(out, self.linear_proj.weight)
-        return self.linear_proj(out)
+            return inference_context.attention(q, k, v)
+        if self.selective_recompute and self.training:
+            return self.ctx.recompute(self.core_attention, q, k, v)
+        return self.core_attention(q, k, v)

@@ -14,7 +14,6 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
-from mcore_models.transformer.small_gemv import FMA_MAX_ROWS, swiglu_down, swiglu_down_partials
 from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
@@ -76,15 +75,5 @@ class MLP(nn.Module):
             **common,
         )
 
-        # inference steps of at most FMA_MAX_ROWS tokens: SwiGLU inside the down projection's kernel (see
-        # GPTModel.fuse_swiglu_down)
-        self.fuse_swiglu_down = False
-
-    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:
-        """``partials=True`` (a caller that adds the output through :func:`~mcore_models.transformer.small_gemv.
-        add_deferred`): with ``fuse_swiglu_down``, the down projection's split-K partial sums, unsummed."""
-        # (the flag first: without it the row count is never compared, so no shape guard enters compiled graphs)
-        if self.fuse_swiglu_down and not self.training and x.numel() // x.shape[-1] <= FMA_MAX_ROWS:
-            fused = swiglu_down_partials if partials else swiglu_down
-            return fused(self.linear_fc1(x), self.linear_fc2.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))  # type: ignore[operator]

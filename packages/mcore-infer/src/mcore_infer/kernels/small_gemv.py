@@ -7,46 +7,41 @@ split ``s`` and writes float32 partial sums ``[splits, M, N]`` (one split writes
 
 :func:`swiglu_down` is the MLP's down projection of a gated MLP with its activation inside: it reads the up
 projection's ``[gate | up]`` output and computes ``silu(gate) * up`` (each rounded to the input dtype, as the unfused
-ops round) as it loads it, so the activation is not a kernel of its own. Registered as the custom op
-``mcore_models::swiglu_down`` (a compiled layer keeps it in its graph); without Triton, or on the CPU outside
-``TRITON_INTERPRET=1``, it computes the same with PyTorch ops.
+ops round) as it loads it, so the activation is not a kernel of its own. :func:`linear_partials` and
+:func:`swiglu_down_partials` leave the float32 partial sums for a consumer that adds them where it reads them
+(:func:`add_deferred`); :func:`row_linear` returns the summed product. Each is a custom op (``mcore_infer::...``: a
+compiled layer keeps it in its graph); without Triton, or on the CPU outside ``TRITON_INTERPRET=1``, it computes the
+same with PyTorch ops.
 
-The launch (:class:`Launch`: ``SPLITS``, ``BLOCK_N``, ``BLOCK_K``, ``WARPS``) comes from ``_LAUNCH_OVERRIDE`` (a
-benchmark sweep in this process), else the environment variable ``MCORE_SWIGLU_DOWN_LAUNCH`` (or
-``MCORE_PROJ_PARTIALS_LAUNCH`` for :func:`linear_partials`; ``SPLITS,BLOCK_N[,BLOCK_K,WARPS]``, e.g. ``8,16,256,4``; a
-malformed value raises a ``ValueError`` naming the variable), else :func:`_heuristic_launch`. ``bench/gemv_bench.py
---fma-sweep`` times the launches against cuBLAS and writes the best as environment lines.
+Each entry point takes ``launch`` (a :class:`Launch`: ``SPLITS``, ``BLOCK_N``, ``BLOCK_K``, ``WARPS``;
+``Launch.parse("8,16,256,4")`` reads the form a benchmark sweep prints); None is :func:`heuristic_launch` (one split
+for :func:`row_linear`). A serving run passes launches through :class:`mcore_infer.decode.DecodeLaunches`;
+``bench/gemv_bench.py --fma-sweep`` times the launches against cuBLAS.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from mcore_models.transformer.norm_linear import MAX_ROWS, _use_triton
+from mcore_infer.kernels.norm_linear import MAX_ROWS, _use_triton
 
 __all__ = [
     "FMA_MAX_ROWS",
-    "LAUNCH_ENV",
     "MAX_ROWS",
-    "PROJ_LAUNCH_ENV",
-    "ROW_LAUNCH_ENV",
     "Launch",
-    "linear_partials",
-    "row_linear",
     "add_deferred",
     "gemv_partials",
+    "heuristic_launch",
+    "linear_partials",
+    "row_linear",
     "swiglu_down",
     "swiglu_down_partials",
     "swiglu_down_reference",
 ]
 
-LAUNCH_ENV = "MCORE_SWIGLU_DOWN_LAUNCH"
-PROJ_LAUNCH_ENV = "MCORE_PROJ_PARTIALS_LAUNCH"
-ROW_LAUNCH_ENV = "MCORE_ROW_LINEAR_LAUNCH"
 BLOCK_K = 256
 FMA_MAX_ROWS = 4  # up to this many rows the kernel accumulates elementwise products instead of an MMA
 _KERNEL: Any = None
@@ -164,50 +159,51 @@ def gemv_partials(
 class Launch(NamedTuple):
     splits: int  # K split into this many ranges (float32 partial sums when more than one)
     block_n: int  # output features per program (a power of two >= 8; >= 16 above FMA_MAX_ROWS rows)
-    block_k: int  # K elements per loop step (a power of two >= 16)
-    warps: int
+    block_k: int = BLOCK_K  # K elements per loop step (a power of two >= 16)
+    warps: int = 4
+
+    def __str__(self) -> str:  # the form :meth:`parse` reads
+        return ",".join(str(v) for v in self)
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """A checked launch from ``SPLITS,BLOCK_N[,BLOCK_K,WARPS]`` (integers; 256 and 4 when left out)."""
+        source = f"GEMV launch {text!r} (expected SPLITS,BLOCK_N[,BLOCK_K,WARPS], e.g. 8,16,256,4)"
+        try:
+            values = [int(p) for p in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{source}: not a list of integers") from None
+        if len(values) not in (2, 4):
+            raise ValueError(f"{source}: {len(values)} values")
+        return cls(*values).checked(source)
+
+    def checked(self, source: str | None = None) -> Launch:
+        """This launch, or a ValueError saying which field the kernel cannot take (``source`` opens the message)."""
+        source = source or f"GEMV launch {self!r}"
+        if self.splits < 1 or self.block_n < 8 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"{source}: SPLITS must be >= 1 and BLOCK_N a power of two >= 8")
+        if self.block_k < 16 or self.block_k & (self.block_k - 1) or self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{source}: BLOCK_K must be a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16")
+        return self
 
 
-def _parse_launch(text: str, env: str) -> Launch:
-    source = f"{env}={text!r} (expected SPLITS,BLOCK_N[,BLOCK_K,WARPS], e.g. 8,16,256,4)"
-    try:
-        values = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{source}: not a list of integers") from None
-    if len(values) not in (2, 4):
-        raise ValueError(f"{source}: {len(values)} values")
-    splits, block_n, block_k, warps = (*values, BLOCK_K, 4) if len(values) == 2 else values
-    if splits < 1 or block_n < 8 or block_n & (block_n - 1):
-        raise ValueError(f"{source}: SPLITS must be >= 1 and BLOCK_N a power of two >= 8")
-    if block_k < 16 or block_k & (block_k - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{source}: BLOCK_K must be a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16")
-    return Launch(splits, block_n, block_k, warps)
-
-
-# the launch forced by a benchmark sweep in this process, per environment variable (LAUNCH_ENV, PROJ_LAUNCH_ENV);
-# absent: the environment variable, else the heuristic
-_LAUNCH_OVERRIDE: dict[str, Launch] = {}
-
-
-def _heuristic_launch(k: int) -> Launch:
+def heuristic_launch(k: int, row: bool = False) -> Launch:
     """8 output features per program, 1,024 K elements per step, 4 warps, and K split in two where it spans at
-    least four steps: the best of 54 launches at each of llama-1b's shapes in the seventh session's sweep (one H200,
-    one row, CUDA graphs, ``bench/gemv_bench.py --fma-sweep``): output projection 3.30 µs (cuBLAS 4.86), QKV 3.78
-    (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29)."""
+    least four steps (one split for ``row``: an output the consumer needs summed). The best of 54 launches at each
+    of llama-1b's shapes (one H200, one row, CUDA graphs, ``bench/gemv_bench.py --fma-sweep``): output projection
+    3.30 µs (cuBLAS 4.86), QKV 3.78 (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29)."""
     block_n, block_k = 8, 1024
-    return Launch(2 if k >= 4 * block_k else 1, block_n, block_k, 4)
+    return Launch(1 if row or k < 4 * block_k else 2, block_n, block_k, 4)
 
 
-def _launch_config(k: int, env: str = LAUNCH_ENV, row: bool = False) -> Launch:
-    """The launch for a weight of ``k`` inputs: the sweep's override, else ``env``, else the heuristic (one split for
-    ``row``: an output the consumer needs summed)."""
-    if env in _LAUNCH_OVERRIDE:
-        return _LAUNCH_OVERRIDE[env]
-    text = os.environ.get(env, "").strip()
-    if text:
-        return _parse_launch(text, env)
-    launch = _heuristic_launch(k)
-    return launch._replace(splits=1) if row else launch
+def _launch(k: int, values: list[int] | None, row: bool = False) -> Launch:
+    """The launch an op was given (as its list of values), else the heuristic for a weight of ``k`` inputs."""
+    return heuristic_launch(k, row) if values is None else Launch(*values)
+
+
+def _values(launch: Launch | None) -> list[int] | None:
+    """A launch as the ops take it (custom ops take no named tuples), checked."""
+    return None if launch is None else list(launch.checked())
 
 
 def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -216,21 +212,22 @@ def swiglu_down_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.linear(F.silu(gate) * up, weight)
 
 
-def _partial_splits(x: torch.Tensor, weight: torch.Tensor, env: str = LAUNCH_ENV) -> int:
+def _partial_splits(x: torch.Tensor, weight: torch.Tensor, values: list[int] | None) -> int:
     """How many partial sums the partials ops return for these inputs (1 on the PyTorch path)."""
-    return _launch_config(weight.shape[1], env).splits if _use_triton(x) else 1
+    return _launch(weight.shape[1], values).splits if _use_triton(x) else 1
 
 
-@torch.library.custom_op("mcore_models::swiglu_down_partials", mutates_args=())
-def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("mcore_infer::swiglu_down_partials", mutates_args=())
+def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight).float()[None]
-    return _partials(x, weight, _launch_config(weight.shape[1]), swiglu=True)
+    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=True)
 
 
 @_swiglu_down_partials_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(_partial_splits(x, weight), *x.shape[:-1], weight.shape[0], dtype=torch.float32)
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+    splits = _partial_splits(x, weight, launch_values)
+    return x.new_empty(splits, *x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
 def _partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
@@ -251,15 +248,15 @@ def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("mcore_models::swiglu_down", mutates_args=())
-def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("mcore_infer::swiglu_down", mutates_args=())
+def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight)
-    return _summed(x, weight, _launch_config(weight.shape[1]), swiglu=True)
+    return _summed(x, weight, _launch(weight.shape[1], launch_values), swiglu=True)
 
 
 @_swiglu_down_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -271,73 +268,71 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"swiglu_down: x has {x.shape[-1]} columns, expected [gate | up] = 2 x {weight.shape[1]}")
 
 
-def swiglu_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def swiglu_down(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight)`` for ``x = [gate | up]`` ``[..., 2K]`` of at most :data:`MAX_ROWS` rows
     and ``weight`` ``[N, K]`` (no bias): one kernel reading ``x`` and the weight (split over K, the float32 partial
     sums added by a second, small one). Inference only."""
     _check(x, weight)
-    result: torch.Tensor = _swiglu_down_op(x, weight)
+    result: torch.Tensor = _swiglu_down_op(x, weight, _values(launch))
     return result
 
 
-def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
     """:func:`swiglu_down` left as its float32 partial sums ``[splits, ..., N]`` (one on the PyTorch path), for a
     consumer that adds them where it reads them (:func:`add_deferred`: the next layer's residual add and norm are
     then one kernel, as without this fusion)."""
     _check(x, weight)
-    result: torch.Tensor = _swiglu_down_partials_op(x, weight)
+    result: torch.Tensor = _swiglu_down_partials_op(x, weight, _values(launch))
     return result
 
 
-@torch.library.custom_op("mcore_models::linear_partials", mutates_args=())
-def _linear_partials_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _check_row(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > FMA_MAX_ROWS:
+        raise ValueError(f"{name} takes at most {FMA_MAX_ROWS} rows, got {rows}: use F.linear")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
+
+
+@torch.library.custom_op("mcore_infer::linear_partials", mutates_args=())
+def _linear_partials_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     if not _use_triton(x):
         return F.linear(x, weight).float()[None]
-    return _partials(x, weight, _launch_config(weight.shape[1], PROJ_LAUNCH_ENV), swiglu=False)
+    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=False)
 
 
 @_linear_partials_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(_partial_splits(x, weight, PROJ_LAUNCH_ENV), *x.shape[:-1], weight.shape[0],
-                       dtype=torch.float32)  # fmt: skip
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+    splits = _partial_splits(x, weight, launch_values)
+    return x.new_empty(splits, *x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows as float32 split-K partial sums
     ``[splits, ..., N]`` (one on the PyTorch path) for :func:`add_deferred` (the residual add and norm after an
-    attention output projection then sum them: no sum kernel, and no cuBLAS split-K reduction). Launch:
-    ``MCORE_PROJ_PARTIALS_LAUNCH`` (as ``MCORE_SWIGLU_DOWN_LAUNCH``), else :func:`_heuristic_launch`."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows > FMA_MAX_ROWS:
-        raise ValueError(f"linear_partials takes at most {FMA_MAX_ROWS} rows, got {rows}: use F.linear")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_partials: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
-    result: torch.Tensor = _linear_partials_op(x, weight)
+    attention output projection then sum them: no sum kernel, and no cuBLAS split-K reduction)."""
+    _check_row("linear_partials", x, weight)
+    result: torch.Tensor = _linear_partials_op(x, weight, _values(launch))
     return result
 
 
-@torch.library.custom_op("mcore_models::row_linear", mutates_args=())
-def _row_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("mcore_infer::row_linear", mutates_args=())
+def _row_linear_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     if not _use_triton(x):
         return F.linear(x, weight)
-    return _summed(x, weight, _launch_config(weight.shape[1], ROW_LAUNCH_ENV, row=True), swiglu=False)
+    return _summed(x, weight, _launch(weight.shape[1], launch_values, row=True), swiglu=False)
 
 
 @_row_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def row_linear(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows with the one-row kernel, one split by
-    default (the output in ``x``'s dtype, for a consumer that needs it summed: the QKV projection, fc1). Launch:
-    ``MCORE_ROW_LINEAR_LAUNCH``, else one split of :func:`_heuristic_launch`'s blocks."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows > FMA_MAX_ROWS:
-        raise ValueError(f"row_linear takes at most {FMA_MAX_ROWS} rows, got {rows}: use F.linear")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"row_linear: x has {x.shape[-1]} columns, the weight {weight.shape[1]} inputs")
-    result: torch.Tensor = _row_linear_op(x, weight)
+    default (the output in ``x``'s dtype, for a consumer that needs it summed: the QKV projection)."""
+    _check_row("row_linear", x, weight)
+    result: torch.Tensor = _row_linear_op(x, weight, _values(launch))
     return result
 
 

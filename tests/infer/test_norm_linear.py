@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_models.transformer import norm_linear as nl
-from mcore_models.transformer.norm_linear import LAUNCH_ENV, MAX_ROWS, NORM_MODES, Launch, norm_linear
-from tests.models._kernels import KERNEL_DEVICES
+from mcore_infer.kernels import norm_linear as nl
+from mcore_infer.kernels.norm_linear import MAX_ROWS, NORM_MODES, Launch, norm_linear
+from tests.infer._kernels import KERNEL_DEVICES
 
 
 def _reference(x, residual, g, eps, w, swiglu):  # type: ignore[no-untyped-def]
@@ -82,13 +82,11 @@ MODE_CASES = [
 @pytest.mark.parametrize("mode", NORM_MODES)
 @pytest.mark.parametrize(("rows", "n", "k", "res", "swiglu", "warps"), MODE_CASES)
 def test_every_norm_mode_matches_the_reference(
-    monkeypatch: pytest.MonkeyPatch, device: str, mode: int, rows: int, n: int, k: int, res: bool, swiglu: bool,
-    warps: int,
-) -> None:  # fmt: skip
+    device: str, mode: int, rows: int, n: int, k: int, res: bool, swiglu: bool, warps: int
+) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x, r, g, w = _case(device, dtype, rows, n, k, res, swiglu)
-    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", Launch(mode, 16, warps, 2, 32))
-    y, h = norm_linear(x, r, g, 1e-5, w, swiglu)
+    y, h = norm_linear(x, r, g, 1e-5, w, swiglu, launch=Launch(mode, 16, warps, 2, 32))
     y_ref, h_ref = nl.norm_linear_reference(x.double(), None if r is None else r.double(), g.double(), 1e-5,
                                             w.double(), swiglu)  # fmt: skip
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -109,49 +107,32 @@ class _Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
-    """The op's kernel path on the CPU (with or without Triton), launching a :class:`_Recorder`; no launch
-    override, no cached environment value."""
+    """The op's kernel path on the CPU (with or without Triton), launching a :class:`_Recorder`."""
     rec = _Recorder()
     monkeypatch.setattr(nl, "_use_triton", lambda x: True)
     monkeypatch.setattr(nl, "_kernel", lambda: rec)
-    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", None)
-    monkeypatch.setattr(nl, "_env_cache", None)
-    monkeypatch.delenv(LAUNCH_ENV, raising=False)
     return rec
 
 
-def _launch_of(recorder: _Recorder, n: int = 3072, k: int = 2048, swiglu: bool = False) -> Launch:
+def _launch_of(
+    recorder: _Recorder, n: int = 3072, k: int = 2048, swiglu: bool = False, launch: Launch | None = None
+) -> Launch:
     w = torch.zeros((2 if swiglu else 1) * n, k)
-    norm_linear(torch.zeros(1, k), None, torch.ones(k), 1e-5, w, swiglu)
+    norm_linear(torch.zeros(1, k), None, torch.ones(k), 1e-5, w, swiglu, launch=launch)
     grid, kw = recorder.launches[-1]
-    launch = Launch(*(int(kw[key]) for key in ("NORM_MODE", "BLOCK_N", "num_warps", "num_stages", "BLOCK_K")))
-    assert grid == (-(-n // launch.block_n),)
-    return launch
+    got = Launch(*(int(kw[key]) for key in ("NORM_MODE", "BLOCK_N", "num_warps", "num_stages", "BLOCK_K")))
+    assert grid == (-(-n // got.block_n),)
+    return got
 
 
-def test_launch_environment_variable_applies(recorder: _Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    parse = nl.parse_launch
-
-    def counting_parse(text: str) -> Launch:
-        calls.append(text)
-        return parse(text)
-
-    monkeypatch.setattr(nl, "parse_launch", counting_parse)
+def test_launch_argument_applies(recorder: _Recorder) -> None:
     default = _launch_of(recorder)
-    assert default == nl._heuristic_launch(3072, 2048, False, 132)
-    monkeypatch.setenv(LAUNCH_ENV, "2,64,8,4")
-    assert _launch_of(recorder) == Launch(2, 64, 8, 4, 256)  # BLOCK_K left out: 256
-    assert _launch_of(recorder, n=8192, swiglu=True) == Launch(2, 64, 8, 4, 256)  # every shape
-    assert calls == ["2,64,8,4"]  # parsed once
-    monkeypatch.setenv(LAUNCH_ENV, " 3, 32,2,3,128 ")
-    assert _launch_of(recorder) == Launch(3, 32, 2, 3, 128)
-    assert _launch_of(recorder, k=48) == Launch(3, 32, 2, 3, 64)  # BLOCK_K clamped to K's power of two
-    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", Launch(0, 16, 4, 2, 32))  # a sweep's override comes first
-    assert _launch_of(recorder) == Launch(0, 16, 4, 2, 32)
-    monkeypatch.setattr(nl, "_LAUNCH_OVERRIDE", None)
-    monkeypatch.setenv(LAUNCH_ENV, "")
-    assert _launch_of(recorder) == default
+    assert default == nl.heuristic_launch(3072, 2048, False, 132)
+    assert _launch_of(recorder, launch=Launch(2, 64, 8, 4)) == Launch(2, 64, 8, 4, 256)  # BLOCK_K left out: 256
+    assert _launch_of(recorder, n=8192, swiglu=True, launch=Launch(2, 64, 8, 4)) == Launch(2, 64, 8, 4, 256)
+    assert _launch_of(recorder, launch=Launch.parse(" 3, 32,2,3,128 ")) == Launch(3, 32, 2, 3, 128)
+    assert _launch_of(recorder, k=48, launch=Launch(3, 32, 2, 3, 128)) == Launch(3, 32, 2, 3, 64)  # BLOCK_K clamped
+    assert _launch_of(recorder) == default  # nothing is remembered between calls
 
 
 @pytest.mark.parametrize(
@@ -169,22 +150,23 @@ def test_launch_environment_variable_applies(recorder: _Recorder, monkeypatch: p
         ("1,32,4,3,100", "BLOCK_K must be"),
     ],
 )
-def test_bad_launch_environment_variable_raises(
-    recorder: _Recorder, monkeypatch: pytest.MonkeyPatch, value: str, why: str
-) -> None:
-    monkeypatch.setenv(LAUNCH_ENV, value)
-    with pytest.raises(ValueError, match=rf"{LAUNCH_ENV}=.*expected MODE,BLOCK_N,WARPS,STAGES\[,BLOCK_K\].*{why}"):
-        _launch_of(recorder)
+def test_bad_launches_are_refused(recorder: _Recorder, value: str, why: str) -> None:
+    with pytest.raises(ValueError, match=rf"launch '{value}' \(expected MODE,BLOCK_N,WARPS,STAGES\[,BLOCK_K\].*{why}"):
+        Launch.parse(value)
+    values = [int(v) for v in value.split(",")] if "," in value and value.replace(",", "").isdigit() else []
+    if len(values) in (4, 5):  # the same launch passed as a value: refused before any kernel launch
+        with pytest.raises(ValueError, match=why):
+            _launch_of(recorder, launch=Launch(*values))
     assert not recorder.launches
 
 
 def test_default_launches() -> None:
     """Mode 1; 32 output rows on 2 warps while 64-row programs would leave SMs idle, else 64 rows on 4 warps."""
-    assert nl._heuristic_launch(3072, 2048, False, 132) == Launch(1, 32, 2, 3, 256)  # QKV
-    assert nl._heuristic_launch(8192, 2048, True, 132) == Launch(1, 32, 2, 3, 256)  # fc1 + SwiGLU
-    assert nl._heuristic_launch(32768, 2048, False, 132) == Launch(1, 64, 4, 3, 256)  # LM head
+    assert nl.heuristic_launch(3072, 2048, False, 132) == Launch(1, 32, 2, 3, 256)  # QKV
+    assert nl.heuristic_launch(8192, 2048, True, 132) == Launch(1, 32, 2, 3, 256)  # fc1 + SwiGLU
+    assert nl.heuristic_launch(32768, 2048, False, 132) == Launch(1, 64, 4, 3, 256)  # LM head
     assert str(Launch(1, 32, 2, 3)) == "1,32,2,3,256"
-    assert nl.parse_launch(str(Launch(3, 64, 4, 2, 128))) == Launch(3, 64, 4, 2, 128)
+    assert Launch.parse(str(Launch(3, 64, 4, 2, 128))) == Launch(3, 64, 4, 2, 128)
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "res", "swiglu"), CASES[:3])

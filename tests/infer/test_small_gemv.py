@@ -10,17 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_models.transformer import small_gemv as sg
-from mcore_models.transformer.small_gemv import (
-    LAUNCH_ENV,
-    PROJ_LAUNCH_ENV,
+from mcore_infer.kernels import small_gemv as sg
+from mcore_infer.kernels.small_gemv import (
+    Launch,
     add_deferred,
     gemv_partials,
     linear_partials,
     swiglu_down,
     swiglu_down_partials,
 )
-from tests.models._kernels import KERNEL_DEVICES
+from tests.infer._kernels import INTERPRETED, KERNEL_DEVICES
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
@@ -52,13 +51,12 @@ def test_partials_sum_to_the_float64_product(device: str, rows: int, n: int, k: 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("launch", ["1,32", "4,32", "2,64"])
-def test_swiglu_down_op_at_each_launch(device: str, launch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swiglu_down_op_at_each_launch(device: str, launch: str) -> None:
     """The op at one split (output written in the input dtype) and at several (float32 partials summed)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    monkeypatch.setenv(LAUNCH_ENV, launch)
     x = torch.randn(2, 1, 2 * 700, device=device, dtype=dtype)
     w = (torch.randn(90, 700, device=device) / 700**0.5).to(dtype)
-    y = swiglu_down(x, w)
+    y = swiglu_down(x, w, Launch.parse(launch))
     assert y.shape == (2, 1, 90) and y.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y.double(), _swiglu_ref(x, w), rtol=tol, atol=tol)
@@ -83,25 +81,16 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_default_launch_is_the_swept_one() -> None:
-    Launch = sg.Launch
-    assert sg._heuristic_launch(8192) == Launch(2, 8, 1024, 4)  # llama-1b's fc2
-    assert sg._heuristic_launch(2048) == Launch(1, 8, 1024, 4)  # its output projection: K too short
-    assert sg._launch_config(2048, sg.ROW_LAUNCH_ENV, row=True) == Launch(1, 8, 1024, 4)  # QKV
-    assert sg._launch_config(8192, sg.ROW_LAUNCH_ENV, row=True).splits == 1  # a summed output
+    assert sg.heuristic_launch(8192) == Launch(2, 8, 1024, 4)  # llama-1b's fc2
+    assert sg.heuristic_launch(2048) == Launch(1, 8, 1024, 4)  # its output projection: K too short
+    assert sg.heuristic_launch(2048, row=True) == Launch(1, 8, 1024, 4)  # QKV
+    assert sg.heuristic_launch(8192, row=True).splits == 1  # a summed output
 
 
-def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(LAUNCH_ENV, "8,64")
-    assert sg._launch_config(8192) == sg.Launch(8, 64, 256, 4)
-    monkeypatch.setenv(LAUNCH_ENV, " 16, 8, 512, 8 ")
-    assert sg._launch_config(8192) == sg.Launch(16, 8, 512, 8)
-    monkeypatch.setenv(PROJ_LAUNCH_ENV, "2,32")  # each op has its own variable
-    assert sg._launch_config(2048, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
-    assert sg._launch_config(8192) == sg.Launch(16, 8, 512, 8)
-    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {LAUNCH_ENV: sg.Launch(2, 16, 128, 2)})
-    assert sg._launch_config(8192) == sg.Launch(2, 16, 128, 2)  # a sweep in this process wins
-    assert sg._launch_config(2048, PROJ_LAUNCH_ENV) == sg.Launch(2, 32, 256, 4)
-    monkeypatch.setattr(sg, "_LAUNCH_OVERRIDE", {})
+def test_launch_values() -> None:
+    assert Launch.parse("8,64") == Launch(8, 64, 256, 4)
+    assert Launch.parse(" 16, 8, 512, 8 ") == Launch(16, 8, 512, 8)
+    assert Launch.parse(str(Launch(2, 16, 128, 2))) == Launch(2, 16, 128, 2)
     for bad, why in [
         ("4", "1 values"),
         ("4,32,1", "3 values"),
@@ -112,24 +101,47 @@ def test_launch_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("4,16,100,4", "BLOCK_K"),
         ("4,16,256,3", "WARPS"),
     ]:
-        monkeypatch.setenv(LAUNCH_ENV, bad)
-        with pytest.raises(ValueError, match=rf"{LAUNCH_ENV}=.*expected SPLITS,BLOCK_N\[,BLOCK_K,WARPS\].*{why}"):
-            sg._launch_config(8192)
+        with pytest.raises(ValueError, match=rf"launch '{bad}' \(expected SPLITS,BLOCK_N\[,BLOCK_K,WARPS\].*{why}"):
+            Launch.parse(bad)
+    x, w = torch.zeros(1, 1, 16), torch.zeros(3, 8)
+    for op, arg in (
+        (swiglu_down, x),
+        (swiglu_down_partials, x),
+        (linear_partials, x[..., :8]),
+        (sg.row_linear, x[..., :8]),
+    ):
+        with pytest.raises(ValueError, match="BLOCK_N"):  # a launch value is checked before the op runs
+            op(arg, w, Launch(4, 24))
+
+
+def test_partial_sums_follow_the_launch_when_compiled() -> None:
+    """The ops' fake implementations (what a compiled graph plans with; inductor checks the real output against
+    them) give as many partial sums as the kernel writes for the launch they are passed: one on the PyTorch path,
+    the launch's splits where the kernel runs. (No compiled-graph cache: its key does not see TRITON_INTERPRET.)"""
+    x, w = torch.randn(2, 1, 64), torch.randn(24, 64)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_partials(x, w, Launch(3, 8, 16)), swiglu_down_partials(x, w[:, :32], Launch(2, 8, 16))
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        parts, swiglu_parts = torch.compile(fn, fullgraph=True)(x)
+    assert parts.shape == ((3 if INTERPRETED else 1), 2, 1, 24)
+    assert swiglu_parts.shape == ((2 if INTERPRETED else 1), 2, 1, 24)
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("launch", ["1,16", "4,8,64,4", "3,32,128,2"])
-def test_linear_partials_sum_to_the_float64_product(device: str, rows: int, launch: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The output projection's partial sums (``fuse_proj_partials``) at several launches, added by add_deferred."""
+def test_linear_partials_sum_to_the_float64_product(device: str, rows: int, launch: str) -> None:
+    """The output projection's partial sums (``proj_partials``) at several launches, added by add_deferred."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    monkeypatch.setenv(PROJ_LAUNCH_ENV, launch)
     torch.manual_seed(rows)
     x = torch.randn(rows, 1, 700, device=device, dtype=dtype)
     w = (torch.randn(90, 700, device=device) / 700**0.5).to(dtype)
-    parts = linear_partials(x, w)
+    parts = linear_partials(x, w, Launch.parse(launch))
     assert parts.shape == (int(launch.split(",")[0]), rows, 1, 90) and parts.dtype == torch.float32
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(parts.double().sum(0), F.linear(x.double(), w.double()), rtol=tol, atol=tol)
@@ -141,15 +153,14 @@ def test_linear_partials_sum_to_the_float64_product(device: str, rows: int, laun
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("launch", ["", "1,8,64,4", "2,16,128,4"])
-def test_row_linear_equals_the_float64_product(device: str, launch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The QKV / up projection with the one-row kernel (``use_row_gemv``): the output in the input dtype, summed
-    (two splits are added by the op itself)."""
+def test_row_linear_equals_the_float64_product(device: str, launch: str) -> None:
+    """The QKV projection with the one-row kernel (``row_gemv``): the output in the input dtype, summed (two splits
+    are added by the op itself)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    monkeypatch.setenv(sg.ROW_LAUNCH_ENV, launch)
     for rows in (1, 3, 4):
         x = torch.randn(rows, 1, 600, device=device, dtype=dtype)
         w = (torch.randn(130, 600, device=device) / 600**0.5).to(dtype)
-        y = sg.row_linear(x, w)
+        y = sg.row_linear(x, w, Launch.parse(launch) if launch else None)
         assert y.shape == (rows, 1, 130) and y.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), rtol=tol, atol=tol)
@@ -166,14 +177,13 @@ def test_linear_partials_refuses_more_rows_than_the_row_kernel() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_partials_op_for_a_deferred_add(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_partials_op_for_a_deferred_add(device: str) -> None:
     """swiglu_down_partials returns the split-K partial sums (float32); add_deferred adds them to the residual in
     float32 and rounds once: the unfused ``residual + swiglu_down(x)`` up to that rounding."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    monkeypatch.setenv(LAUNCH_ENV, "4,32")
     x = torch.randn(3, 1, 2 * 1100, device=device, dtype=dtype)
     w = (torch.randn(70, 1100, device=device) / 1100**0.5).to(dtype)
-    parts = swiglu_down_partials(x, w)
+    parts = swiglu_down_partials(x, w, Launch(4, 32))
     assert parts.shape == (4, 3, 1, 70) and parts.dtype == torch.float32
     residual = torch.randn(3, 1, 70, device=device, dtype=dtype)
     got = add_deferred(parts, residual)

@@ -24,29 +24,20 @@ squares come from is the constexpr ``NORM_MODE``:
 
 ``h`` is stored by program 0 outside the weight loop in every mode (modes 1 and 2: in the short loop; 0 and 3: in
 a short loop of its own after the weight loop), so nothing but loads, ``h * norm_weight`` and dots (and mode 0's and
-3's squares) is left in the loop. On an H200 (rows=1, K=2048, bf16, CUDA graphs) the earlier kernel, which stored
-``h`` and reduced the squares in every step, took 46 / 99 / 178 µs at its default launch for QKV (N=3072), fc1 +
-SwiGLU (N=8192) and the LM head (N=32768); mode 0, the same loop without the store, still 48 / 101 / 203 at those
-launches, while mode 1 took 9.0 / 21.9 / 39.9 at the default launches (the unfused add + norm + cuBLAS: 8.2 / 21.5 /
-36.9, a plain Triton GEMV of the same weights: 5.3 / 18.3 / 33.2): dropping the store alone did not help, the row
-reduction in every step is what slowed the loop (mode 3 is not measured yet). Mode 1 still trails the unfused ops
-by 0.4-3 µs and the plain GEMV by 4-7 µs.
+3's squares) is left in the loop: a row reduction in every step of the loop is what makes it slow. On an H200
+(rows=1, K=2048, bf16, CUDA graphs) mode 0 takes 48 / 101 / 203 µs for QKV (N=3072), fc1 + SwiGLU (N=8192) and the
+LM head (N=32768), mode 1 9.0 / 21.9 / 39.9 at the default launches (the unfused add + norm + cuBLAS: 8.2 / 21.5 /
+36.9, a plain Triton GEMV of the same weights: 5.3 / 18.3 / 33.2): mode 1 trails the unfused ops by 0.4-3 µs and
+the plain GEMV by 4-7 µs, so serving leaves this kernel off unless a plan asks for it.
 
-It is registered as the custom op ``mcore_models::norm_linear``, so a compiled layer keeps it in its graph; without
+It is registered as the custom op ``mcore_infer::norm_linear``, so a compiled layer keeps it in its graph; without
 Triton, or on the CPU outside ``TRITON_INTERPRET=1``, the op computes the same with PyTorch ops.
 
-The launch (``NORM_MODE``, ``BLOCK_N`` output rows per program, warps, pipeline stages, ``BLOCK_K``) comes from, in
-this order (:func:`_launch_config`): ``_LAUNCH_OVERRIDE`` (a :class:`Launch` set by a benchmark sweep in the same
-process), the environment variable ``MCORE_NORM_LINEAR_LAUNCH``, then the heuristic (:func:`_heuristic_launch`).
-The variable takes ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (integers; ``BLOCK_K`` defaults to 256), e.g.
-``MCORE_NORM_LINEAR_LAUNCH=1,32,4,3``, and applies to every call of the process (all shapes): it is how a sweep's
-winner reaches a serving run in another process::
-
-    python bench/gemv_bench.py --norm-linear --rows 1 --best-env best.env   # writes 'export ...=<best launch>'
-    source best.env && <serving command>
-
-It is parsed once per value; a malformed value raises a ``ValueError`` naming the variable and its format at the
-first call. ``BLOCK_K`` is clamped to K rounded up to a power of two (at least 16).
+The launch (``NORM_MODE``, ``BLOCK_N`` output rows per program, warps, pipeline stages, ``BLOCK_K``) is the
+``launch`` argument (a :class:`Launch`; ``Launch.parse("1,32,4,3")`` reads the ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]``
+form a benchmark sweep prints), or, when it is None, the heuristic (:func:`heuristic_launch`). A serving run passes
+it through :class:`mcore_infer.decode.DecodeLaunches`. ``BLOCK_K`` is clamped to K rounded up to a power of two (at
+least 16).
 """
 
 from __future__ import annotations
@@ -57,10 +48,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LAUNCH_ENV", "MAX_ROWS", "Launch", "norm_linear", "norm_linear_reference"]
+__all__ = ["MAX_ROWS", "NORM_MODES", "Launch", "heuristic_launch", "norm_linear", "norm_linear_reference"]
 
 MAX_ROWS = 16  # rows the kernel takes (one MMA tile of rows); more rows are a GEMM's job
-LAUNCH_ENV = "MCORE_NORM_LINEAR_LAUNCH"
 NORM_MODES = (0, 1, 2, 3)
 _NORM_PASS_ELEMS_PER_WARP = 1024  # the x / residual tile of the short loop (norm, h store): 32 values a thread
 _KERNEL: Any = None
@@ -77,8 +67,37 @@ class Launch(NamedTuple):
     stages: int
     block_k: int = 256
 
-    def __str__(self) -> str:  # the environment variable's format
+    def __str__(self) -> str:  # the form :meth:`parse` reads
         return ",".join(str(v) for v in self)
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """A checked launch from ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (integers; ``BLOCK_K`` defaults to 256)."""
+        source = f"norm_linear launch {text!r} (expected MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K], e.g. 1,32,4,3)"
+        try:
+            values = [int(p) for p in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{source}: not a list of integers") from None
+        if len(values) not in (4, 5):
+            raise ValueError(f"{source}: {len(values)} values")
+        return cls(*values).checked(source)
+
+    def checked(self, source: str | None = None) -> Launch:
+        """This launch, or a ValueError naming every field the kernel cannot take (``source`` opens the message)."""
+        problems = []
+        if self.mode not in NORM_MODES:
+            problems.append(f"MODE must be one of {NORM_MODES}, got {self.mode}")
+        if not (_pow2(self.block_n) and self.block_n >= 16):
+            problems.append(f"BLOCK_N must be a power of two >= 16, got {self.block_n}")
+        if not (_pow2(self.warps) and self.warps <= 32):
+            problems.append(f"WARPS must be a power of two <= 32, got {self.warps}")
+        if self.stages < 1:
+            problems.append(f"STAGES must be >= 1, got {self.stages}")
+        if not (_pow2(self.block_k) and self.block_k >= 16):
+            problems.append(f"BLOCK_K must be a power of two >= 16, got {self.block_k}")
+        if problems:
+            raise ValueError(f"{source or f'norm_linear launch {self!r}'}: {'; '.join(problems)}")
+        return self
 
 
 def _kernel() -> Any:
@@ -224,55 +243,7 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def _checked(launch: Launch, source: str) -> Launch:
-    problems = []
-    if launch.mode not in NORM_MODES:
-        problems.append(f"MODE must be one of {NORM_MODES}, got {launch.mode}")
-    if not (_pow2(launch.block_n) and launch.block_n >= 16):
-        problems.append(f"BLOCK_N must be a power of two >= 16, got {launch.block_n}")
-    if not (_pow2(launch.warps) and launch.warps <= 32):
-        problems.append(f"WARPS must be a power of two <= 32, got {launch.warps}")
-    if launch.stages < 1:
-        problems.append(f"STAGES must be >= 1, got {launch.stages}")
-    if not (_pow2(launch.block_k) and launch.block_k >= 16):
-        problems.append(f"BLOCK_K must be a power of two >= 16, got {launch.block_k}")
-    if problems:
-        raise ValueError(f"{source}: {'; '.join(problems)}")
-    return launch
-
-
-def parse_launch(text: str) -> Launch:
-    """A :class:`Launch` from ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (the environment variable's format)."""
-    source = f"{LAUNCH_ENV}={text!r} (expected MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K], e.g. 1,32,4,3)"
-    parts = text.split(",")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"{source}: not a list of integers") from None
-    if len(values) not in (4, 5):
-        raise ValueError(f"{source}: {len(values)} values")
-    return _checked(Launch(*values), source)
-
-
-_env_cache: tuple[str, Launch] | None = None  # (the variable's value, its launch): parsed once per value
-
-
-def _env_launch() -> Launch | None:
-    global _env_cache
-    text = os.environ.get(LAUNCH_ENV, "").strip()
-    if not text:
-        return None
-    if _env_cache is None or _env_cache[0] != text:
-        _env_cache = (text, parse_launch(text))
-    return _env_cache[1]
-
-
-# the launch forced by a benchmark sweep (``bench/gemv_bench.py --norm-linear``) in this process; None: the
-# environment variable, else the heuristic
-_LAUNCH_OVERRIDE: Launch | None = None
-
-
-def _heuristic_launch(n: int, k: int, swiglu: bool, sms: int) -> Launch:
+def heuristic_launch(n: int, k: int, swiglu: bool, sms: int) -> Launch:
     """The default launch: ``NORM_MODE`` 1 and the plain GEMV's K step (256) and stages (3); 64 output rows per
     program on 4 warps where that still leaves a program for every SM, else 32 rows on 2 warps. Measured on an
     H200 (rows=1, K=2048, µs): QKV (N=3072) 9.0 at (32, 2 warps), 9.9 at (32, 4), 11.8 at (64, 4); fc1 + SwiGLU
@@ -281,17 +252,6 @@ def _heuristic_launch(n: int, k: int, swiglu: bool, sms: int) -> Launch:
     if -(-n // 64) >= sms:
         return Launch(1, 64, 4, 3, 256)
     return Launch(1, 32, 2, 3, 256)
-
-
-def _launch_config(n: int, k: int, swiglu: bool, sms: int) -> Launch:
-    """The launch for ``n`` outputs (per half with ``swiglu``) over ``k`` inputs on ``sms`` multiprocessors:
-    ``_LAUNCH_OVERRIDE``, else ``MCORE_NORM_LINEAR_LAUNCH``, else :func:`_heuristic_launch`."""
-    if _LAUNCH_OVERRIDE is not None:
-        return _checked(Launch(*_LAUNCH_OVERRIDE), "_LAUNCH_OVERRIDE")
-    env = _env_launch()
-    if env is not None:
-        return env
-    return _heuristic_launch(n, k, swiglu, sms)
 
 
 def norm_linear_reference(
@@ -311,7 +271,7 @@ def norm_linear_reference(
     return y, h.clone() if residual is None else h
 
 
-@torch.library.custom_op("mcore_models::norm_linear", mutates_args=())
+@torch.library.custom_op("mcore_infer::norm_linear", mutates_args=())
 def _norm_linear_op(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -319,6 +279,7 @@ def _norm_linear_op(
     eps: float,
     weight: torch.Tensor,
     swiglu: bool,
+    launch_values: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _use_triton(x):
         return norm_linear_reference(x, residual, norm_weight, eps, weight, swiglu)
@@ -337,7 +298,7 @@ def _norm_linear_op(
     h = torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        launch = _launch_config(n, k, swiglu, sms)
+        launch = heuristic_launch(n, k, swiglu, sms) if launch_values is None else Launch(*launch_values)
         k_pad = max(16, 1 << (k - 1).bit_length())
         norm_rows = 1 if m == 1 else MAX_ROWS
         _kernel()[(-(-n // launch.block_n),)](
@@ -379,6 +340,7 @@ def _(
     eps: float,
     weight: torch.Tensor,
     swiglu: bool,
+    launch_values: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty(*x.shape[:-1], n), x.new_empty(x.shape)
@@ -391,13 +353,17 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
     swiglu: bool = False,
+    launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` as in the module docstring, for ``x`` (and ``residual``) ``[..., K]`` of at most :data:`MAX_ROWS`
-    rows, ``weight`` ``[N, K]`` (``[2N, K]``, gate rows first, with ``swiglu``), no bias. Inference only."""
+    rows, ``weight`` ``[N, K]`` (``[2N, K]``, gate rows first, with ``swiglu``), no bias. Inference only.
+
+    ``launch``: the kernel's launch; None: :func:`heuristic_launch` for this shape and device."""
     rows = x.numel() // max(1, x.shape[-1])
     if rows > MAX_ROWS:
         raise ValueError(f"norm_linear takes at most {MAX_ROWS} rows, got {rows}: use the norm and a GEMM")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"norm_linear(swiglu=True) needs [gate; up] weight rows, got {weight.shape[0]} (odd)")
-    result: tuple[torch.Tensor, torch.Tensor] = _norm_linear_op(x, residual, norm_weight, eps, weight, swiglu)
+    values = None if launch is None else list(launch.checked())
+    result: tuple[torch.Tensor, torch.Tensor] = _norm_linear_op(x, residual, norm_weight, eps, weight, swiglu, values)
     return result

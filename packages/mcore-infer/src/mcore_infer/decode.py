@@ -1,0 +1,317 @@
+"""The decode plan: which serving-only fusions an engine's steps use, and the module that runs a model with them.
+
+``GPTModel`` is the training model, a plain loop of layers. Small decode steps (a few tokens) are bound by the
+number of kernels per layer, and serving removes some with fusions the training model never sees:
+
+- ``rope_in_attention``: the Triton KV-write and paged-attention kernels read q, k and v in place from the QKV
+  projection's output and apply RoPE as they load them (the attention context's ``fuses_rotary``);
+- ``kv_write_in_attention``: in decode steps the paged-attention kernel writes each token's own key and value;
+- ``defer_residual``: each layer's last residual add is done by the next layer, where its first norm reads it (with
+  compiled layers the add and the norm are one kernel);
+- ``norm_linear``: steps of at most 16 tokens run each RMSNorm inside the projection after it (with the residual add
+  before it and SwiGLU after the up projection), and the final norm inside the output layer;
+- ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
+  the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
+  (:mod:`mcore_infer.kernels`).
+
+A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` replaces the projections the three
+row kernels replace, so it excludes them); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
+device (:func:`requested_plan`). :func:`prepare_for_decode` builds a new module over the caller's model: it shares
+the parameters, wraps each layer (:mod:`mcore_infer.decode_layers`) and sets nothing on the caller's modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from mcore_infer.decode_layers import LAYER_FUSIONS, FusedDecodeLayer, PlainDecodeLayer, missing_for_fusions
+from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
+from mcore_infer.kernels.norm_linear import Launch as NormLinearLaunch
+from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
+from mcore_infer.kernels.small_gemv import add_deferred
+from mcore_models import GPTModel
+from mcore_models.transformer.attention import InferenceContext
+from mcore_models.transformer.layer import TransformerLayer
+from mcore_models.transformer.norm import RMSNorm
+
+__all__ = [
+    "DECODE_PRESETS",
+    "DecodeKernels",
+    "DecodeLaunches",
+    "DecodeModel",
+    "DecodePlan",
+    "check_decode_kernels",
+    "prepare_for_decode",
+    "requested_plan",
+]
+
+log = logging.getLogger(__name__)
+
+DecodeKernels = Literal["auto", "none", "attention", "row", "norm_linear"]
+"""A preset name: ``auto`` (:func:`requested_plan`) or a key of :data:`DECODE_PRESETS`."""
+
+ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv")
+
+_EXCLUDED_BY_NORM_LINEAR = {
+    "swiglu_down": "norm_linear layers bypass the MLP's down-projection kernel",
+    "proj_partials": "the fused norm after attention reads the output projection's summed output",
+    "row_gemv": "both replace the QKV projection",
+}
+
+
+@dataclass(frozen=True)
+class DecodeLaunches:
+    """Per-kernel launches of the decode kernels; None: the kernel's heuristic for each shape."""
+
+    norm_linear: NormLinearLaunch | None = None
+    """Every ``norm_linear`` call (both norms of each layer and the output layer)."""
+    swiglu_down: GemvLaunch | None = None
+    """SwiGLU inside the down projection."""
+    proj_partials: GemvLaunch | None = None
+    """The attention output projection's partial sums."""
+    row_gemv: GemvLaunch | None = None
+    """The QKV projection."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            launch = getattr(self, f.name)
+            if launch is not None:
+                launch.checked(f"DecodeLaunches.{f.name}={launch!r}")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Which serving-only fusions an engine's steps use (see the module docstring); every one off by default."""
+
+    rope_in_attention: bool = False
+    """RoPE inside the Triton KV-write and paged-attention kernels (Triton attention backend only)."""
+    kv_write_in_attention: bool = False
+    """Decode steps: the paged-attention kernel writes the new keys and values (Triton attention backend only)."""
+    defer_residual: bool = False
+    """Each layer's last residual add done by the next layer, with its first norm."""
+    norm_linear: bool = False
+    """Steps of at most 16 tokens: each RMSNorm inside the projection after it (RMSNorm, bias-free QKV and up
+    projections, no sequence parallelism)."""
+    swiglu_down: bool = False
+    """Steps of at most 4 tokens: SwiGLU inside the down projection (SwiGLU, bias-free, tp=1)."""
+    proj_partials: bool = False
+    """Steps of at most 4 tokens: the attention output projection as split-K partial sums (bias-free, tp=1)."""
+    row_gemv: bool = False
+    """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
+    launches: DecodeLaunches = field(default_factory=DecodeLaunches)
+    """Launch overrides of the kernels."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.launches, DecodeLaunches):
+            raise ValueError(f"DecodePlan.launches must be a DecodeLaunches, got {type(self.launches).__name__}")
+        clashes = [
+            f"{k} ({why})" for k, why in _EXCLUDED_BY_NORM_LINEAR.items() if self.norm_linear and getattr(self, k)
+        ]
+        if clashes:
+            raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
+
+    @property
+    def layer_fusions(self) -> dict[str, bool]:
+        """The fusions that change a layer's forward, by name."""
+        return {name: getattr(self, name) for name in LAYER_FUSIONS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (launches as lists of integers), as :meth:`from_dict` reads it."""
+        out = asdict(self)
+        out["launches"] = {k: list(v) for k, v in out["launches"].items() if v is not None}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DecodePlan:
+        """A plan from JSON-like data: an optional ``"preset"`` (a :data:`DECODE_PRESETS` name: the fields not
+        given), any boolean field, and ``"launches"`` mapping a kernel to its launch (a list of integers or the
+        comma-separated form of ``Launch.parse``)."""
+        data = dict(data)
+        base = DECODE_PRESETS[_preset(data.pop("preset", "none"))]
+        launches = data.pop("launches", {}) or {}
+        names = {f.name for f in fields(cls)} - {"launches"}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"DecodePlan.from_dict: unknown fields {unknown}; use {sorted(names)}")
+        types: dict[str, Any] = {"norm_linear": NormLinearLaunch, **dict.fromkeys(ROW_KERNELS, GemvLaunch)}
+        bad = sorted(set(launches) - set(types))
+        if bad:
+            raise ValueError(f"DecodePlan.from_dict: launches for unknown kernels {bad}; use {sorted(types)}")
+        parsed = {k: types[k].parse(v) if isinstance(v, str) else types[k](*v) for k, v in launches.items()}
+        flags: dict[str, Any] = {k: bool(v) for k, v in data.items()}
+        return replace(base, **flags, launches=DecodeLaunches(**parsed))
+
+
+_ATTENTION = DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True)
+DECODE_PRESETS: Mapping[str, DecodePlan] = MappingProxyType(
+    {
+        "none": DecodePlan(),  # every layer by its own forward, attention by separate kernels
+        "attention": _ATTENTION,  # the attention-side fusions and the deferred residual add
+        "row": replace(_ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True),
+        "norm_linear": replace(_ATTENTION, norm_linear=True),
+    }
+)
+"""The named plans (``auto`` resolves to ``row`` or ``attention``, see :func:`requested_plan`)."""
+
+
+def _preset(name: object) -> str:
+    if name == "auto" or name not in DECODE_PRESETS:
+        raise ValueError(f"decode preset {name!r}: use one of {', '.join(map(repr, DECODE_PRESETS))}")
+    return str(name)
+
+
+def check_decode_kernels(value: object) -> None:
+    """Raise a ValueError unless ``value`` is a preset name (:data:`DecodeKernels`) or a :class:`DecodePlan`."""
+    if isinstance(value, DecodePlan):
+        return
+    if not isinstance(value, str) or value not in get_args(DecodeKernels):
+        names = ", ".join(map(repr, get_args(DecodeKernels)))
+        raise ValueError(f"decode_kernels={value!r}: use a preset name ({names}) or a DecodePlan")
+
+
+def requested_plan(
+    kernels: DecodeKernels | DecodePlan, *, device_type: str, backend: str, compiled: bool
+) -> tuple[DecodePlan, bool]:
+    """The plan ``kernels`` asks for on this device and attention backend, and whether it is strict.
+
+    ``auto``: the ``row`` preset on CUDA with the Triton backend and compiled layers (their partial sums are summed
+    inside the compiled residual add), else ``attention``; not strict, so each layer keeps the fusions it can take.
+    A preset or a plan is strict: a layer that cannot take one of its fusions is an error. On the plain attention
+    backend (no kernels to fuse into) RoPE and the KV write stay separate whatever was asked."""
+    check_decode_kernels(kernels)
+    if isinstance(kernels, DecodePlan):
+        plan, strict = kernels, True
+    elif kernels == "auto":
+        fast = device_type == "cuda" and backend == "triton" and compiled
+        plan, strict = DECODE_PRESETS["row" if fast else "attention"], False
+    else:
+        plan, strict = DECODE_PRESETS[kernels], True
+    if backend != "triton" and (plan.rope_in_attention or plan.kv_write_in_attention):
+        log.info("attention backend %r: RoPE and the KV write run as kernels of their own", backend)
+        plan = replace(plan, rope_in_attention=False, kv_write_in_attention=False)
+    return plan, strict
+
+
+class DecodeModel(nn.Module):
+    """A model's inference forward with a decode plan's fusions; shares (never copies) the model's parameters.
+
+    Called like ``GPTModel.forward`` with an inference context: ``decode(ids, positions, gather_logits=True,
+    inference_context=ctx)`` returns logits ``[1, rows, vocab]``. ``plan`` is what applies (with ``auto``, a layer
+    fusion is on where some layer takes it); each of ``layers`` is a :class:`~mcore_infer.decode_layers.
+    FusedDecodeLayer` or a :class:`~mcore_infer.decode_layers.PlainDecodeLayer`.
+    """
+
+    def __init__(self, model: GPTModel, layers: dict[str, nn.Module], plan: DecodePlan, norm_linear_head: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = nn.ModuleDict(layers)
+        self.plan = plan
+        self.norm_linear_head = norm_linear_head
+
+    def compile_layers(self, mode: str | None = None) -> None:
+        """``torch.compile`` each wrapper (dynamic token count): a layer's work between its attention calls, with
+        the previous layer's deferred residual add and its first norm, is one compiled graph. The caller's layers
+        are not compiled."""
+        for wrapper in self.layers.values():
+            wrapper.compile(dynamic=True, mode=mode)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        gather_logits: bool = False,
+        inference_context: InferenceContext,
+    ) -> torch.Tensor:
+        model = self.model
+        ctx = inference_context
+        hidden, rotary = model.embed(input_ids, position_ids)
+        pending: torch.Tensor | None = None  # the last layer's residual, not added yet
+        for key, layer in self.layers.items():
+            ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
+            hidden, pending = layer(hidden, rotary, ctx, pending)
+        index = ctx.logits_index
+        if self.norm_linear_head and hidden.shape[0] * hidden.shape[1] <= MAX_ROWS:
+            # the last residual add, the final norm and the output layer in one kernel (rows are independent:
+            # selecting the logits rows first changes nothing)
+            if index is not None:
+                hidden = hidden.index_select(0, index)
+                pending = pending.index_select(0, index) if pending is not None else None
+            norm: Any = model.decoder.final_layernorm
+            launch = self.plan.launches.norm_linear
+            logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, launch=launch)
+            return model.finish_logits(logits, gather_logits=gather_logits)
+        if pending is not None:
+            hidden = add_deferred(hidden, pending)
+        if index is not None:
+            hidden = hidden.index_select(0, index)
+        return model.head(hidden, gather_logits=gather_logits)
+
+
+def prepare_for_decode(
+    model: GPTModel,
+    plan: DecodeKernels | DecodePlan = "auto",
+    *,
+    device_type: str | None = None,
+    backend: str = "plain",
+    compiled: bool = False,
+) -> DecodeModel:
+    """A :class:`DecodeModel` running ``model`` (whole, in eval mode) with ``plan`` (resolved by
+    :func:`requested_plan` for ``device_type``, default the model's, the attention ``backend`` and whether the caller
+    compiles the layers). Each layer gets the plan's fusions it can take; with a strict plan (anything but ``auto``)
+    a layer that cannot take one raises a ValueError naming the layer and what it lacks. Nothing is set on ``model``
+    or its modules."""
+    if model.training:
+        raise ValueError("prepare_for_decode needs a model in eval mode: call model.eval() first")
+    if not (model.pre_process and model.post_process):
+        raise ValueError("serving needs the whole model on each TP rank (pipeline stages are not supported)")
+    device_type = device_type or next(model.parameters()).device.type
+    wanted, strict = requested_plan(plan, device_type=device_type, backend=backend, compiled=compiled)
+    wrappers: dict[str, nn.Module] = {}
+    applied: dict[str, Any] = dict.fromkeys(LAYER_FUSIONS, False)
+    for key, layer in model.decoder.layers.items():
+        fusions = _layer_fusions(layer, f"decoder.layers.{key}", model, wanted, strict)
+        if any(fusions.values()):
+            assert isinstance(layer, TransformerLayer)
+            wrappers[key] = FusedDecodeLayer(layer, fusions, wanted.launches)
+        else:
+            wrappers[key] = PlainDecodeLayer(layer)
+        applied = {name: on or fusions[name] for name, on in applied.items()}
+    resolved = replace(wanted, **applied)
+    head = resolved.norm_linear and _norm_linear_head(model)
+    log.info("decode plan: %s", {k: v for k, v in resolved.to_dict().items() if v})
+    return DecodeModel(model, wrappers, resolved, head)
+
+
+def _layer_fusions(layer: nn.Module, name: str, model: GPTModel, wanted: DecodePlan, strict: bool) -> dict[str, bool]:
+    """The fusions of ``wanted`` that ``layer`` takes; with ``strict``, a ValueError for any it cannot take."""
+    missing = missing_for_fusions(layer, model.config, model.ctx.tp.size)
+    fusions = wanted.layer_fusions
+    for fusion, on in fusions.items():
+        if on and missing[fusion]:
+            if strict:
+                raise ValueError(
+                    f"DecodePlan.{fusion} cannot apply to {name}: {'; '.join(missing[fusion])}; "
+                    f"use a plan without {fusion} (or decode_kernels='auto') for this model"
+                )
+            log.info("decode plan: %s stays off for %s: %s", fusion, name, "; ".join(missing[fusion]))
+            fusions[fusion] = False
+    return fusions
+
+
+def _norm_linear_head(model: GPTModel) -> bool:
+    """Whether the final norm and the output layer can run as one ``norm_linear`` call."""
+    head = model.output_layer
+    return bool(
+        head.bias is None
+        and not head.gather_output
+        and not head.sequence_parallel
+        and isinstance(model.decoder.final_layernorm, RMSNorm)
+    )

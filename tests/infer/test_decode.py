@@ -1,0 +1,254 @@
+"""The decode plan: presets and their validation, what ``auto`` resolves to per device, the decode module's logits
+against the plain model, and that serving never changes the caller's model. Kernel presets run the Triton kernels
+on the CPU under ``TRITON_INTERPRET=1`` (their PyTorch fallbacks otherwise)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, get_args
+
+import pytest
+import torch
+from torch import nn
+
+from mcore_infer import DECODE_PRESETS, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams, prepare_for_decode
+from mcore_infer.decode import DecodeKernels, requested_plan
+from mcore_infer.decode_layers import FusedDecodeLayer, PlainDecodeLayer
+from mcore_infer.kernels import GemvLaunch, NormLinearLaunch
+from mcore_infer.kv_cache import blocks_for
+from mcore_infer.runner import StepBatch
+from mcore_models import GPTModel, LayerSpec
+from mcore_models.transformer.layer import TransformerLayer
+from tests.infer._kernels import INTERPRETED
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_config, tiny_llm, tiny_model
+
+ROW = DECODE_PRESETS["row"]
+ATTENTION = DECODE_PRESETS["attention"]
+FAST = dict(device_type="cuda", backend="triton", compiled=True)  # where auto turns the row kernels on
+
+
+def test_preset_names_and_plan_validation() -> None:
+    assert set(get_args(DecodeKernels)) == {"auto", *DECODE_PRESETS}
+    assert DECODE_PRESETS["none"] == DecodePlan()
+    assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
+    assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True) == ROW
+    for kernel in ("swiglu_down", "proj_partials", "row_gemv"):
+        with pytest.raises(ValueError, match=rf"norm_linear is exclusive with {kernel}"):
+            DecodePlan(norm_linear=True, **{kernel: True})
+    with pytest.raises(ValueError, match=r"DecodeLaunches.swiglu_down=.*SPLITS must be >= 1"):
+        DecodeLaunches(swiglu_down=GemvLaunch(0, 8))
+    with pytest.raises(ValueError, match=r"DecodeLaunches.norm_linear=.*MODE must be one of"):
+        DecodeLaunches(norm_linear=NormLinearLaunch(7, 32, 2, 3))
+
+
+def test_plans_round_trip_through_json_data() -> None:
+    plan = replace(ROW, launches=DecodeLaunches(swiglu_down=GemvLaunch(4, 16), row_gemv=GemvLaunch(1, 8, 1024, 4)))
+    assert DecodePlan.from_dict(plan.to_dict()) == plan
+    data = {"preset": "attention", "swiglu_down": True, "launches": {"swiglu_down": "8,16,256,4"}}
+    assert DecodePlan.from_dict(data) == replace(
+        ATTENTION, swiglu_down=True, launches=DecodeLaunches(swiglu_down=GemvLaunch(8, 16, 256, 4))
+    )
+    with pytest.raises(ValueError, match="unknown fields.*'fuse_rope'"):
+        DecodePlan.from_dict({"fuse_rope": True})
+    with pytest.raises(ValueError, match="launches for unknown kernels.*'qkv'"):
+        DecodePlan.from_dict({"launches": {"qkv": [1, 8]}})
+    with pytest.raises(ValueError, match="decode preset 'auto'"):  # auto is resolved per device, not a base
+        DecodePlan.from_dict({"preset": "auto"})
+
+
+def test_engine_config_refuses_an_unknown_preset() -> None:
+    with pytest.raises(ValueError, match=r"decode_kernels='fast': use a preset name \('auto', 'none', 'attention'"):
+        EngineConfig(decode_kernels="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_kernels=True: use a preset name"):
+        EngineConfig(decode_kernels=True)  # type: ignore[arg-type]
+    assert EngineConfig().decode_kernels == "auto"
+    assert EngineConfig(decode_kernels=ROW).decode_kernels is ROW
+
+
+def _plan(model: GPTModel, kernels: Any = "auto", **where: Any) -> DecodePlan:
+    return prepare_for_decode(model, kernels, **{**FAST, **where}).plan
+
+
+def test_auto_resolves_as_the_device_and_model_allow() -> None:
+    """auto: everything but norm_linear on CUDA with the Triton backend and compiled layers, where the model allows
+    each row kernel (tp=1, bias-free, SwiGLU for swiglu_down) and never an error where it does not; without compiled
+    layers or on the plain backend no row kernels, and on the plain backend no RoPE or KV write in attention."""
+    m = tiny_model(num_layers=2)
+    assert _plan(m) == ROW
+    assert _plan(m, compiled=False) == ATTENTION
+    assert _plan(m, backend="plain") == _plan(m, device_type="cpu", backend="plain") == DecodePlan(defer_residual=True)
+    assert _plan(tiny_model(num_layers=2, activation="gelu")) == replace(ROW, swiglu_down=False)
+    assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == ATTENTION
+    # a bias on the QKV projection only: the row GEMV (which adds no bias) stays off for it
+    assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(ROW, row_gemv=False)
+    assert _plan(m, "none") == DecodePlan()
+    assert _plan(m, replace(ROW, row_gemv=False)) == replace(ROW, row_gemv=False)
+
+
+def test_a_strict_plan_names_what_the_model_lacks() -> None:
+    with pytest.raises(ValueError, match=r"DecodePlan.swiglu_down cannot apply to decoder.layers.0: activation='gelu'"):
+        _plan(tiny_model(activation="gelu"), "row")
+    with pytest.raises(
+        ValueError, match=r"DecodePlan.row_gemv cannot apply to decoder.layers.0: .*linear_qkv has a bias"
+    ):
+        _plan(tiny_model(add_bias_linear=True), DecodePlan(row_gemv=True))
+    with pytest.raises(ValueError, match=r"DecodePlan.proj_partials cannot .*linear_proj has a bias"):
+        _plan(tiny_model(add_bias_linear=True), DecodePlan(proj_partials=True))
+    with pytest.raises(ValueError, match=r"DecodePlan.norm_linear cannot .*needs RMSNorm; normalization='layernorm'"):
+        tiny_llm(tiny_model(normalization="layernorm"), decode_kernels="norm_linear")
+
+
+# ------------------------------------------------------------------------------- every preset, one real step
+def _step_logits(llm: Any, prompts: list[list[int]], nxt: list[int]) -> list[torch.Tensor]:
+    """The runner's logits of a prefill step of ``prompts``, then of a decode step of one more token each."""
+    r = llm.runner
+    bs = r.block_size
+    tables = [r.blocks.allocate(blocks_for(len(p) + 1, bs)) for p in prompts]
+    pre, dec = StepBatch(), StepBatch()
+    for p, t, n in zip(prompts, tables, nxt):
+        pre.add(p, 0, t, bs, "last")
+        dec.add([n], len(p), t, bs, "last")
+    return [r.execute(pre).clone(), r.execute(dec).clone()]
+
+
+BACKENDS = ["plain"] + (["triton"] if INTERPRETED else [])
+
+
+def _preset_param(name: str) -> Any:
+    """``name``, expected to fail with the interpreter's error where the interpreter runs norm_linear: Triton 3.9's
+    interpreter refuses that kernel's scalar store mask, as it fails ``test_norm_linear.py`` (GPUs run it)."""
+    if name != "norm_linear" or not INTERPRETED:
+        return name
+    from triton.runtime.errors import InterpreterError
+
+    return pytest.param(name, marks=pytest.mark.xfail(raises=InterpreterError, strict=True, reason="interpreter"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kernels", [_preset_param(k) for k in get_args(DecodeKernels)])
+def test_each_preset_gives_the_plain_models_logits(kernels: str, backend: str) -> None:
+    """A prefill step of 14 tokens (norm_linear's rows) and a decode step of 2 (the row kernels'): the decode
+    module's logits equal the plain model's full forward at those positions. On the Triton backend (interpreted)
+    the KV write stays out of the attention kernel: Triton 3.9's interpreter refuses that kernel's store mask
+    (``test_fused_rope.py::test_kv_write_inside_attention_equals_writing_first`` fails the same way; GPUs run it)."""
+    model = tiny_model(num_layers=2)
+    prompts, nxt = prompts_of_lengths(3, 11, seed=3), [7, 200]
+    plan: Any = kernels
+    if backend == "triton":
+        requested, _ = requested_plan(kernels, device_type="cpu", backend=backend, compiled=False)
+        plan = replace(requested, kv_write_in_attention=False)
+    llm = tiny_llm(model, decode_kernels=plan, attention_backend=backend)
+    got = _step_logits(llm, prompts, nxt)
+    with torch.no_grad():
+        want = [
+            torch.stack([model(torch.tensor([p]), gather_logits=True)[0, -1] for p in prompts]),
+            torch.stack([model(torch.tensor([p + [n]]), gather_logits=True)[0, -1] for p, n in zip(prompts, nxt)]),
+        ]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the caller's model is its own
+def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
+    """Every module's instance attributes: plain values as they are, containers by the identity of their items,
+    everything else by identity."""
+    out: dict[tuple[str, str], object] = {}
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, dict):
+                value = {k: id(v) for k, v in value.items()}
+            elif not isinstance(value, (bool, int, float, str, type(None))):
+                value = id(value)
+            out[name, key] = value
+    return out
+
+
+def test_serving_leaves_the_callers_model_alone() -> None:
+    """Building an engine (compiled, every row kernel) and generating with it adds, sets and compiles nothing on
+    the caller's model: same attributes, same forward, same parameters (shared with the decode module, not
+    copied), same logits."""
+    torch._dynamo.reset()
+    model = tiny_model(num_layers=2)
+    ids = torch.tensor([prompts_of_lengths(9, seed=8)[0]])
+    with torch.no_grad():
+        before_logits = model(ids, gather_logits=True)
+    before = _attributes(model)
+    state = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    llm = tiny_llm(model, compile=True, decode_kernels="row")
+    llm.generate([ids[0].tolist()], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert _attributes(model) == before
+    assert all("forward" not in vars(m) and getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    assert all(after[k].data_ptr() == p and torch.equal(after[k], v) for k, (p, v) in state.items())
+    decode = llm.runner.decode
+    assert {p.data_ptr() for p in decode.parameters()} == {p.data_ptr() for p in model.parameters()}
+    assert all(w._compiled_call_impl is not None for w in decode.layers.values())  # the wrappers are compiled
+    with torch.no_grad():
+        assert torch.equal(model(ids, gather_logits=True), before_logits)
+    with pytest.raises(ValueError, match=r"eval mode: call model.eval\(\)"):
+        tiny_llm(tiny_model().train())
+
+
+# -------------------------------------------------------------------------------------- other layer types
+class ParallelBlock(nn.Module):
+    """A GPT-J style layer, ``x + attn(norm(x)) + mlp(norm(x))``, from the spec's parts: not a TransformerLayer."""
+
+    def __init__(self, config: Any, ctx: Any, spec: LayerSpec, layer_number: int, prefix: str) -> None:
+        super().__init__()
+        self.norm = spec.norm(config, config.hidden_size, ctx.device, ctx.sequence_parallel)
+        self.self_attention = spec.attention(config, ctx, spec, f"{prefix}.self_attention", selective_recompute=False)
+        self.mlp = spec.mlp(config, ctx, spec, f"{prefix}.mlp")
+
+    def forward(self, x: torch.Tensor, rotary: Any = None, inference_context: Any = None) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.self_attention(h, rotary, inference_context) + self.mlp(h)
+
+
+def _every_other_layer(config: Any, ctx: Any, spec: LayerSpec, layer_number: int, prefix: str) -> nn.Module:
+    cls = ParallelBlock if layer_number % 2 else TransformerLayer
+    return cls(config, ctx, spec, layer_number, prefix)
+
+
+def test_another_layer_type_serves_through_the_plain_path() -> None:
+    """Layers built by ``LayerSpec(layer=...)`` that are not the standard layer run their own forward under auto
+    (the standard layers around them keep their fusions, the deferred residual add included); a strict plan that
+    needs a layer fusion for them raises, naming the layer and what it is."""
+    model = GPTModel(tiny_config(num_layers=3), spec=LayerSpec(layer=_every_other_layer)).eval()
+    prompts = prompts_of_lengths(5, 40, 3, seed=6)
+    expected = [reference_greedy(model, p, 6) for p in prompts]
+    llm = tiny_llm(model)
+    assert [type(w) for w in llm.runner.decode.layers.values()] == [
+        FusedDecodeLayer,
+        PlainDecodeLayer,
+        FusedDecodeLayer,
+    ]
+    assert llm.runner.plan.defer_residual
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert _plan(model) == ROW  # auto on a GPU: every fusion, on the layers that take it
+    for kernels in ("attention", "row", DecodePlan(defer_residual=True)):
+        with pytest.raises(ValueError, match=r"cannot apply to decoder.layers.1: it is a ParallelBlock, not a"):
+            tiny_llm(model, decode_kernels=kernels)
+    tiny_llm(model, decode_kernels="none")  # nothing the layer must take
+
+
+class GeluMLP(nn.Module):
+    """A stand-in for a non-standard MLP (an MoE, say): the standard layer around it still takes the attention
+    fusions, not the MLP's."""
+
+    def __init__(self, config: Any, ctx: Any, spec: LayerSpec, prefix: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.nn.functional.gelu(x))
+
+
+def test_a_standard_layer_with_another_mlp_keeps_the_attention_fusions() -> None:
+    model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(mlp=GeluMLP)).eval()
+    assert _plan(model) == replace(ROW, swiglu_down=False)
+    with pytest.raises(ValueError, match=r"swiglu_down cannot apply to decoder.layers.0: mlp is a GeluMLP"):
+        _plan(model, "row")
+    with pytest.raises(ValueError, match=r"norm_linear cannot apply to decoder.layers.0: mlp is a GeluMLP"):
+        _plan(model, "norm_linear")

@@ -1,0 +1,139 @@
+"""Each layer fusion of a decode plan gives the plain recompute loop's greedy tokens, eager and compiled, and really
+runs where it should (steps of at most 4 or 16 tokens). On the CPU the kernels' ops compute with PyTorch ops (the
+Triton kernels themselves are checked in test_norm_linear.py and test_small_gemv.py): this checks the wiring."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mcore_infer import DECODE_PRESETS, DecodeLaunches, DecodePlan, SamplingParams
+from mcore_infer.kernels import GemvLaunch
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_llm, tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+FUSED_PROMPTS = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+ATTENTION = DECODE_PRESETS["attention"]
+
+
+@pytest.fixture(scope="module")
+def fused_expected() -> list[list[int]]:
+    """The plain recompute loop's greedy tokens for FUSED_PROMPTS (computed before any test installs its spies)."""
+    return [reference_greedy(tiny_model(num_layers=3), p, 10) for p in FUSED_PROMPTS]
+
+
+def _spy_rows(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Record the token count (rows of the first argument) of every call to ``module.name``."""
+    rows: list[int] = []
+    real = getattr(module, name)
+
+    def spy(x, *a, **k):  # type: ignore[no-untyped-def]
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(module, name, spy)
+    return rows
+
+
+def _spy_deferred_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record, for every ``add_deferred`` of the decode layers, how many dims its output had over the residual (1:
+    the output was split-K partial sums)."""
+    from mcore_infer import decode_layers
+
+    added: list[int] = []
+    real = decode_layers.add_deferred
+
+    def spy(x, residual):  # type: ignore[no-untyped-def]
+        added.append(x.dim() - residual.dim())
+        return real(x, residual)
+
+    monkeypatch.setattr(decode_layers, "add_deferred", spy)
+    return added
+
+
+def _assert_same_greedy_tokens(expected: list[list[int]], **cfg: object) -> None:
+    torch._dynamo.reset()
+    res = tiny_llm(tiny_model(num_layers=3), **cfg).generate(FUSED_PROMPTS, GREEDY)
+    assert [r.outputs[0].token_ids for r in res] == expected
+
+
+@pytest.mark.parametrize(("compiled", "residual"), [(False, False), (True, True)], ids=["eager", "compiled-deferred"])
+def test_norms_fused_into_the_projections_give_the_same_tokens(
+    compiled: bool, residual: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``norm_linear``: steps of at most 16 tokens run each norm inside the projection after it (with the residual
+    add and SwiGLU), prefill chunks above 16 tokens do not; greedy tokens unchanged. Checks the layer wiring
+    (residual stream, attention from the fused QKV, SwiGLU, the fused output layer)."""
+    from mcore_infer.kernels import norm_linear as nl
+
+    rows = _spy_rows(monkeypatch, nl, "norm_linear_reference")
+    plan = DecodePlan(norm_linear=True, defer_residual=residual)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
+    # 2 norms per layer + the final norm, on every step of at most 16 tokens: decode steps (1-4 rows) ran fused
+    assert rows and max(rows) <= 16 and 1 in rows and len(rows) % 7 == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_swiglu_inside_the_down_projection_gives_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``swiglu_down``: steps of at most 4 tokens run each MLP's SwiGLU inside its down projection, longer prefill
+    chunks do not; greedy tokens unchanged."""
+    from mcore_infer.kernels import small_gemv as sg
+
+    rows = _spy_rows(monkeypatch, sg, "swiglu_down_reference")
+    added = _spy_deferred_adds(monkeypatch)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=replace(ATTENTION, swiglu_down=True))
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
+    # with the deferred residual add the next layer adds the down projection's partial sums itself (seen at trace
+    # time when compiled)
+    assert 1 in added and 0 in added  # decode steps: partials; long prefill chunks: the plain output
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_output_projection_partials_give_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``proj_partials``: steps of at most 4 tokens leave each attention output projection as split-K partial sums
+    that the layer's residual add sums; greedy tokens unchanged."""
+    added = _spy_deferred_adds(monkeypatch)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=DecodePlan(proj_partials=True))
+    assert 1 in added  # without the deferred residual add, only the projection's partial sums reach add_deferred
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_row_gemv_projections_give_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``row`` preset (``row_gemv`` with the projection and SwiGLU partials): steps of at most 4 tokens run the
+    QKV projection through the row_linear op, longer steps through cuBLAS; greedy tokens unchanged."""
+    from mcore_infer import decode_layers
+
+    rows = _spy_rows(monkeypatch, decode_layers, "row_linear")
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels="row")
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
+
+
+def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's launch overrides are passed to each kernel call of its fusion (None: the kernel's heuristic)."""
+    from mcore_infer import decode_layers
+
+    seen: dict[str, set[object]] = {"swiglu_down_partials": set(), "linear_partials": set(), "row_linear": set()}
+    for name in seen:
+        real = getattr(decode_layers, name)
+
+        def spy(x, w, launch, _real=real, _name=name):  # type: ignore[no-untyped-def]
+            seen[_name].add(launch)
+            return _real(x, w, launch)
+
+        monkeypatch.setattr(decode_layers, name, spy)
+    launches = DecodeLaunches(swiglu_down=GemvLaunch(4, 16), proj_partials=GemvLaunch(2, 8, 512, 2))
+    plan = replace(DECODE_PRESETS["row"], launches=launches)
+    _assert_same_greedy_tokens(fused_expected, decode_kernels=plan)
+    assert seen == {
+        "swiglu_down_partials": {GemvLaunch(4, 16, 256, 4)},
+        "linear_partials": {GemvLaunch(2, 8, 512, 2)},
+        "row_linear": {None},
+    }
