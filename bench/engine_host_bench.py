@@ -34,7 +34,7 @@ def main() -> None:
     llm = LLM(model=GPTModel(config).eval(), config=EngineConfig(block_size=16, max_model_len=1024,
               max_num_seqs=args.requests, max_num_batched_tokens=8192))  # fmt: skip
     fake = torch.zeros(args.requests, config.vocab_size)
-    llm.runner.execute = lambda batch: fake[: len(batch.logits_index)]  # type: ignore[method-assign]
+    llm.runner.execute = lambda batch, device_ids=None: fake[: len(batch.logits_index)]  # type: ignore[method-assign]
     prompts = torch.randint(0, 256, (args.requests, args.prompt), generator=torch.Generator().manual_seed(0)).tolist()
     results = {}
     for name, params in {

@@ -17,20 +17,22 @@ and reports µs per call and the weight bytes per second. ``--check`` compares t
     python bench/gemv_bench.py --rows 1 8 32 64 --json out.json
 
 ``--norm-linear`` times the fused residual add + RMSNorm + linear (+ SwiGLU) kernel of
-``mcore_models.transformer.norm_linear`` against the unfused ops at the QKV, fc1 and LM-head shapes, at its default
-launch and at each launch of ``--launches`` (one JSON line per shape with every timing and the best launch, then a
-summary line); ``--best-env FILE`` writes the launch with the least total time as a shell line for a later run::
+``mcore_infer.kernels.norm_linear`` against the unfused ops at the QKV, fc1 and LM-head shapes, at its default
+launch and at each launch of ``--launches`` (passed as ``launch=``; one JSON line per shape with every timing and the
+best launch, then a summary line); ``--best-plan FILE`` writes the ``norm_linear`` decode plan as JSON, with the
+launch of least total time where it beat the default, for a serving run::
 
-    python bench/gemv_bench.py --norm-linear --rows 1 --json nl.json --best-env nl.env
-    source nl.env   # export MCORE_NORM_LINEAR_LAUNCH=<best launch> (or unset, where the default won)
+    python bench/gemv_bench.py --norm-linear --rows 1 --json nl.json --best-plan nl-plan.json
+    python bench/serve_bench.py --compile --decode-kernels nl-plan.json
 
 ``--swiglu-fc2`` times the MLP's SwiGLU folded into the loads of a split-K down-projection GEMV (one kernel fewer
 per layer and decode step) against the compiled SwiGLU + cuBLAS. ``--fma-sweep`` times the one-row kernel (products
-accumulated elementwise, no MMA) at each launch of ``--fma-launches`` for the output projection, fc2 and SwiGLU +
-fc2 against cuBLAS / compiled SwiGLU + cuBLAS, and ``--best-env FILE`` then writes the winners as
-``MCORE_SWIGLU_DOWN_LAUNCH`` / ``MCORE_PROJ_PARTIALS_LAUNCH`` lines and the serve_bench flags to use::
+accumulated elementwise, no MMA) at each launch of ``--fma-launches`` for the output projection, fc2, SwiGLU + fc2,
+QKV and fc1 against cuBLAS / compiled SwiGLU + cuBLAS, and ``--best-plan FILE`` then writes a decode plan (JSON, as
+``DecodePlan.from_dict`` reads it) with each row kernel whose best launch beat its baseline, at that launch::
 
-    python bench/gemv_bench.py --fma-sweep --json fma.json --best-env fma.env && source fma.env
+    python bench/gemv_bench.py --fma-sweep --json fma.json --best-plan fma-plan.json
+    python bench/serve_bench.py --compile --decode-kernels fma-plan.json
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ SHAPES = {  # llama-1b: (out_features, in_features)
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
     """``F.linear(x, w)`` for ``x`` ``[M, K]`` with small ``M`` (at most 64), ``w`` ``[N, K]`` contiguous: the
-    weight-streaming kernel of :mod:`mcore_models.transformer.small_gemv`, one split."""
-    from mcore_models.transformer.small_gemv import gemv_partials
+    weight-streaming kernel of :mod:`mcore_infer.kernels.small_gemv`, one split."""
+    from mcore_infer.kernels.small_gemv import gemv_partials
 
     return gemv_partials(x, w, 1, block_n, block_k, out_dtype=x.dtype)[0]
 
@@ -66,7 +68,7 @@ def triton_linear_partials(x: torch.Tensor, w: torch.Tensor, splits: int, block_
     """Split-K: ``[splits, M, N]`` float32 partial products whose sum over dim 0 is ``F.linear(x, w)``. More
     programs than output blocks (a 2048-wide output is 64 programs at ``block_n`` 32, half an H200); the sum can
     be left to the consumer (a residual add + norm that reads the partials instead of one output)."""
-    from mcore_models.transformer.small_gemv import gemv_partials
+    from mcore_infer.kernels.small_gemv import gemv_partials
 
     return gemv_partials(x, w, splits, block_n, block_k)
 
@@ -75,7 +77,7 @@ def swiglu_linear_partials(a: torch.Tensor, w: torch.Tensor, splits: int, block_
                            block_k: int = 256) -> torch.Tensor:  # fmt: skip
     """``[splits, M, N]`` float32 partials of ``F.linear(silu(gate) * up, w)`` for ``a = [gate | up]`` ``[M, 2K]``
     (the SwiGLU of the MLP folded into the loads of the down projection, as ``swiglu_down`` does)."""
-    from mcore_models.transformer.small_gemv import gemv_partials
+    from mcore_infer.kernels.small_gemv import gemv_partials
 
     return gemv_partials(a, w, splits, block_n, block_k, swiglu=True)
 
@@ -120,7 +122,7 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
     fc2 consumes them) against what the engine runs otherwise: cuBLAS (with its own split-K reduction) for the output
     projection and fc2, compiled SwiGLU + cuBLAS for SwiGLU + fc2. Returns every timing, the best launch per shape
     and whether it beat the baseline."""
-    from mcore_models.transformer.small_gemv import gemv_partials
+    from mcore_infer.kernels.small_gemv import gemv_partials
 
     cases = {"proj": (*SHAPES["proj"], False), "fc2": (*SHAPES["fc2"], False), "swiglu + fc2": (*SHAPES["fc2"], True),
              "qkv": (*SHAPES["qkv"], False), "fc1": (*SHAPES["fc1"], False)}  # fmt: skip
@@ -166,33 +168,22 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
     return out
 
 
-def write_fma_env(path: str, rows: dict[str, Any]) -> None:
-    """Shell lines exporting the sweep's best launches for the engine's ops (or a comment where none beat the
-    baseline: the serve run then leaves that fusion off; ``FUSE_FLAGS`` lists the serve_bench flags to use)."""
-    from mcore_models.transformer.small_gemv import LAUNCH_ENV, PROJ_LAUNCH_ENV, ROW_LAUNCH_ENV
-
-    lines, flags = [], []
-    for shape, env, flag in (("swiglu + fc2", LAUNCH_ENV, "--fuse-swiglu-down"),
-                             ("proj", PROJ_LAUNCH_ENV, "--fuse-proj-partials")):  # fmt: skip
+def write_fma_plan(path: str, rows: dict[str, Any]) -> None:
+    """A decode plan (JSON) with the attention-side fusions and each row kernel whose sweep winner beat what the
+    engine runs otherwise, at that launch: ``swiglu_down`` (SwiGLU + fc2), ``proj_partials`` (the output projection)
+    and ``row_gemv`` (the QKV projection; fc1 is timed for reference, the engine keeps it on cuBLAS)."""
+    plan: dict[str, Any] = {"preset": "attention", "launches": {}}
+    for shape, kernel in (("swiglu + fc2", "swiglu_down"), ("proj", "proj_partials"), ("qkv", "row_gemv")):
         row = rows.get(shape, {})
-        if row.get("beats_baseline"):
-            lines.append(f"export {env}={row['best']}  # {row['best_us']:.2f} us vs {row['baseline_us']:.2f}")
-            flags.append(flag)
+        plan[kernel] = bool(row.get("beats_baseline"))
+        if plan[kernel]:
+            plan["launches"][kernel] = row["best"]
+            print(f"{kernel}: {row['best']} {row['best_us']:.2f} us vs {row['baseline_us']:.2f}")
         else:
-            lines.append(f"# {shape}: no launch beat the baseline")
-    qkv, fc1 = rows.get("qkv", {}), rows.get("fc1", {})
-    both = set(qkv.get("us_by_launch", {})) & set(fc1.get("us_by_launch", {}))
-    if both:  # one launch for both projections (MCORE_ROW_LINEAR_LAUNCH): the least total time
-        best = min(both, key=lambda launch: qkv["us_by_launch"][launch] + fc1["us_by_launch"][launch])
-        total, base = qkv["us_by_launch"][best] + fc1["us_by_launch"][best], qkv["baseline_us"] + fc1["baseline_us"]
-        if total < base:
-            lines.append(f"export {ROW_LAUNCH_ENV}={best}  # qkv + fc1 {total:.2f} us vs {base:.2f}")
-            flags.append("--row-gemv")
-        else:
-            lines.append(f"# qkv + fc1: no launch beat cuBLAS ({total:.2f} us vs {base:.2f})")
-    lines.append(f"FUSE_FLAGS='{' '.join(flags)}'")
+            print(f"{kernel}: no launch beat the baseline")
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        json.dump(plan, f, indent=1)
+    print(f"wrote {path}")
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -244,8 +235,8 @@ def check(device: str, dtype: torch.dtype) -> None:
     print(f"triton_linear, its split-K form and the SwiGLU split-K kernel match on {device} ({dtype})")
 
 
-# the launches --norm-linear times on every shape (besides the default), "MODE,BLOCK_N,WARPS,STAGES,BLOCK_K" as in
-# MCORE_NORM_LINEAR_LAUNCH: the two default launches and their neighbours in each NORM_MODE. A wider sweep on an H200
+# the launches --norm-linear times on every shape (besides the default), "MODE,BLOCK_N,WARPS,STAGES,BLOCK_K" as
+# NormLinearLaunch.parse reads them: the two default launches and their neighbours in each NORM_MODE. A wider sweep on an H200
 # (rows=1) found modes 1 and 2 within 0.5 µs of each other, mode 0 3-5x slower, 8 warps 1.5-2x slower, BLOCK_K 128
 # or 512 and 4 stages no better, BLOCK_N 16 slower and 128 out of shared memory with SwiGLU. About 40 s on an H200.
 NORM_LINEAR_SWEEP = [
@@ -259,10 +250,10 @@ NORM_LINEAR_SWEEP = [
 def norm_linear_rows(rows: list[int], configs: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """µs per call (CUDA graph) of residual add + RMSNorm + linear (+ SwiGLU) at decode shapes: the unfused ops
     (compiled by inductor, as in a compiled layer) against the one ``norm_linear`` kernel at its default launch
-    (the heuristic, whatever MCORE_NORM_LINEAR_LAUNCH says) and at each launch of ``configs``. Returns one row per
+    (the heuristic) and at each launch of ``configs``. Returns one row per
     shape and row count, and the summary: the launch of ``configs`` with the least total time over all rows."""
-    from mcore_models.transformer import norm_linear as nl
-    from mcore_models.transformer.norm_linear import norm_linear
+    from mcore_infer.kernels import norm_linear as nl
+    from mcore_infer.kernels.norm_linear import Launch, norm_linear
 
     def unfused(x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
         h = x + r
@@ -272,7 +263,7 @@ def norm_linear_rows(rows: list[int], configs: list[str]) -> tuple[list[dict[str
             y = F.silu(a) * b
         return y + h[..., :1]  # h is used, like the residual stream
 
-    launches = [nl.parse_launch(c) for c in configs]
+    launches = [Launch.parse(c) for c in configs]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     compiled = torch.compile(unfused, dynamic=False)
     out = []
@@ -282,29 +273,26 @@ def norm_linear_rows(rows: list[int], configs: list[str]) -> tuple[list[dict[str
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-        default = nl._heuristic_launch(n // 2 if swiglu else n, k, swiglu, sms)
+        default = nl.heuristic_launch(n // 2 if swiglu else n, k, swiglu, sms)
         for m in rows:
             x, r = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             y_ref = unfused(x, r, g, w, swiglu)
 
             def fused(x: torch.Tensor = x, r: torch.Tensor = r, g: torch.Tensor = g, w: torch.Tensor = w,
-                      s: bool = swiglu) -> torch.Tensor:  # fmt: skip
-                y, h = norm_linear(x, r, g, 1e-5, w, s)
+                      s: bool = swiglu, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
+                y, h = norm_linear(x, r, g, 1e-5, w, s, launch=launch)
                 return y + h[..., :1]
 
             timings: dict[str, float] = {}
             errors: dict[str, str] = {}
             max_diff = 0.0
             for launch in dict.fromkeys([default, *launches]):  # the default first, each launch once
-                nl._LAUNCH_OVERRIDE = launch
                 try:
-                    diff = (fused().float() - y_ref.float()).abs().max().item()
+                    diff = (fused(launch=launch).float() - y_ref.float()).abs().max().item()
                     max_diff = diff if math.isnan(diff) or diff > max_diff else max_diff  # NaN sticks
-                    timings[str(launch)] = time_in_graph(fused)
+                    timings[str(launch)] = time_in_graph(lambda launch=launch: fused(launch=launch))
                 except Exception as e:  # a launch the GPU cannot run (shared memory): the others still count
                     errors[str(launch)] = repr(e)[:200]
-                finally:
-                    nl._LAUNCH_OVERRIDE = None
             for key in totals:
                 totals[key] += timings.get(key, float("inf"))
             best = min(timings, key=timings.__getitem__)
@@ -338,21 +326,18 @@ def norm_linear_rows(rows: list[int], configs: list[str]) -> tuple[list[dict[str
     return out, summary
 
 
-def write_best_env(path: str, summary: dict[str, Any]) -> None:
-    """A shell file that sets MCORE_NORM_LINEAR_LAUNCH to the sweep's best launch (``source`` it before a serving
-    run), or unsets it where the default launch was faster in total."""
-    from mcore_models.transformer.norm_linear import LAUNCH_ENV
-
-    note = (f"# gemv_bench --norm-linear on {torch.cuda.get_device_name()}: best launch {summary['best_launch']} "
+def write_norm_linear_plan(path: str, summary: dict[str, Any]) -> None:
+    """The ``norm_linear`` decode plan (JSON) for a serving run: with the sweep's best launch where it beat the
+    default launches in total, else with the default (per-shape heuristic) launches."""
+    note = (f"gemv_bench --norm-linear on {torch.cuda.get_device_name()}: best launch {summary['best_launch']} "
             f"{summary['best_total_us']:.1f} us in total, default {summary['default_total_us']:.1f}, "
-            f"unfused {summary['unfused_total_us']:.1f}\n")  # fmt: skip
+            f"unfused {summary['unfused_total_us']:.1f}")  # fmt: skip
+    plan: dict[str, Any] = {"preset": "norm_linear", "launches": {}}
     if summary["best_total_us"] < summary["default_total_us"]:
-        line = f"export {LAUNCH_ENV}={summary['best_launch']}\n"
-    else:
-        line = f"unset {LAUNCH_ENV}  # the default launch (per shape) was faster than any single one\n"
+        plan["launches"]["norm_linear"] = summary["best_launch"]
     with open(path, "w") as f:
-        f.write(note + line)
-    print(f"wrote {path}: {line.strip()}")
+        json.dump(plan, f, indent=1)
+    print(f"{note}\nwrote {path}: {plan}")
 
 
 def main() -> None:
@@ -364,8 +349,9 @@ def main() -> None:
     ap.add_argument("--norm-linear", action="store_true", help="only time the fused norm + linear kernel")
     ap.add_argument("--launches", nargs="+", default=NORM_LINEAR_SWEEP, metavar="MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]",
                     help="--norm-linear: the launches to time (default: %(default)s)")  # fmt: skip
-    ap.add_argument("--best-env", default=None, metavar="FILE",
-                    help="--norm-linear: write 'export MCORE_NORM_LINEAR_LAUNCH=<best launch>' to FILE")  # fmt: skip
+    ap.add_argument("--best-plan", default=None, metavar="FILE",
+                    help="--norm-linear / --fma-sweep: write the decode plan of the sweep's winners to FILE (JSON, for "
+                    "serve_bench.py --decode-kernels FILE)")  # fmt: skip
     ap.add_argument("--swiglu-fc2", action="store_true", help="only time SwiGLU folded into a split-K fc2 GEMV")
     ap.add_argument(
         "--fma-sweep",
@@ -378,8 +364,8 @@ def main() -> None:
         start = time.perf_counter()
         fma_rows = fma_sweep(args.fma_launches)
         print(f"row-kernel sweep: {time.perf_counter() - start:.0f} s", flush=True)
-        if args.best_env:
-            write_fma_env(args.best_env, fma_rows)
+        if args.best_plan:
+            write_fma_plan(args.best_plan, fma_rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": fma_rows}, f,
@@ -396,8 +382,8 @@ def main() -> None:
         start = time.perf_counter()
         rows, summary = norm_linear_rows([m for m in args.rows if m <= 16], args.launches)
         print(f"norm-linear sweep: {time.perf_counter() - start:.0f} s", flush=True)
-        if args.best_env:
-            write_best_env(args.best_env, summary)
+        if args.best_plan:
+            write_norm_linear_plan(args.best_plan, summary)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,

@@ -7,6 +7,11 @@ run's tokens/s). Once through the HTTP server (uvicorn in this process, streamin
 64. Optionally the Hugging Face ``generate`` baseline with a static cache + ``torch.compile`` (CUDA graphs) on the
 same model shape, in a subprocess (``--hf``).
 
+``--decode-kernels`` picks ``EngineConfig.decode_kernels``: a preset (``auto``, the default, ``none``, ``attention``,
+``row``, ``norm_linear``), or a decode plan as JSON (a file, e.g. the one ``gemv_bench.py --best-plan`` writes, or
+inline ``'{"preset": "attention", "swiglu_down": true}'``: ``DecodePlan.from_dict``) to A/B single kernels and
+launches. The results hold the plan that applied (``decode_plan``) and its row kernels (``row_kernels``).
+
     PYTHONPATH=packages/mcore-parallel/src:packages/mcore-models/src:packages/mcore-data/src:packages/mcore-infer/src \\
         python bench/serve_bench.py --out results.json [--hf]
 """
@@ -47,6 +52,18 @@ def latency_row(conc: int, wall: float, ttft: list[float], tpot: list[float]) ->
     }
 
 
+def decode_kernels(value: str) -> Any:
+    """``--decode-kernels``: a preset name, a JSON file of a decode plan, or the plan's JSON itself."""
+    from mcore_infer import DecodePlan
+
+    if value.lstrip().startswith("{"):
+        return DecodePlan.from_dict(json.loads(value))
+    if value.endswith(".json") or os.path.isfile(value):
+        with open(value) as f:
+            return DecodePlan.from_dict(json.load(f))
+    return value  # a preset name (EngineConfig checks it)
+
+
 def build_llm(args: argparse.Namespace) -> Any:
     from mcore_infer import LLM, EngineConfig
     from mcore_models import GPTModel, preset
@@ -54,7 +71,7 @@ def build_llm(args: argparse.Namespace) -> Any:
     torch.manual_seed(0)
     small = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
     over: dict[str, Any] = small if args.smoke else {}
-    model = GPTModel(preset("llama-1b", params_dtype=args.dtype, **over), device=args.device)
+    model = GPTModel(preset("llama-1b", params_dtype=args.dtype, **over), device=args.device).eval()
     cfg = EngineConfig(
         block_size=args.block_size,
         max_model_len=1024,
@@ -63,13 +80,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         memory_fraction=0.6,
         compile=args.compile,
         lookahead=args.lookahead,
-        fuse_rope=args.fuse_rope,
-        fuse_residual=args.fuse_residual,
-        fuse_kv_write=args.fuse_kv_write,
-        fuse_norm_linear=args.fuse_norm_linear,
-        fuse_swiglu_down=args.fuse_swiglu_down,
-        fuse_proj_partials=args.fuse_proj_partials,
-        row_gemv=args.row_gemv,
+        decode_kernels=decode_kernels(args.decode_kernels),
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")
@@ -258,17 +269,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
     ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.lookahead (default on): overlap host and GPU steps")  # fmt: skip
-    for name, what in (("rope", "RoPE inside the Triton kernels"), ("residual", "add + norm across layers"),
-                       ("kv-write", "KV write in attention")):  # fmt: skip
-        ap.add_argument(f"--fuse-{name}", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"EngineConfig.fuse_{name.replace('-', '_')} (default on): {what}")  # fmt: skip
-    ap.add_argument("--fuse-norm-linear", action="store_true", help="EngineConfig.fuse_norm_linear: norm in GEMV")
-    ap.add_argument("--fuse-swiglu-down", action=argparse.BooleanOptionalAction, default=None,
-                    help="EngineConfig.fuse_swiglu_down (default auto): SwiGLU inside the down projection's split-K GEMV")  # fmt: skip
-    ap.add_argument("--row-gemv", action=argparse.BooleanOptionalAction, default=None,
-                    help="EngineConfig.row_gemv (default auto): the QKV projection with the one-row Triton GEMV")  # fmt: skip
-    ap.add_argument("--fuse-proj-partials", action=argparse.BooleanOptionalAction, default=None,
-                    help="EngineConfig.fuse_proj_partials (default auto): the output projection as split-K partials")  # fmt: skip
+    ap.add_argument("--decode-kernels", default="auto", metavar="PRESET|PLAN.json|JSON",
+                    help="EngineConfig.decode_kernels: auto (default), none, attention, row, norm_linear, or a decode "
+                    "plan as JSON (a file or inline)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
@@ -291,7 +294,10 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: dict[str, Any] = {"device": dev, "torch": torch.__version__, "engine": []}
     llm = build_llm(args)
-    results["row_kernels"] = llm.runner.row_kernels  # what EngineConfig's auto (None) resolved to
+    plan = llm.runner.plan  # what --decode-kernels resolved to on this device and model
+    results["decode_plan"] = plan.to_dict()
+    results["row_kernels"] = {"fuse_swiglu_down": plan.swiglu_down, "fuse_proj_partials": plan.proj_partials,
+                              "row_gemv": plan.row_gemv}  # fmt: skip
     for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
         engine_run(llm, c, 1)
     for c in args.concurrency:
