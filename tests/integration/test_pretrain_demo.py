@@ -34,7 +34,7 @@ def test_demo_pretrain_end_to_end(tmp_path: Path) -> None:
     # the trained checkpoint through the serving CLI (its engine flags parsed into an EngineConfig on the way)
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     gen = subprocess.run([sys.executable, "-m", "mcore_infer.cli", "generate", "--checkpoint", str(tmp_path / "run"),
-                          "--device", "cpu", "--row-kernels", "off", "--max-tokens", "8", "The ", "A"],
+                          "--device", "cpu", "--decode-kernels", "attention", "--max-tokens", "8", "The ", "A"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert gen.returncode == 0, gen.stderr[-4000:]
     lines = gen.stdout.splitlines()
