@@ -26,7 +26,7 @@ from mcore_infer.kernels.small_gemv import (
     swiglu_down_partials,
 )
 from mcore_models import TransformerConfig
-from mcore_models.transformer.attention import InferenceContext, SelfAttention
+from mcore_models.transformer.attention import InferenceContext, Rotary, SelfAttention
 from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.mlp import MLP
 from mcore_models.transformer.norm import RMSNorm
@@ -38,8 +38,6 @@ __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for
 
 LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv")
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
-
-Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _plain_linear(lin: Any, name: str, column: bool = False) -> list[str]:

@@ -74,13 +74,7 @@ class Launch(NamedTuple):
     def parse(cls, text: str) -> Launch:
         """A checked launch from ``MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K]`` (integers; ``BLOCK_K`` defaults to 256)."""
         source = f"norm_linear launch {text!r} (expected MODE,BLOCK_N,WARPS,STAGES[,BLOCK_K], e.g. 1,32,4,3)"
-        try:
-            values = [int(p) for p in text.split(",")]
-        except ValueError:
-            raise ValueError(f"{source}: not a list of integers") from None
-        if len(values) not in (4, 5):
-            raise ValueError(f"{source}: {len(values)} values")
-        return cls(*values).checked(source)
+        return cls(*parse_ints(text, source, (4, 5))).checked(source)
 
     def checked(self, source: str | None = None) -> Launch:
         """This launch, or a ValueError naming every field the kernel cannot take (``source`` opens the message)."""
@@ -237,6 +231,18 @@ def _use_triton(x: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+def parse_ints(text: str, source: str, counts: tuple[int, ...]) -> list[int]:
+    """The comma-separated integers of a launch's text form; a ValueError opened by ``source`` unless there are
+    ``counts`` of them."""
+    try:
+        values = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{source}: not a list of integers") from None
+    if len(values) not in counts:
+        raise ValueError(f"{source}: {len(values)} values")
+    return values
 
 
 def _pow2(v: int) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mcore_infer.kernels.norm_linear import MAX_ROWS, _use_triton
+from mcore_infer.kernels.norm_linear import MAX_ROWS, _use_triton, parse_ints
 
 __all__ = [
     "FMA_MAX_ROWS",
@@ -169,13 +169,7 @@ class Launch(NamedTuple):
     def parse(cls, text: str) -> Launch:
         """A checked launch from ``SPLITS,BLOCK_N[,BLOCK_K,WARPS]`` (integers; 256 and 4 when left out)."""
         source = f"GEMV launch {text!r} (expected SPLITS,BLOCK_N[,BLOCK_K,WARPS], e.g. 8,16,256,4)"
-        try:
-            values = [int(p) for p in text.split(",")]
-        except ValueError:
-            raise ValueError(f"{source}: not a list of integers") from None
-        if len(values) not in (2, 4):
-            raise ValueError(f"{source}: {len(values)} values")
-        return cls(*values).checked(source)
+        return cls(*parse_ints(text, source, (2, 4))).checked(source)
 
     def checked(self, source: str | None = None) -> Launch:
         """This launch, or a ValueError saying which field the kernel cannot take (``source`` opens the message)."""

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["InferenceContext", "SelfAttention", "SDPACoreAttention"]
 
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+"""The rotary tables ``(cos, sin)`` of a step's positions, or None (no RoPE)."""
+
 _TORCH_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 _SDPA_BACKENDS: dict[str, list[SDPBackend] | None] = {
     "auto": None,
@@ -144,19 +147,13 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        inference_context: InferenceContext | None = None,
+        self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext | None = None
     ) -> torch.Tensor:
         """``x`` ``[s, b, hidden]`` → the QKV projection, :meth:`attend`, the output projection."""
         return self.linear_proj(self.attend(self.linear_qkv(x), rotary, inference_context))
 
     def attend(
-        self,
-        qkv: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        inference_context: InferenceContext | None = None,
+        self, qkv: torch.Tensor, rotary: Rotary, inference_context: InferenceContext | None = None
     ) -> torch.Tensor:
         """The attention between the two projections: the QKV projection's output ``[s, b, groups * (heads /
         groups + 2) * d]`` (this rank's groups) → ``[s, b, heads * d]``, the output projection's input. Splits q, k
