@@ -262,6 +262,27 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"{what} needs unit-stride head dims and contiguous caches")
 
 
+def _query_layout(q: torch.Tensor, groups: int) -> tuple[torch.Tensor, int, int, int]:
+    """``q`` with a unit-stride head dim, its heads per group, and its group and head strides, for ``[T, heads, d]``
+    or grouped ``[T, groups, heads / groups, d]`` queries."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if q.dim() == 4:
+        return q, q.shape[2], q.stride(1), q.stride(2)
+    hpg = q.shape[1] // groups
+    return q, hpg, hpg * q.stride(1), q.stride(1)
+
+
+def _split_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 running max, sum and accumulator of each split's partial softmax (``out`` stands in, unused, for one
+    split)."""
+    if splits == 1:
+        return out, out, out
+    t, heads, d = out.shape
+    pm = torch.empty(t, heads, splits, device=out.device, dtype=torch.float32)
+    return pm, torch.empty_like(pm), torch.empty(t, heads, splits, d, device=out.device, dtype=torch.float32)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,15 +308,8 @@ def paged_attention_triton(
     token of its request): the tokens' own keys/values are taken from there (rotated with ``rotary``) and written to
     the cache by the same kernel, instead of a :func:`store_kv_triton` call first."""
     _, block_size, groups, _ = k_cache.shape
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if q.dim() == 4:
-        t, _, hpg, d = q.shape
-        stride_qg, stride_qh = q.stride(1), q.stride(2)
-    else:
-        t, heads_, d = q.shape
-        hpg = heads_ // groups
-        stride_qg, stride_qh = hpg * q.stride(1), q.stride(1)
+    q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
+    t, d = q.shape[0], q.shape[-1]
     heads = hpg * groups
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     if t == 0:
@@ -311,43 +325,13 @@ def paged_attention_triton(
     else:
         k_in = v_in = slots = out  # unused
     attend, combine, _ = _kernel()
-    if splits > 1:
-        pm = torch.empty(t, heads, splits, device=q.device, dtype=torch.float32)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(t, heads, splits, d, device=q.device, dtype=torch.float32)
-    else:
-        pm = pl = pacc = out  # unused
+    pm, pl, pacc = _split_scratch(out, splits)
+    # fmt: off
     attend[(t, groups, splits)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        pm,
-        pl,
-        pacc,
-        block_tables,
-        token_seq,
-        token_ctx,
-        cos,
-        sin,
-        k_in,
-        v_in,
-        slots,
-        scale,
-        q.stride(0),
-        stride_qg,
-        stride_qh,
-        stride_ct,
-        k_in.stride(0),
-        k_in.stride(1),
-        v_in.stride(0),
-        v_in.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        q, k_cache, v_cache, out, pm, pl, pacc, block_tables, token_seq, token_ctx, cos, sin, k_in, v_in, slots,
+        scale, q.stride(0), stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0),
+        v_in.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
         HEADS=heads,
         HPG=hpg,
         HPG_PAD=max(16, _pow2(hpg)),
@@ -358,6 +342,7 @@ def paged_attention_triton(
         ROT=rot,
         NEW_KV=new_kv is not None,
     )
+    # fmt: on
     if splits > 1:
         combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits)
     return out
