@@ -1,6 +1,6 @@
 """The runtime parity checks on GPUs with NCCL, each against the one-process run: on 2 GPUs tp2+SP, pp2 (1F1B and
 interleaved), dp2 with the distributed optimizer (NCCL or peer-to-peer exchange) and dp2 all-reduce peer to peer; on
-8 GPUs (issue 10) tp2·pp2·dp2, tp4·dp2 with SP, pp4 with
+8 GPUs tp2·pp2·dp2, tp4·dp2 with SP, pp4 with
 interleaving (vpp2) and dp8 with the distributed optimizer. Run through the device tool; skipped without the GPUs."""
 
 from __future__ import annotations
