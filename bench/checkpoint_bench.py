@@ -77,7 +77,7 @@ def _first_saves(root: Path, state: Any, items: Any, opt: Any, results: dict[str
     print(f"{gb:.2f} GB, first async save: {timings}", flush=True)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--dir", default=None)
@@ -89,15 +89,22 @@ def main() -> None:
         help="only the first async save's blocking time: without reserve(), after it, or both in that order (the "
         "second then reuses the first's cached pinned block; one per process times the background allocation)",
     )
-    args = parser.parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
-    root.mkdir(parents=True, exist_ok=True)
+    return parser
+
+
+def _init_single_process(root: Path) -> ParallelState:
+    """A one-rank process group (a file store under ``root``) and its parallel state."""
     store = dist.FileStore(str(root / "store"), 1)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # DCP's async save needs a CPU backend
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
-    state = ParallelState.initialize()
+    return ParallelState.initialize()
+
+
+def _trained_state(name: str, state: ParallelState) -> tuple[Any, GPTModel, Any]:
+    """The preset's model (bf16 weights) with the mixed-precision optimizer (over its DDP wrapper) after one real
+    step: config, model and optimizer."""
     device = state.device
-    config = preset(args.preset, params_dtype="bfloat16")
+    config = preset(name, params_dtype="bfloat16")
     model = GPTModel(config, device=device)
     ddp = DistributedDataParallel(model, state, DDPConfig())
     opt = get_optimizer(OptimizerConfig(lr=1e-4), [ddp], state)
@@ -106,20 +113,12 @@ def main() -> None:
     ddp(ids, labels=ids).mean().backward()
     ddp.finish_grad_sync()
     opt.step()
-    tensors = _tensor_state(model, opt)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    gb = nbytes / 1e9
-    results: dict[str, Any] = {"preset": args.preset, "state_gb": gb, "tensors": len(tensors),
-                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    items = model.sharded_state_dict()
-    if args.first_save_only:
-        _first_saves(root, state, items, opt, results, gb, args.first_save_only)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        dist.destroy_process_group()
-        return
+    return config, model, opt
 
+
+def _mcore_saves(root: Path, state: Any, items: Any, opt: Any, config: Any, results: dict[str, Any]) -> None:
+    """mcore's sharded zarr checkpoint: synchronous save and load, two async saves, and the first async save after
+    ``reserve()``. Each manager lives until the next one exists (its staging buffer is not free to reuse before)."""
     # mcore: synchronous save, load
     mgr = CheckpointManager(root / "mcore", state)
     _sync()
@@ -157,7 +156,9 @@ def main() -> None:
     del mgr
     _drop_caches(root / "mcore_reserved")
 
-    # torch.save / torch.load of the same tensors
+
+def _torch_saves(root: Path, tensors: dict[str, torch.Tensor], results: dict[str, Any]) -> None:
+    """``torch.save`` / ``torch.load`` of the same tensors (moved to CPU, loaded back into them)."""
     gc.collect()
     t = time.perf_counter()
     cpu = {k: v.detach().cpu() for k, v in tensors.items()}
@@ -173,7 +174,9 @@ def main() -> None:
     del loaded
     (root / "torch_save.pt").unlink()
 
-    # torch.distributed.checkpoint
+
+def _dcp_saves(root: Path, tensors: dict[str, torch.Tensor], results: dict[str, Any]) -> None:
+    """``torch.distributed.checkpoint``: save, load, and two ``async_save`` calls where it has one."""
     import torch.distributed.checkpoint as dcp
 
     t = time.perf_counter()
@@ -192,17 +195,25 @@ def main() -> None:
             fut.result()
             results[f"dcp_async_total{suffix}_s"] = time.perf_counter() - t
             _drop_caches(root / f"dcp_async{i}")
+
+
+def _with_throughputs(results: dict[str, Any], gb: float) -> dict[str, Any]:
+    """``results`` with GB/s beside every full save and load time, without the keys whose value is None."""
     for key in [k for k in results if k.endswith("_s")]:
         if "blocking" not in key and "first" not in key and "reserve" not in key:
             results[key[:-2] + "_gb_per_s"] = gb / results[key]
-    results = {k: v for k, v in results.items() if v is not None}
-    print(f"{args.preset} training state: {gb:.2f} GB in {len(tensors)} tensors on {results['gpu']}")
+    return {k: v for k, v in results.items() if v is not None}
+
+
+def _print_table(name: str, results: dict[str, Any], gb: float, n_tensors: int) -> None:
+    print(f"{name} training state: {gb:.2f} GB in {n_tensors} tensors on {results['gpu']}")
     print("| method | save s (GB/s) | load s (GB/s) | async blocked s: first / later save | async total s |")
     print("|---|---|---|---|---|")
-    for name, label in (("mcore", "mcore zarr"), ("torch", "torch.save/load"), ("dcp", "torch.distributed.checkpoint")):
-        save, load = results.get(f"{name}_save_s"), results.get(f"{name}_load_s")
-        first, blocked = results.get(f"{name}_async_blocking_first_s"), results.get(f"{name}_async_blocking_s")
-        total = results.get(f"{name}_async_total_s")
+    for method, label in (("mcore", "mcore zarr"), ("torch", "torch.save/load"),
+                          ("dcp", "torch.distributed.checkpoint")):  # fmt: skip
+        save, load = results.get(f"{method}_save_s"), results.get(f"{method}_load_s")
+        first, blocked = results.get(f"{method}_async_blocking_first_s"), results.get(f"{method}_async_blocking_s")
+        total = results.get(f"{method}_async_total_s")
         blocked_col = f"{first:.2f} / {blocked:.2f}" if first is not None and blocked is not None else "-"
         total_col = f"{total:.2f}" if total is not None else "-"
         print(
@@ -213,6 +224,32 @@ def main() -> None:
         f"(reserve() call {results['mcore_reserve_call_s']:.2f} s, background allocation "
         f"{results['mcore_reserve_background_s']:.2f} s)"
     )
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
+    root.mkdir(parents=True, exist_ok=True)
+    state = _init_single_process(root)
+    config, model, opt = _trained_state(args.preset, state)
+    tensors = _tensor_state(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    gb = nbytes / 1e9
+    results: dict[str, Any] = {"preset": args.preset, "state_gb": gb, "tensors": len(tensors),
+                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    items = model.sharded_state_dict()
+    if args.first_save_only:
+        _first_saves(root, state, items, opt, results, gb, args.first_save_only)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+        return
+    _mcore_saves(root, state, items, opt, config, results)
+    _torch_saves(root, tensors, results)
+    _dcp_saves(root, tensors, results)
+    results = _with_throughputs(results, gb)
+    _print_table(args.preset, results, gb, len(tensors))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

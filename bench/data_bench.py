@@ -66,13 +66,9 @@ def raw_encode_mb_s(kind: str, model: str, texts: list[str], nbytes: int) -> flo
     return max(loop, nbytes / 1e6 / (time.perf_counter() - t0))
 
 
-def bench_preprocess(work: Path, corpus_mb: int, repeats: int) -> list[dict[str, object]]:
-    corpus = work / f"demo{corpus_mb}.jsonl"
-    if not corpus.exists():
-        cli("demo-corpus", "--out", str(corpus), "--min-mb", str(corpus_mb))
-    nbytes = corpus.stat().st_size
-    tiny = work / "tiny.jsonl"
-    tiny.write_text('{"text": "hello"}\n')
+def train_tokenizers(work: Path, corpus: Path) -> dict[str, str]:
+    """The tokenizer model of each kind (trained on ``corpus`` once, reused from ``work`` later): the byte tokenizer
+    (no model), SentencePiece-BPE and HF byte-level BPE at vocab 8000."""
     models = {"byte": ""}
     sp = work / "sp8000"
     if not Path(str(sp) + ".model").exists():
@@ -106,6 +102,35 @@ def bench_preprocess(work: Path, corpus_mb: int, repeats: int) -> list[dict[str,
             "3000",
         )
     models["hf"] = str(hf)
+    return models
+
+
+def preprocess_s(source: Path, prefix: Path, tok_args: list[str], *options: str) -> float:
+    """Wall seconds of one ``mcore-data preprocess`` run of ``source`` into ``prefix`` (``options`` after the
+    tokenizer's)."""
+    return cli(
+        "preprocess",
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(prefix),
+        *tok_args,
+        *options,
+        "--no-progress",
+        "--overwrite",
+    )
+
+
+def bench_preprocess(work: Path, corpus_mb: int, repeats: int) -> list[dict[str, object]]:
+    from mcore_data import IndexedDataset
+
+    corpus = work / f"demo{corpus_mb}.jsonl"
+    if not corpus.exists():
+        cli("demo-corpus", "--out", str(corpus), "--min-mb", str(corpus_mb))
+    nbytes = corpus.stat().st_size
+    tiny = work / "tiny.jsonl"
+    tiny.write_text('{"text": "hello"}\n')
+    models = train_tokenizers(work, corpus)
     texts = load_texts(corpus)
     rows = []
     for kind, model in models.items():
@@ -113,38 +138,10 @@ def bench_preprocess(work: Path, corpus_mb: int, repeats: int) -> list[dict[str,
         # 5-7% from run to run
         raw = max(raw_encode_mb_s(kind, model, texts, nbytes) for _ in range(repeats))
         tok_args = ["--tokenizer-type", kind] + (["--tokenizer-model", model] if model else [])
-        startup = min(
-            cli(
-                "preprocess",
-                "--input",
-                str(tiny),
-                "--output-prefix",
-                str(work / "tiny"),
-                *tok_args,
-                "--no-progress",
-                "--overwrite",
-            )
-            for _ in range(3)
-        )
+        startup = min(preprocess_s(tiny, work / "tiny", tok_args) for _ in range(3))  # a one-line input
         for workers in (1, 2):
             out = work / f"pp-{kind}-{workers}"
-            wall = min(
-                cli(
-                    "preprocess",
-                    "--input",
-                    str(corpus),
-                    "--output-prefix",
-                    str(out),
-                    *tok_args,
-                    "--workers",
-                    str(workers),
-                    "--no-progress",
-                    "--overwrite",
-                )
-                for _ in range(repeats)
-            )
-            from mcore_data import IndexedDataset
-
+            wall = min(preprocess_s(corpus, out, tok_args, "--workers", str(workers)) for _ in range(repeats))
             tokens = IndexedDataset(out).num_tokens
             after = nbytes / 1e6 / max(wall - startup, 1e-9)
             rows.append(

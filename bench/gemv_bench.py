@@ -1,8 +1,9 @@
 """Small-batch GEMMs of decoding (``y = x Wᵀ`` with few rows in ``x``): what each implementation reaches (not a test).
 
 A batch-1 decode step of ``llama-1b`` spends most of its time in five weight-bound GEMMs per layer. cuBLAS runs the
-QKV and output projections at ~5.9 µs on an H200 where reading their weights takes ~1-1.5 µs (2026-11-30 profile),
-so this bench times, per shape and row count, inside a CUDA graph of back-to-back calls (as in a decode graph):
+QKV and output projections at ~5.9 µs on an H200 where reading their weights takes ~1-1.5 µs (the profile of one
+batch-1 request, ``serve_bench.py --profile``), so this bench times, per shape and row count, inside a CUDA graph of
+back-to-back calls (as in a decode graph):
 
 - ``cublas``: ``F.linear``;
 - ``inductor``: ``torch.compile(F.linear, mode="max-autotune-no-cudagraphs")`` (autotuned Triton templates);
@@ -340,7 +341,7 @@ def write_norm_linear_plan(path: str, summary: dict[str, Any]) -> None:
     print(f"{note}\nwrote {path}: {plan}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--check", action="store_true", help="only compare the Triton kernel with F.linear")
@@ -359,48 +360,25 @@ def main() -> None:
         help="only time the one-row kernel's launches for the output projection, fc2 and SwiGLU + fc2",
     )
     ap.add_argument("--fma-launches", nargs="+", default=FMA_SWEEP, metavar="SPLITS,BLOCK_N,BLOCK_K,WARPS")
-    args = ap.parse_args()
-    if args.fma_sweep:
-        start = time.perf_counter()
-        fma_rows = fma_sweep(args.fma_launches)
-        print(f"row-kernel sweep: {time.perf_counter() - start:.0f} s", flush=True)
-        if args.best_plan:
-            write_fma_plan(args.best_plan, fma_rows)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": fma_rows}, f,
-                          indent=1)  # fmt: skip
-        return
-    if args.swiglu_fc2:
-        swiglu_rows = swiglu_fc2_rows(args.rows)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": swiglu_rows}, f,
-                          indent=1)  # fmt: skip
-        return
-    if args.norm_linear:
-        start = time.perf_counter()
-        rows, summary = norm_linear_rows([m for m in args.rows if m <= 16], args.launches)
-        print(f"norm-linear sweep: {time.perf_counter() - start:.0f} s", flush=True)
-        if args.best_plan:
-            write_norm_linear_plan(args.best_plan, summary)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-                           "summary": summary}, f, indent=1)  # fmt: skip
-        return
-    if args.check or not torch.cuda.is_available():
-        check("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
-        if torch.cuda.is_available():
-            check("cuda", torch.bfloat16)
-        return
-    check("cuda", torch.bfloat16)
+    return ap
+
+
+def _write_json(path: str | None, rows: Any, **extra: Any) -> None:
+    """The GPU, torch's version, ``rows`` and ``extra`` as JSON at ``path`` (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, **extra}, f,
+                      indent=1)  # fmt: skip
+
+
+def shape_rows(row_counts: list[int], inductor: bool) -> list[dict[str, Any]]:
+    """µs per call and weight GB/s of every implementation at each llama-1b shape and row count (bf16)."""
     dtype = torch.bfloat16
-    compiled = None if args.no_inductor else torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+    compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False) if inductor else None
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=dtype)
-        for m in args.rows:
+        for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             row: dict[str, Any] = {"shape": name, "rows": m, "out": n, "in": k}
             impls: dict[str, Any] = {
@@ -421,15 +399,48 @@ def main() -> None:
                     row[f"{impl}_error"] = repr(e)[:200]
             rows.append(row)
             print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_shape_table(rows: list[dict[str, Any]]) -> None:
     print(f"| shape | rows | {' | '.join(f'{i} µs (GB/s)' for i in ('cublas', 'triton', 'inductor'))} |")
     print("|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[f'{i}_us']:.2f} ({r[f'{i}_weight_gb_s']:.0f})" if f"{i}_us" in r else "-"
                  for i in ("cublas", "triton", "inductor")]  # fmt: skip
         print(f"| {r['shape']} {r['out']}x{r['in']} | {r['rows']} | {' | '.join(cells)} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.fma_sweep:
+        start = time.perf_counter()
+        fma_rows = fma_sweep(args.fma_launches)
+        print(f"row-kernel sweep: {time.perf_counter() - start:.0f} s", flush=True)
+        if args.best_plan:
+            write_fma_plan(args.best_plan, fma_rows)
+        _write_json(args.json, fma_rows)
+        return
+    if args.swiglu_fc2:
+        _write_json(args.json, swiglu_fc2_rows(args.rows))
+        return
+    if args.norm_linear:
+        start = time.perf_counter()
+        rows, summary = norm_linear_rows([m for m in args.rows if m <= 16], args.launches)
+        print(f"norm-linear sweep: {time.perf_counter() - start:.0f} s", flush=True)
+        if args.best_plan:
+            write_norm_linear_plan(args.best_plan, summary)
+        _write_json(args.json, rows, summary=summary)
+        return
+    if args.check or not torch.cuda.is_available():
+        check("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
+        if torch.cuda.is_available():
+            check("cuda", torch.bfloat16)
+        return
+    check("cuda", torch.bfloat16)
+    rows = shape_rows(args.rows, inductor=not args.no_inductor)
+    print_shape_table(rows)
+    _write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def compare(a_path: str, b_path: str) -> None:
                     print(f"| {ra.get(key)} | {header} | {fmt(va, spec)} | {fmt(vb, spec)} | {vb / va:.3f} |")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("suites", nargs="*", metavar="SUITE", help=f"one or more of: {', '.join(SUITES)}")
     ap.add_argument("--list", action="store_true", help="describe the suites and exit")
@@ -173,14 +173,90 @@ def main() -> None:
     ap.add_argument("--wheels", default=None, metavar="DIR", help="install these wheels for the commands first")
     ap.add_argument("--label", default=None, help="a note stored with the environment (e.g. 'before the change')")
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side")
+    return ap
+
+
+def list_suites() -> None:
+    for s in SUITES.values():
+        need = f"{s.gpus} GPU" + ("s" if s.gpus > 1 else "") if s.gpus else "CPU or GPU"
+        print(f"{s.name:15} {need}, ~{s.minutes} min: {s.summary}\n{'':15} anchor: {s.anchor}")
+
+
+def suite_result(name: str, args: argparse.Namespace, info: dict[str, Any], used: int, tables: list[dict[str, Any]],
+                 ctx: Context, packages: Path) -> dict[str, Any]:  # fmt: skip
+    """The JSON of one suite's run: its tables (every row given the hardware it ran on), the command, the
+    environment and the steps."""
+    suite = SUITES[name]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    hw = hardware(info, used)
+    for table in tables:
+        for row in table["rows"]:
+            row.setdefault("hardware", f"{info['gpu']}" + (f" x{used}" if used > 1 else "") if used
+                           else f"CPU ({os.cpu_count()} cores)")  # fmt: skip
+    command = " ".join(["python bench/run.py", name, *(["--quick"] if args.quick else []),
+                        *([f"--gpus {args.gpus}"] if args.gpus else [])])  # fmt: skip
+    return {
+        "suite": name,
+        "hardware": hw,
+        "summary": suite.summary,
+        "anchor": suite.anchor,
+        "command": command,
+        "quick": args.quick,
+        "environment": {
+            **{k: info.get(k) for k in ("gpu", "gpu_memory", "driver", "torch", "cuda", "python")},
+            "gpus": used,
+            "cpus": os.cpu_count(),
+            "date": now.date().isoformat(),
+            "time": now.isoformat(timespec="seconds"),
+            "commit": commit(packages),
+            "packages": str(packages),
+            "label": args.label,
+        },
+        "tables": tables,
+        "steps": ctx.steps,
+    }
+
+
+def run_suite(name: str, args: argparse.Namespace, env: dict[str, str], info: dict[str, Any], visible: int,
+              work: Path, packages: Path) -> bool:  # fmt: skip
+    """Run (or with ``--dry-run`` print) one suite on at most ``visible`` GPUs and write its results under
+    ``--out``; whether it failed (too few GPUs, or a command that did not succeed)."""
+    suite = SUITES[name]
+    if suite.gpus > visible and not args.dry_run:
+        why = "no GPU is visible to torch" if not info["gpus"] else f"{info['gpus']} GPU(s) are visible"
+        print(f"suite {name} needs {suite.gpus} CUDA GPU(s), but {why} (or --gpus limits it); run it on a machine "
+              f"with {suite.gpus} GPU(s), e.g. python bench/run.py {name} --out DIR there", file=sys.stderr)  # fmt: skip
+        return True
+    used = suite.gpus_used(max(visible, suite.gpus) if args.dry_run else visible)
+    suite_env = dict(env)
+    if used and used < info["gpus"]:  # only the first `used` GPUs
+        ids = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(info["gpus"])))).split(",")
+        suite_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:used])
+    ctx = Context(work=work / name, env=suite_env, gpus=used, quick=args.quick, dry_run=args.dry_run, repo=REPO)
+    print(f"== {name}: {suite.summary} ({used} GPU(s){', quick' if args.quick else ''})", flush=True)
+    tables = suite.build(ctx)
+    if args.dry_run:
+        return False
+    result = suite_result(name, args, info, used, tables, ctx, packages)
+    hw = result["hardware"]
+    out = Path(args.out) / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{hw}.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    (out / f"{hw}.md").write_text(text)
+    print(text, flush=True)
+    print(f"results: {out / hw}.json and .md; logs under {ctx.work}", flush=True)
+    return any(s["returncode"] != 0 for s in ctx.steps)
+
+
+def main() -> None:
+    ap = _parser()
     args = ap.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     if args.list or not args.suites:
-        for s in SUITES.values():
-            need = f"{s.gpus} GPU" + ("s" if s.gpus > 1 else "") if s.gpus else "CPU or GPU"
-            print(f"{s.name:15} {need}, ~{s.minutes} min: {s.summary}\n{'':15} anchor: {s.anchor}")
+        list_suites()
         return
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
@@ -196,59 +272,7 @@ def main() -> None:
         visible = info["gpus"] if args.gpus is None else min(args.gpus, info["gpus"])
     failed = False
     for name in args.suites:
-        suite = SUITES[name]
-        if suite.gpus > visible and not args.dry_run:
-            why = "no GPU is visible to torch" if not info["gpus"] else f"{info['gpus']} GPU(s) are visible"
-            print(f"suite {name} needs {suite.gpus} CUDA GPU(s), but {why} (or --gpus limits it); run it on a machine "
-                  f"with {suite.gpus} GPU(s), e.g. python bench/run.py {name} --out DIR there", file=sys.stderr)  # fmt: skip
-            failed = True
-            continue
-        used = suite.gpus_used(max(visible, suite.gpus) if args.dry_run else visible)
-        suite_env = dict(env)
-        if used and used < info["gpus"]:  # only the first `used` GPUs
-            ids = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(info["gpus"])))).split(",")
-            suite_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:used])
-        ctx = Context(work=work / name, env=suite_env, gpus=used, quick=args.quick, dry_run=args.dry_run, repo=REPO)
-        print(f"== {name}: {suite.summary} ({used} GPU(s){', quick' if args.quick else ''})", flush=True)
-        tables = suite.build(ctx)
-        if args.dry_run:
-            continue
-        now = datetime.datetime.now(datetime.timezone.utc)
-        hw = hardware(info, used)
-        for table in tables:
-            for row in table["rows"]:
-                row.setdefault("hardware", f"{info['gpu']}" + (f" x{used}" if used > 1 else "") if used
-                               else f"CPU ({os.cpu_count()} cores)")  # fmt: skip
-        command = " ".join(["python bench/run.py", name, *(["--quick"] if args.quick else []),
-                            *([f"--gpus {args.gpus}"] if args.gpus else [])])  # fmt: skip
-        result = {
-            "suite": name,
-            "hardware": hw,
-            "summary": suite.summary,
-            "anchor": suite.anchor,
-            "command": command,
-            "quick": args.quick,
-            "environment": {
-                **{k: info.get(k) for k in ("gpu", "gpu_memory", "driver", "torch", "cuda", "python")},
-                "gpus": used,
-                "cpus": os.cpu_count(),
-                "date": now.date().isoformat(),
-                "time": now.isoformat(timespec="seconds"),
-                "commit": commit(packages),
-                "packages": str(packages),
-                "label": args.label,
-            },
-            "tables": tables,
-            "steps": ctx.steps,
-        }
-        out = Path(args.out) / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{hw}.json").write_text(json.dumps(result, indent=1) + "\n")
-        text = markdown(result)
-        (out / f"{hw}.md").write_text(text)
-        print(text, flush=True)
-        print(f"results: {out / hw}.json and .md; logs under {ctx.work}", flush=True)
-        failed |= any(s["returncode"] != 0 for s in ctx.steps)
+        failed |= run_suite(name, args, env, info, visible, work, packages)
     sys.exit(1 if failed else 0)
 
 

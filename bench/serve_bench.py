@@ -112,7 +112,8 @@ def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
 
 def http_run(llm: Any, conc: int, clients: str = "process") -> dict[str, Any]:
     """``conc`` streaming clients against uvicorn serving ``llm`` in this process; the clients run in another
-    process (``clients="process"``) or in this one (``"inprocess"``, as measured before 2026-11-30's third session)."""
+    process (``clients="process"``) or in this one (``"inprocess"``: their Python work then shares the server's
+    GIL)."""
     import uvicorn
 
     from mcore_infer.async_engine import AsyncEngine
@@ -256,7 +257,7 @@ def profile_run(llm: Any, path: str) -> None:
     print(f"profile written to {path}", flush=True)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,8,32,64,256")
     ap.add_argument("--http-concurrency", type=int, default=64)
@@ -284,7 +285,67 @@ def main() -> None:
         help="run the HTTP clients in another process (default) or in the server's",
     )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here")
-    args = ap.parse_args()
+    return ap
+
+
+def _dump(results: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """After a warm-up, the engine at each ``--concurrency``: the run of median throughput of ``--repeats``, appended
+    to ``results["engine"]`` (written to ``--out`` after each concurrency)."""
+    for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
+        engine_run(llm, c, 1)
+    for c in args.concurrency:
+        # the median of a few runs by throughput (one batch-1 run is 128 decode steps, ~0.15 s: noisy alone)
+        runs = sorted((engine_run(llm, c, 2 + c + 1000 * i) for i in range(args.repeats)),
+                      key=lambda x: x["output_tok_s"])  # fmt: skip
+        r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs]}
+        print(json.dumps(r), flush=True)
+        results["engine"].append(r)
+        _dump(results, args.out)
+
+
+def http_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Two HTTP runs at ``--http-concurrency`` into ``results``: ``http_cold`` against a fresh server (its prefill
+    shapes were not all seen by the engine runs, and their kernels compile during it), then ``http``."""
+    for key in ("http_cold", "http"):
+        try:
+            r = http_run(llm, args.http_concurrency, args.http_clients)
+            print(key, json.dumps(r), flush=True)
+        except Exception as e:  # keep the engine numbers if the HTTP stack is missing
+            r = {"error": repr(e), "cause": repr(e.__cause__)}
+            print("http failed:", repr(e), flush=True)
+        results[key] = r
+        _dump(results, args.out)
+
+
+def hf_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The HF baseline in a subprocess of this script (``--hf-only``), into ``results["hf_static_compile"]``."""
+    hf_out = args.out + ".hf.json"
+    cmd = [
+        sys.executable,
+        __file__,
+        "--hf-only",
+        hf_out,
+        "--hf-batches",
+        args.hf_batches,
+        "--hf-deadline",
+        str(args.hf_deadline),
+    ]
+    try:
+        subprocess.run(cmd, check=False, timeout=args.hf_deadline + 120, env=os.environ.copy())
+        with open(hf_out) as f:
+            results["hf_static_compile"] = json.load(f)
+    except Exception as e:
+        results["hf_static_compile"] = {"error": repr(e)}
+    _dump(results, args.out)
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.hf_only:
         res = hf_baseline([int(b) for b in args.hf_batches.split(",")], args.hf_deadline)
         with open(args.hf_only, "w") as f:
@@ -298,54 +359,15 @@ def main() -> None:
     results["decode_plan"] = plan.to_dict()
     results["row_kernels"] = {"fuse_swiglu_down": plan.swiglu_down, "fuse_proj_partials": plan.proj_partials,
                               "row_gemv": plan.row_gemv}  # fmt: skip
-    for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
-        engine_run(llm, c, 1)
-    for c in args.concurrency:
-        # the median of a few runs by throughput (one batch-1 run is 128 decode steps, ~0.15 s: noisy alone)
-        runs = sorted((engine_run(llm, c, 2 + c + 1000 * i) for i in range(args.repeats)),
-                      key=lambda x: x["output_tok_s"])  # fmt: skip
-        r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs]}
-        print(json.dumps(r), flush=True)
-        results["engine"].append(r)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    engine_results(llm, args, results)
     if args.profile:
         profile_run(llm, args.profile)
     if args.http_concurrency:
-        # a first run against a fresh server (``http_cold``: its prefill shapes were not all seen by the engine runs
-        # above, and their kernels compile during it), then the reported one
-        for key in ("http_cold", "http"):
-            try:
-                r = http_run(llm, args.http_concurrency, args.http_clients)
-                print(key, json.dumps(r), flush=True)
-            except Exception as e:  # keep the engine numbers if the HTTP stack is missing
-                r = {"error": repr(e), "cause": repr(e.__cause__)}
-                print("http failed:", repr(e), flush=True)
-            results[key] = r
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+        http_results(llm, args, results)
     if args.hf:
-        del llm
+        del llm  # the GPU memory goes to the baseline's process
         torch.cuda.empty_cache()
-        hf_out = args.out + ".hf.json"
-        cmd = [
-            sys.executable,
-            __file__,
-            "--hf-only",
-            hf_out,
-            "--hf-batches",
-            args.hf_batches,
-            "--hf-deadline",
-            str(args.hf_deadline),
-        ]
-        try:
-            subprocess.run(cmd, check=False, timeout=args.hf_deadline + 120, env=os.environ.copy())
-            with open(hf_out) as f:
-                results["hf_static_compile"] = json.load(f)
-        except Exception as e:
-            results["hf_static_compile"] = {"error": repr(e)}
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        hf_results(args, results)
     print(json.dumps({k: v for k, v in results.items()}, indent=1))
 
 
