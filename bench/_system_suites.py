@@ -33,7 +33,10 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
     notes = ["llama-1b, random weights, bf16, prompt 128 + 128 output tokens, greedy; the engine's GPU defaults "
              "(compiled layers, CUDA graphs, lookahead, the one-row decode kernels); median of 3 runs",
              "HF: transformers generate() with a static cache and torch.compile, same model shape, same call"]  # fmt: skip
-    if d.get("row_kernels"):
+    if d.get("decode_plan"):
+        on = [k for k, v in d["decode_plan"].items() if v is True]
+        notes.append(f"decode plan (--decode-kernels auto) resolved to: {', '.join(on)}")
+    elif d.get("row_kernels"):
         notes.append(f"row kernels resolved to {d['row_kernels']}")
     tables = [table("the engine (mcore-infer), one GPU", cols, rows, notes)]
     engine64 = next((e.get("output_tok_s") for e in d.get("engine", []) if e.get("concurrency") == 64), None)

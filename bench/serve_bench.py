@@ -357,8 +357,7 @@ def main() -> None:
     llm = build_llm(args)
     plan = llm.runner.plan  # what --decode-kernels resolved to on this device and model
     results["decode_plan"] = plan.to_dict()
-    results["row_kernels"] = {"fuse_swiglu_down": plan.swiglu_down, "fuse_proj_partials": plan.proj_partials,
-                              "row_gemv": plan.row_gemv}  # fmt: skip
+    results["row_kernels"] = {k: getattr(plan, k) for k in ("swiglu_down", "proj_partials", "row_gemv")}
     engine_results(llm, args, results)
     if args.profile:
         profile_run(llm, args.profile)
