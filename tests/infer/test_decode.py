@@ -19,6 +19,7 @@ from mcore_infer.kv_cache import blocks_for
 from mcore_infer.runner import StepBatch
 from mcore_models import GPTModel, LayerSpec
 from mcore_models.transformer.layer import TransformerLayer
+from tests._layers import ParallelBlock
 from tests.infer._kernels import INTERPRETED
 from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_config, tiny_llm, tiny_model
 
@@ -191,20 +192,6 @@ def test_serving_leaves_the_callers_model_alone() -> None:
 
 
 # -------------------------------------------------------------------------------------- other layer types
-class ParallelBlock(nn.Module):
-    """A GPT-J style layer, ``x + attn(norm(x)) + mlp(norm(x))``, from the spec's parts: not a TransformerLayer."""
-
-    def __init__(self, config: Any, ctx: Any, spec: LayerSpec, layer_number: int, prefix: str) -> None:
-        super().__init__()
-        self.norm = spec.norm(config, config.hidden_size, ctx.device, ctx.sequence_parallel)
-        self.self_attention = spec.attention(config, ctx, spec, f"{prefix}.self_attention", selective_recompute=False)
-        self.mlp = spec.mlp(config, ctx, spec, f"{prefix}.mlp")
-
-    def forward(self, x: torch.Tensor, rotary: Any = None, inference_context: Any = None) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.self_attention(h, rotary, inference_context) + self.mlp(h)
-
-
 def _every_other_layer(config: Any, ctx: Any, spec: LayerSpec, layer_number: int, prefix: str) -> nn.Module:
     cls = ParallelBlock if layer_number % 2 else TransformerLayer
     return cls(config, ctx, spec, layer_number, prefix)
