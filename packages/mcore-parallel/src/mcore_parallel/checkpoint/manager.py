@@ -28,8 +28,11 @@ from mcore_parallel.checkpoint.sharded import (
     FORMAT_VERSION,
     BackgroundWriter,
     StagingBuffer,
+    check_arrays,
     load_model,
     load_optimizer,
+    model_arrays,
+    optimizer_arrays,
     plan_model_writes,
     plan_optimizer_writes,
     write_jobs,
@@ -52,26 +55,56 @@ class SaveStats:
     total_s: float = 0.0  # from the start of save() until the checkpoint was published
 
 
+def _is_plain_name(name: str) -> bool:
+    return (
+        0 < len(name) < 256 and name.isprintable() and "/" not in name and "\\" not in name
+        and not name.startswith(".") and name != LATEST
+    )  # fmt: skip
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint ``root/latest`` points at, or None when there is none yet."""
     root = Path(root)
+    pointer = root / LATEST
     try:
-        name = (root / LATEST).read_text().strip()
+        raw = pointer.read_bytes()
     except FileNotFoundError:
         return None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not _is_plain_name(name):
+        raise CheckpointFormatError(
+            f"{pointer}: does not name a checkpoint directory (it holds {raw[:40]!r}); it should hold one name "
+            "such as 'step_0000100' (write the name of a complete checkpoint into it, or delete it to start fresh)"
+        )
     path = root / name
     if not (path / "zarr.json").exists():
-        raise CheckpointFormatError(f"{root / LATEST} points at {name!r}, which is not a complete checkpoint")
+        what = "does not exist" if not path.exists() else f"has no {path / 'zarr.json'}"
+        raise CheckpointFormatError(f"{pointer} points at {name!r}, which is not a complete checkpoint ({what})")
     return path
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The metadata (attributes of the root zarr group) of one checkpoint directory."""
+    """The metadata (attributes of the root zarr group) of one checkpoint directory (format version checked)."""
     meta_path = Path(path) / "zarr.json"
     try:
-        return json.loads(meta_path.read_text())["attributes"]
+        meta = json.loads(meta_path.read_text())
+        attrs = meta["attributes"]
     except FileNotFoundError:
         raise CheckpointFormatError(f"{meta_path}: missing; {path} is not an mcore checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{meta_path}: not a zarr v3 group's metadata ({e!r})") from None
+    if not isinstance(attrs, dict):
+        raise CheckpointFormatError(f"{meta_path}: its attributes are not a JSON object")
+    version = attrs.get("format_version", 0)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{meta_path}: checkpoint format version {version!r} is newer than this mcore knows ({FORMAT_VERSION}); "
+            "upgrade mcore to load it"
+        )
+    return attrs
 
 
 def _barrier() -> None:
@@ -256,19 +289,25 @@ class CheckpointManager:
         path: str | Path | None = None,
         *,
         strict: bool = True,
+        verify: bool = True,
     ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
-        """Load ``path`` (default: ``latest``) into the model (and optimizer); returns (path, metadata, rank state)."""
+        """Load ``path`` (default: ``latest``) into the model (and optimizer); returns (path, metadata, rank state).
+
+        Every array's metadata and chunk files are checked before any tensor is touched; ``verify`` also checks each
+        chunk's CRC-32C as it is read. Problems raise :class:`CheckpointFormatError` naming the files."""
         ckpt = Path(path) if path is not None else latest_checkpoint(self.root)
         if ckpt is None:
             raise CheckpointFormatError(f"{self.root}: no checkpoint to load ({self.root / LATEST} does not exist)")
         meta = read_metadata(ckpt)
-        if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointFormatError(
-                f"{ckpt}: format version {meta.get('format_version')} is newer than this mcore ({FORMAT_VERSION})"
-            )
-        load_model(ckpt, model_items, strict=strict)
+        model = model_arrays(model_items)
+        arrays = model if optimizer is None else {**model, **optimizer_arrays(ckpt, optimizer, model_items)}
+        check_arrays(ckpt, arrays, allow_missing=not strict and optimizer is None)  # every problem at once
+        load_model(ckpt, model_items, strict=strict, verify=verify)
         if optimizer is not None:
-            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)))
+            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)), verify=verify)
         rank_file = ckpt / "rank_state" / f"rank_{self.state.rank:05d}.pt"
-        rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None
+        try:
+            rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None
+        except Exception as e:  # a damaged pickle: name the file
+            raise CheckpointFormatError(f"{rank_file}: cannot be read ({e})") from None
         return ckpt, meta, rank_state

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from mcore_parallel.checkpoint.zarr_io import (
     ArraySpec,
     CheckpointFormatError,
+    check_chunk_file,
+    chunk_path,
     read_array_spec,
     read_region,
     write_array_metadata,
@@ -51,10 +53,13 @@ __all__ = [
     "write_jobs",
     "load_model",
     "load_optimizer",
+    "check_arrays",
+    "model_arrays",
+    "optimizer_arrays",
 ]
 
 logger = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every chunk ends in a CRC-32C (the crc32c codec)
 WRITE_THREADS = 4
 
 
@@ -322,69 +327,134 @@ class BackgroundWriter:
 
 
 # ------------------------------------------------------------------------------------------------------ load
-def _read_piece(array_dir: Path, info: ShardedTensor, dest: torch.Tensor, spec: ArraySpec | None = None) -> None:
+def _shape_problem(array_dir: Path, spec: ArraySpec, info: ShardedTensor) -> str | None:
+    if spec.shape == info.global_shape:
+        return None
+    return (
+        f"{array_dir}: saved shape {spec.shape} does not match the model's global shape {info.global_shape} "
+        f"for {info.key!r} (a different architecture?)"
+    )
+
+
+def check_arrays(
+    root: Path, arrays: Mapping[str, ShardedTensor], allow_missing: bool = False
+) -> tuple[dict[str, ArraySpec], list[str]]:
+    """Read the metadata of every array in ``arrays`` (path inside ``root`` -> the tensor it loads into) and stat
+    each chunk; raises one :class:`CheckpointFormatError` listing every missing or bad array and chunk file.
+
+    Returns the specs and, with ``allow_missing``, the arrays that have no ``zarr.json`` (instead of raising)."""
+    specs: dict[str, ArraySpec] = {}
+    missing: list[str] = []
+    problems: list[str] = []
+    for name, info in arrays.items():
+        array_dir = root / name
+        if not (array_dir / "zarr.json").exists():
+            missing.append(name)
+            if not allow_missing:
+                problems.append(f"{array_dir / 'zarr.json'}: missing (no saved tensor for {info.key!r})")
+            continue
+        try:
+            spec = read_array_spec(array_dir)
+        except CheckpointFormatError as e:
+            problems.append(str(e))
+            continue
+        shape = _shape_problem(array_dir, spec, info)
+        if shape is not None:
+            problems.append(shape)
+            continue
+        chunk_problems = [check_chunk_file(chunk_path(array_dir, i), spec) for i in spec.chunk_indices()]
+        problems += [c for c in chunk_problems if c is not None]
+        specs[name] = spec
+    if problems:
+        if len(problems) == 1:
+            raise CheckpointFormatError(problems[0])
+        raise CheckpointFormatError.collected(f"{root}: damaged or incomplete checkpoint", problems)
+    return specs, missing
+
+
+def _read_piece(
+    array_dir: Path, info: ShardedTensor, dest: torch.Tensor, spec: ArraySpec | None = None, verify: bool = True
+) -> None:
     spec = spec or read_array_spec(array_dir)
-    if spec.shape != info.global_shape:
-        raise CheckpointFormatError(
-            f"{array_dir}: saved shape {spec.shape} does not match the model's global shape {info.global_shape} "
-            f"for {info.key!r} (a different architecture?)"
-        )
+    shape = _shape_problem(array_dir, spec, info)
+    if shape is not None:
+        raise CheckpointFormatError(shape)
     with torch.no_grad():
         for local_idx, global_idx in info.pieces:
-            dest[local_idx].copy_(read_region(array_dir, global_idx, spec).to(dest.dtype))
+            dest[local_idx].copy_(read_region(array_dir, global_idx, spec, verify).to(dest.dtype))
 
 
-def load_model(root: Path, items: Mapping[str, ShardedTensor], strict: bool = True) -> list[str]:
-    """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys."""
-    missing = []
-    for info in items.values():
-        array_dir = root / "model" / info.key
-        if not (array_dir / "zarr.json").exists():
-            missing.append(info.key)
-            continue
-        _read_piece(array_dir, info, info.local)
+def model_arrays(items: Mapping[str, ShardedTensor]) -> dict[str, ShardedTensor]:
+    return {f"model/{info.key}": info for info in items.values()}
+
+
+def load_model(root: Path, items: Mapping[str, ShardedTensor], strict: bool = True, verify: bool = True) -> list[str]:
+    """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys.
+
+    Every array's metadata and chunk files are checked before any tensor is touched."""
+    arrays = model_arrays(items)
+    specs, missing_arrays = check_arrays(root, arrays, allow_missing=True)
+    missing = sorted({arrays[m].key for m in missing_arrays})
     if strict and missing:
-        raise CheckpointFormatError(f"{root}: no saved tensor for {sorted(set(missing))}")
+        raise CheckpointFormatError(f"{root}: no saved tensor for {missing}")
+    for name, spec in specs.items():
+        info = arrays[name]
+        _read_piece(root / name, info, info.local, spec, verify)
     return missing
 
 
-def _read_local(root: Path, array: str, info: ShardedTensor, local_shape: tuple[int, ...]) -> torch.Tensor:
-    """This rank's TP piece (shaped like the local parameter) of a saved global array; only its chunks are read."""
-    array_dir = root / array
-    spec = read_array_spec(array_dir)
-    if len(info.pieces) == 1 and all(s.stop - s.start == n for s, n in zip(info.pieces[0][0], local_shape)):
-        if spec.shape != info.global_shape:
-            raise CheckpointFormatError(f"{array_dir}: saved shape {spec.shape} does not match {info.global_shape}")
-        return read_region(array_dir, info.pieces[0][1], spec)  # the piece is the whole local tensor
-    local = torch.zeros(local_shape, dtype=spec.dtype)
-    view = ShardedTensor(info.key, local, info.global_shape, info.pieces)
-    _read_piece(array_dir, view, local, spec)
-    return local
-
-
-def load_optimizer(root: Path, optimizer: Any, items: Mapping[str, ShardedTensor], step: int) -> None:
-    """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
-
-    Each rank reads only the chunks overlapping its tensor-parallel piece of each parameter and keeps its flat range.
-    """
+def optimizer_arrays(root: Path, optimizer: Any, items: Mapping[str, ShardedTensor]) -> dict[str, ShardedTensor]:
+    """The optimizer arrays a load of ``optimizer`` reads: for every parameter it trains, ``master`` and every
+    state (``exp_avg``, ...) that any parameter of the checkpoint has."""
     by_id = _params_by_identity(items)
-
-    def pieces(entry: Any) -> dict[str, torch.Tensor]:
+    infos = {}
+    for entry in optimizer.sharded_state():
         info = by_id.get(id(entry.param))
         if info is None:
             raise CheckpointFormatError(
                 f"optimizer parameter {entry.name!r} is missing from the model's sharded_state_dict()"
             )
-        group = root / "optimizer" / info.key
-        if not group.is_dir():
-            raise CheckpointFormatError(
-                f"{group}: no saved optimizer state for {info.key!r} (saved without optimizer?)"
-            )
+        infos[info.key] = info
+    states = {"master"}
+    for key in infos:
+        group = root / "optimizer" / key
+        if group.is_dir():
+            states |= {p.name for p in group.iterdir() if p.is_dir()}
+    return {f"optimizer/{key}/{k}": info for key, info in infos.items() for k in sorted(states)}
+
+
+def _read_local(
+    root: Path, array: str, info: ShardedTensor, local_shape: tuple[int, ...], spec: ArraySpec, verify: bool
+) -> torch.Tensor:
+    """This rank's TP piece (shaped like the local parameter) of a saved global array; only its chunks are read."""
+    array_dir = root / array
+    if len(info.pieces) == 1 and all(s.stop - s.start == n for s, n in zip(info.pieces[0][0], local_shape)):
+        return read_region(array_dir, info.pieces[0][1], spec, verify)  # the piece is the whole local tensor
+    local = torch.zeros(local_shape, dtype=spec.dtype)
+    view = ShardedTensor(info.key, local, info.global_shape, info.pieces)
+    _read_piece(array_dir, view, local, spec, verify)
+    return local
+
+
+def load_optimizer(
+    root: Path, optimizer: Any, items: Mapping[str, ShardedTensor], step: int, verify: bool = True
+) -> None:
+    """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
+
+    Each rank reads only the chunks overlapping its tensor-parallel piece of each parameter and keeps its flat range.
+    Every array's metadata and chunk files are checked before any tensor is touched."""
+    by_id = _params_by_identity(items)
+    arrays = optimizer_arrays(root, optimizer, items)
+    specs, _ = check_arrays(root, arrays)
+
+    def pieces(entry: Any) -> dict[str, torch.Tensor]:
+        info = by_id[id(entry.param)]
         lo, hi = entry.flat_range
         out = {}
-        for state_dir in sorted(p for p in group.iterdir() if (p / "zarr.json").exists()):
-            local = _read_local(root, f"optimizer/{info.key}/{state_dir.name}", info, entry.local_shape)
-            out[state_dir.name] = local.reshape(-1)[lo:hi]
+        prefix = f"optimizer/{info.key}/"
+        for name in (n for n in specs if n.startswith(prefix) and "/" not in n[len(prefix) :]):
+            local = _read_local(root, name, info, entry.local_shape, specs[name], verify)
+            out[name[len(prefix) :]] = local.reshape(-1)[lo:hi]
         return out
 
     optimizer.load_flat_state(pieces, step)
