@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mcore_data._files import check_outputs, temporary_path
+from mcore_data._validate import check_index
 from mcore_data.errors import ConfigError, IndexFormatError
 
 __all__ = [
@@ -96,7 +97,8 @@ def _map(path: str, size: int, random_access: bool = False) -> mmap.mmap | bytes
 
 
 class IndexedDataset:
-    """A read-only, memory-mapped ``prefix.bin``/``prefix.idx`` pair. Opening costs O(1) whatever the file size.
+    """A read-only, memory-mapped ``prefix.bin``/``prefix.idx`` pair. Opening checks the index structurally
+    (one vectorised O(n) pass, see :mod:`mcore_data._validate`) and raises :class:`IndexFormatError` on any fault.
 
     ``ds[i]`` is sequence ``i`` as a zero-copy numpy view; ``ds.get(i, offset, length)`` a part of it;
     ``ds.document(i)`` all sequences of document ``i``. The token dtype is taken from the header.
@@ -110,9 +112,13 @@ class IndexedDataset:
             if not os.path.exists(p):
                 raise FileNotFoundError(f"{p}: no such file (expected a Megatron .bin/.idx pair)")
         idx_size = os.path.getsize(self.idx_path)
+        if idx_size == 0:
+            raise IndexFormatError(self.idx_path, "empty file (0 bytes): not a Megatron MMIDIDX index")
         with open(self.idx_path, "rb") as f:
             head = f.read(HEADER_SIZE)
-        if len(head) < len(INDEX_MAGIC) or head[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+        if len(head) < len(INDEX_MAGIC) and INDEX_MAGIC.startswith(head):
+            raise IndexFormatError(self.idx_path, f"truncated header: {len(head)} of {HEADER_SIZE} bytes")
+        if head[: len(INDEX_MAGIC)] != INDEX_MAGIC:
             raise IndexFormatError(
                 self.idx_path, f"bad magic {head[:9]!r}, expected {INDEX_MAGIC!r} (not a Megatron MMIDIDX index)"
             )
@@ -148,27 +154,16 @@ class IndexedDataset:
         self.sequence_modes: npt.NDArray[np.int8] | None = None
         if idx_size == expected + n_seq and n_seq > 0:
             self.sequence_modes = np.frombuffer(self._idx_buf, dtype=np.int8, count=n_seq, offset=expected)
-        if self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
-            raise IndexFormatError(
-                self.idx_path,
-                f"document indices must start at 0 and end at the sequence count {n_seq}, "
-                f"found {int(self.document_indices[0])}..{int(self.document_indices[-1])}",
-            )
         bin_size = os.path.getsize(self.bin_path)
-        itemsize = self.dtype.itemsize
-        if n_seq:
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
-            if int(self.sequence_pointers[0]) != 0:
-                raise IndexFormatError(self.idx_path, "offsets out of range: the first sequence pointer is not 0")
-        else:
-            end = 0
-        if end != bin_size:
-            raise IndexFormatError(
-                self.bin_path,
-                f".bin size {bin_size} bytes does not match the index ({end} bytes of {self.dtype} tokens)",
-            )
-        if bin_size % itemsize:
-            raise IndexFormatError(self.bin_path, f".bin size {bin_size} is not a multiple of {itemsize}")
+        check_index(
+            self.idx_path,
+            self.bin_path,
+            self.sequence_lengths,
+            self.sequence_pointers,
+            self.document_indices,
+            self.dtype,
+            bin_size,
+        )
         self._bin_buf = _map(self.bin_path, bin_size, random_access=True)
         self.tokens: npt.NDArray[Any] = np.frombuffer(self._bin_buf, dtype=self.dtype)
 
@@ -236,24 +231,16 @@ class IndexedDataset:
         return self.tokens[start : start + total]
 
     def validate(self) -> None:
-        """Full O(n) consistency check of the index (pointers, lengths, document indices); raises on the first fault."""
-        lengths = self.sequence_lengths
-        if len(lengths) and int(lengths.min()) < 0:
-            raise IndexFormatError(self.idx_path, "negative sequence length")
-        carry = 0
-        isz = self.dtype.itemsize
-        for lo in range(0, len(lengths), _CHUNK):
-            ln = lengths[lo : lo + _CHUNK].astype(np.int64) * isz
-            expect = np.empty_like(ln)
-            expect[0] = carry
-            np.cumsum(ln[:-1], out=expect[1:])
-            expect[1:] += carry
-            bad = np.flatnonzero(self.sequence_pointers[lo : lo + _CHUNK] != expect)
-            if bad.size:
-                raise IndexFormatError(self.idx_path, f"offsets out of range: sequence {lo + int(bad[0])} pointer")
-            carry = int(expect[-1] + ln[-1])
-        if np.any(np.diff(self.document_indices) < 0):
-            raise IndexFormatError(self.idx_path, "document indices are not increasing")
+        """Re-run the structural checks made at open (lengths, pointers, document indices, ``.bin`` size)."""
+        check_index(
+            self.idx_path,
+            self.bin_path,
+            self.sequence_lengths,
+            self.sequence_pointers,
+            self.document_indices,
+            self.dtype,
+            os.path.getsize(self.bin_path),
+        )
 
     def __repr__(self) -> str:
         return (

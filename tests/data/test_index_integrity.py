@@ -1,0 +1,151 @@
+"""Every structural fault of a ``.bin``/``.idx`` pair is refused at open, naming the file, the entry and the value."""
+
+from __future__ import annotations
+
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mcore_data import IndexedDataset, IndexFormatError
+from mcore_data.cli import main
+
+LENGTHS = [3, 1, 4, 2]  # uint16 tokens: pointers 0, 6, 8, 16; .bin is 20 bytes
+POINTERS = [0, 6, 8, 16]
+DOCS = [0, 1, 2, 3, 4]
+INT32_MAX = 2**31 - 1
+
+
+def pack_idx(
+    lengths: list[int] = LENGTHS,
+    pointers: list[int] = POINTERS,
+    docs: list[int] = DOCS,
+    *,
+    magic: bytes = b"MMIDIDX\x00\x00",
+    version: int = 1,
+    code: int = 8,
+) -> bytes:
+    """An .idx packed field by field from the published layout, with any field overridden."""
+    out = magic + struct.pack("<QBQQ", version, code, len(lengths), len(docs))
+    out += struct.pack(f"<{len(lengths)}i", *lengths) + struct.pack(f"<{len(pointers)}q", *pointers)
+    return out + struct.pack(f"<{len(docs)}q", *docs)
+
+
+GOOD_IDX = pack_idx()
+GOOD_BIN = bytes(range(20))
+
+# (case id, .idx bytes, .bin bytes, which file is named, words in the message)
+CASES: list[tuple[str, bytes, bytes, str, str]] = [
+    *[(f"idx-truncated-at-{n}", GOOD_IDX[:n], GOOD_BIN, ".idx", "truncated") for n in (5, 12, 33, 40, 60, 100, 121)],
+    ("idx-empty", b"", GOOD_BIN, ".idx", "empty file (0 bytes)"),
+    (
+        "bin-empty",
+        GOOD_IDX,
+        b"",
+        ".bin",
+        "size 0 bytes does not match the index, which ends at byte 20 (sum of the lengths x 2): truncated",
+    ),
+    ("bad-magic", pack_idx(magic=b"NOTANIDX!"), GOOD_BIN, ".idx", "bad magic b'NOTANIDX!'"),
+    ("bad-version", pack_idx(version=2), GOOD_BIN, ".idx", "unknown version 2"),
+    ("bad-dtype-0", pack_idx(code=0), GOOD_BIN, ".idx", "unknown dtype code 0"),
+    ("bad-dtype-9", pack_idx(code=9), GOOD_BIN, ".idx", "unknown dtype code 9"),
+    ("negative-length", pack_idx([3, -1, 4, 2]), GOOD_BIN, ".idx", "sequence 1 has length -1, which is negative"),
+    (
+        "int32-max-length-last",
+        pack_idx([3, 1, 4, INT32_MAX]),
+        GOOD_BIN,
+        ".idx",
+        f"sequence 3 has length {INT32_MAX}, longer than the whole .bin",
+    ),
+    ("int32-max-length-first", pack_idx([INT32_MAX, 1, 4, 2]), GOOD_BIN, ".idx", f"sequence 0 has length {INT32_MAX}"),
+    ("shifted-lengths-same-sum", pack_idx([2, 2, 4, 2]), GOOD_BIN, ".idx", "sequence 1 has pointer 6, expected 4"),
+    (
+        "overlapping-pointers",
+        pack_idx(pointers=[0, 4, 8, 16]),
+        GOOD_BIN,
+        ".idx",
+        "sequence 1 has pointer 4, expected 6",
+    ),
+    ("pointer-past-bin", pack_idx(pointers=[0, 1000, 8, 16]), GOOD_BIN, ".idx", "sequence 1 has pointer 1000"),
+    ("first-pointer-not-0", pack_idx(pointers=[2, 8, 10, 18]), GOOD_BIN, ".idx", "sequence 0 has pointer 2"),
+    ("docs-not-monotonic", pack_idx(docs=[0, 2, 1, 3, 4]), GOOD_BIN, ".idx", "document index 2 is 1, less than"),
+    ("docs-first-not-0", pack_idx(docs=[1, 1, 2, 3, 4]), GOOD_BIN, ".idx", "document index 0 is 1, expected 0"),
+    ("docs-last-short", pack_idx(docs=[0, 1, 2, 3, 3]), GOOD_BIN, ".idx", "document index 4 (the last) is 3"),
+    ("docs-last-past-end", pack_idx(docs=[0, 1, 2, 3, 5]), GOOD_BIN, ".idx", "(the last) is 5, expected the sequence"),
+    ("idx-trailing-3", GOOD_IDX + b"\0" * 3, GOOD_BIN, ".idx", "3 unexpected trailing bytes"),
+    ("idx-trailing-20", GOOD_IDX + b"\0" * 20, GOOD_BIN, ".idx", "20 unexpected trailing bytes"),
+    ("bin-trailing-2", GOOD_IDX, GOOD_BIN + b"\0\0", ".bin", "trailing bytes after the last sequence"),
+    ("bin-trailing-1", GOOD_IDX, GOOD_BIN + b"\0", ".bin", "not a multiple of the uint16 item size 2"),
+    ("bin-truncated", GOOD_IDX, GOOD_BIN[:-2], ".bin", "size 18 bytes does not match the index, which ends at byte 20"),
+    ("no-documents-count", GOOD_IDX[:26] + struct.pack("<Q", 0) + GOOD_IDX[34:], GOOD_BIN, ".idx", "document count"),
+]
+
+
+def _write(tmp_path: Path, idx: bytes, bin_: bytes) -> Path:
+    prefix = tmp_path / "bad"
+    prefix.with_suffix(".idx").write_bytes(idx)
+    prefix.with_suffix(".bin").write_bytes(bin_)
+    return prefix
+
+
+def test_the_untouched_pair_opens(tmp_path: Path) -> None:
+    ds = IndexedDataset(_write(tmp_path, GOOD_IDX, GOOD_BIN))
+    assert ds.sequence_lengths.tolist() == LENGTHS and ds.num_tokens == 10
+    ds.validate()
+
+
+@pytest.mark.parametrize(("idx", "bin_", "which", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_corrupt_pair_is_refused_at_open(tmp_path: Path, idx: bytes, bin_: bytes, which: str, words: str) -> None:
+    prefix = _write(tmp_path, idx, bin_)
+    with pytest.raises(IndexFormatError) as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(str(prefix) + which + ": ")
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("idx", "bin_", "words"),
+    [(c[1], c[2], c[4]) for c in CASES if c[0] in ("negative-length", "shifted-lengths-same-sum", "idx-empty")],
+)
+def test_inspect_of_a_corrupt_pair_exits_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], idx: bytes, bin_: bytes, words: str
+) -> None:
+    prefix = _write(tmp_path, idx, bin_)
+    assert main(["inspect", str(prefix)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and words in err and "Traceback" not in err
+
+
+def _synthetic(tmp_path: Path, n: int) -> tuple[Path, Any]:
+    """An n-sequence index whose .bin is a sparse file of the right size."""
+    from mcore_data.indexed import write_index
+
+    lengths = np.random.default_rng(0).integers(1, 200, n, dtype=np.int32)
+    prefix = tmp_path / "big"
+    write_index(prefix, np.uint16, lengths)
+    with open(prefix.with_suffix(".bin"), "wb") as f:
+        f.truncate(int(lengths.sum(dtype=np.int64)) * 2)
+    return prefix, lengths
+
+
+def test_checks_of_a_10m_entry_index_take_well_under_two_seconds(tmp_path: Path) -> None:
+    prefix, _ = _synthetic(tmp_path, 10_000_000)
+    IndexedDataset(prefix)  # warm the page cache: the budget is for the checks, not the disk
+    t0 = time.perf_counter()
+    ds = IndexedDataset(prefix)
+    elapsed = time.perf_counter() - t0
+    assert len(ds) == 10_000_000
+    assert elapsed < 2.0, f"opening a 10M-entry index took {elapsed:.2f}s"
+
+
+def test_fault_deep_in_a_large_index_is_found(tmp_path: Path) -> None:
+    prefix, _ = _synthetic(tmp_path, 5_000_000)
+    raw = bytearray(prefix.with_suffix(".idx").read_bytes())
+    i = 4_321_987  # in the second vectorised chunk
+    struct.pack_into("<i", raw, 34 + 4 * i, -7)
+    prefix.with_suffix(".idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexFormatError, match=f"sequence {i} has length -7"):
+        IndexedDataset(prefix)
