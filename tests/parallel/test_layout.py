@@ -138,3 +138,17 @@ def test_launch_env_torchrun_slurm_and_none() -> None:
         read_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(LaunchEnvironmentError, match="rank 4 is outside"):
         read_launch_env({"RANK": "4", "WORLD_SIZE": "2"})
+
+
+def test_a_layout_that_does_not_fit_is_said_in_integers() -> None:
+    with pytest.raises(ParallelConfigError) as exc:
+        RankLayout.build(ParallelConfig(tp=3), 1)
+    msg = str(exc.value)
+    assert exc.value.problems == [
+        "world size 1 is not divisible by tp*cp*pp = 3*1*1 = 3; launch a multiple of 3 processes, or lower tp, cp "
+        "or pp until their product divides 1"
+    ]
+    assert msg.startswith("parallel layout tp=3 pp=1 cp=1 ep=1 does not fit world size 1 (1 problem)"), msg
+    with pytest.raises(ParallelConfigError) as exc:
+        RankLayout.build(ParallelConfig(tp=2, cp=2, ep=3), 8)
+    assert exc.value.problems[0].endswith("ep=3 must divide dp*cp = 2*2 = 4; choose an ep that divides 4")

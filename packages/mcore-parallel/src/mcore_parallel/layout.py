@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mcore_parallel.config import ParallelConfig
 from mcore_parallel.errors import ParallelConfigError
 
-__all__ = ["RankLayout", "groups_for"]
+__all__ = ["RankLayout", "groups_for", "layout_problems"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -58,6 +58,31 @@ def groups_for(world_size: int, dims: tuple[str, ...], sizes: dict[str, int], gr
     return tuple(sorted(tuple(v) for v in buckets.values()))
 
 
+def layout_problems(config: ParallelConfig, world_size: int) -> list[str]:
+    """Why ``config`` cannot split ``world_size`` ranks (empty when it can), each in integers with how to fix it."""
+    c = config
+    if world_size < 1:
+        return [f"world size {world_size} must be at least 1"]
+    model = c.tp * c.cp * c.pp
+    if world_size % model:
+        return [
+            f"world size {world_size} is not divisible by tp*cp*pp = {c.tp}*{c.cp}*{c.pp} = {model}; launch a "
+            f"multiple of {model} processes, or lower tp, cp or pp until their product divides {world_size}"
+        ]
+    dp = world_size // model
+    etp, per_stage = c.expert_tp_size, world_size // c.pp
+    if per_stage % (etp * c.ep) == 0:
+        return []
+    if c.expert_tp is None:  # expert_tp = tp: tp*ep divides tp*cp*dp exactly when ep divides cp*dp
+        fix = f"ep={c.ep} must divide dp*cp = {dp}*{c.cp} = {dp * c.cp}; choose an ep that divides {dp * c.cp}"
+    else:
+        fix = f"choose expert_tp and ep whose product divides {per_stage}"
+    return [
+        f"expert_tp*ep = {etp}*{c.ep} = {etp * c.ep} does not divide the ranks of one pipeline stage "
+        f"(tp*cp*dp = {c.tp}*{c.cp}*{dp} = {per_stage}); {fix}"
+    ]
+
+
 @dataclass(frozen=True)
 class RankLayout:
     """Every group of every kind for one world size. Build with :meth:`build`, which validates."""
@@ -71,27 +96,15 @@ class RankLayout:
     @classmethod
     def build(cls, config: ParallelConfig, world_size: int) -> RankLayout:
         c = config
-        problems = []
-        if world_size < 1:
-            problems.append(f"world size {world_size} must be at least 1")
-        model = c.tp * c.cp * c.pp
-        if world_size % model:
-            problems.append(
-                f"world size {world_size} is not divisible by tp*cp*pp = {c.tp}*{c.cp}*{c.pp} = {model}; "
-                f"use a world size that is a multiple of {model} or shrink tp, cp or pp"
-            )
-        dp = world_size // model if world_size % model == 0 else 0
-        etp = c.expert_tp_size
-        per_stage = world_size // c.pp if world_size % c.pp == 0 else 0
-        expert_model = etp * c.ep
-        if per_stage and per_stage % expert_model:
-            problems.append(
-                f"expert_tp*ep = {etp}*{c.ep} = {expert_model} does not divide the ranks of one pipeline stage "
-                f"(tp*cp*dp = {per_stage}); with expert_tp = tp this means ep={c.ep} must divide dp*cp = "
-                f"{per_stage // c.tp if per_stage % c.tp == 0 else per_stage / c.tp}"
-            )
+        problems = layout_problems(c, world_size)
         if problems:
-            raise ParallelConfigError(problems, header=f"parallel layout {c} does not fit world size {world_size}")
+            sizes = f"tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep}" + (f" expert_tp={c.expert_tp}" if c.expert_tp else "")
+            raise ParallelConfigError(problems, header=f"parallel layout {sizes} does not fit world size {world_size}")
+        etp = c.expert_tp_size
+        model = c.tp * c.cp * c.pp
+        dp = world_size // model
+        per_stage = world_size // c.pp
+        expert_model = etp * c.ep
         expert_dp = per_stage // expert_model
         dense_dims = tuple(t for t in c.order_tokens if t != "ep")
         dense_sizes = {"tp": c.tp, "cp": c.cp, "dp": dp, "pp": c.pp}
