@@ -66,6 +66,40 @@ def test_layout_problems_for_a_world_size() -> None:
         load_config(recipe="llama-1b", overrides=["data.mock=true"]).check_layout(1)
 
 
+def test_a_layout_that_does_not_fit_is_one_problem_among_the_others() -> None:
+    """tp=3 on one process: one ConfigError lists the layout (in integers) with a misspelt key and the heads."""
+    with pytest.raises(ConfigError) as exc:
+        config("parallel.tp=3", "optimizer.lrr=1", world_size=1)
+    problems = exc.value.problems
+    assert "optimizer.lrr: unknown key; did you mean 'lr'?" in problems
+    assert any(p.startswith("parallel: world size 1 is not divisible by tp*cp*pp = 3*1*1 = 3; launch a multiple")
+               for p in problems), problems  # fmt: skip
+    with pytest.raises(ConfigError) as exc:
+        config("parallel.tp=3", world_size=1)
+    text = str(exc.value)
+    assert "world size 1 is not divisible by tp*cp*pp = 3*1*1 = 3" in text
+    assert "num_attention_heads=4 is not divisible by the tensor-parallel size 3" in text
+    assert "0.33" not in text and "dp*cp" not in text and "for 1 rank(s)" in text
+    assert config("parallel.tp=2", world_size=2).parallel.tp == 2  # a layout that fits loads
+
+
+def test_a_missing_data_prefix_is_a_listed_problem(tmp_path: Path) -> None:
+    (tmp_path / "full.idx").write_bytes(b"")
+    (tmp_path / "full.bin").write_bytes(b"")
+    (tmp_path / "half.idx").write_bytes(b"")
+    blend = f"data.path=[0.2, {tmp_path / 'full'}, 0.3, {tmp_path / 'half'}, 0.5, {tmp_path / 'none'}]"
+    with pytest.raises(ConfigError) as exc:
+        config("data.mock=false", blend, "optimizer.lrr=1", world_size=1)
+    problems = exc.value.problems
+    assert len(problems) == 3 and "optimizer.lrr: unknown key; did you mean 'lr'?" in problems, problems
+    half, none = (p for p in problems if p.startswith("data.path"))
+    assert f"no dataset at prefix '{tmp_path / 'half'}'" in half and f"{tmp_path / 'half'}.bin is missing" in half
+    assert f"{tmp_path / 'none'}.idx and {tmp_path / 'none'}.bin are missing" in none
+    with pytest.raises(ConfigError, match=r"data.train_path: no dataset at prefix '.*none'"):
+        config("data.mock=false", f"data.train_path={tmp_path / 'none'}").check_layout(1)
+    config("data.mock=false", f"data.path={tmp_path / 'full'}").check_layout(1)
+
+
 def test_bad_override_syntax_and_missing_file() -> None:
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         config("optimizer.lr")

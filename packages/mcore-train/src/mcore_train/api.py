@@ -16,7 +16,18 @@ __all__ = ["pretrain"]
 logger = logging.getLogger(__name__)
 
 
+def launch_world_size() -> int:
+    """The number of processes of this run: torch.distributed's when it is up, else the launcher's (torchrun,
+    SLURM), else 1."""
+    from mcore_parallel import read_launch_env
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return read_launch_env().world_size
+
+
 def pretrain(config: TrainConfig) -> TrainResult:
+    config.check_layout(launch_world_size())  # every config problem at once, before any process group exists
     run = setup(config)
     st = run.state
     if st.rank == 0:

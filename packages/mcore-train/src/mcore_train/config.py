@@ -4,7 +4,9 @@
 then applies ``section.key=value`` overrides, and validates everything in one pass: unknown keys (with a did-you-mean),
 wrong types, values outside a field's choices and invalid values are all reported together in one
 :class:`~mcore_train.errors.ConfigError`. Combinations that depend on the world size (global batch vs micro-batch x
-dp, layers vs pipeline stages, heads vs TP) are checked by :meth:`TrainConfig.check_layout` when the run starts. See
+dp, layers vs pipeline stages, heads vs TP, and that the data files exist) are checked by
+:meth:`TrainConfig.check_layout` when the run starts, before any process group, or in the same pass when
+``load_config`` is given the world size. See
 ``docs/design/003-config.md`` for why this is a small in-house loader rather than OmegaConf or similar.
 
 The sections are the components' own configs where a component has one (``optimizer`` is
@@ -74,21 +76,25 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def check_layout(self, world_size: int) -> None:
-        """Every problem of this config for ``world_size`` ranks, in one ConfigError."""
-        problems = [*self._batch_problems(world_size), *self._model_problems(), *self._run_problems()]
+        """Every problem of this config for ``world_size`` ranks (the layout, the batch, the model, the schedule, the
+        data files), in one ConfigError."""
+        problems = self.layout_problems(world_size)
         if problems:
-            raise ConfigError(problems, header=f"the configuration does not fit {world_size} rank(s)")
+            raise ConfigError(problems, header=f"invalid training configuration for {world_size} rank(s)")
+
+    def layout_problems(self, world_size: int) -> list[str]:
+        """What :meth:`check_layout` reports, as a list (empty when the run can start)."""
+        return [*self._batch_problems(world_size), *self._model_problems(), *self._run_problems()]
 
     def _batch_problems(self, world_size: int) -> list[str]:
         """The rank layout, and how the global batch splits into micro-batches over it."""
         from mcore_parallel import RankLayout
 
         par, tr = self.parallel, self.training
-        try:
-            dp = RankLayout.build(par, world_size).dp
-        except ValueError as e:
-            return list(getattr(e, "problems", [str(e)]))
-        problems = []
+        problems = parallel_problems(par, world_size)
+        if problems:
+            return problems
+        dp = RankLayout.build(par, world_size).dp
         per_step = tr.micro_batch_size * dp
         micro = tr.global_batch_size // per_step
         if tr.global_batch_size % per_step:
@@ -152,7 +158,43 @@ class TrainConfig:
             problems.append(f"data.tokenizer={data.tokenizer!r} needs data.tokenizer_model (the model file)")
         if not (data.mock or data.path or data.train_path):
             problems.append("no training data: set data.path (or data.train_path), or data.mock=true")
+        if not data.mock:
+            problems.extend(data_path_problems(data))
         return problems
+
+
+def parallel_problems(parallel: ParallelSection, world_size: int) -> list[str]:
+    """Why the ``parallel`` section cannot split ``world_size`` ranks, each problem naming the section."""
+    from mcore_parallel.layout import layout_problems
+
+    return [f"parallel: {p}" for p in layout_problems(parallel, world_size)]
+
+
+def data_path_problems(data: DataSection) -> list[str]:
+    """Every prefix of ``data.path`` / ``data.train_path`` / ... whose ``.idx`` or ``.bin`` file is missing."""
+    from mcore_data import parse_blend
+    from mcore_data.errors import MCoreDataError
+
+    problems = []
+    for key in ("path", "train_path", "valid_path", "test_path"):
+        items = getattr(data, key)
+        if not items:
+            continue
+        try:
+            blend = parse_blend(items)
+        except MCoreDataError as e:
+            problems.append(f"data.{key}: {e}")
+            continue
+        for _, prefix in blend:
+            base = prefix[:-4] if prefix.endswith((".idx", ".bin")) else prefix
+            missing = [f"{base}{ext}" for ext in (".idx", ".bin") if not Path(f"{base}{ext}").is_file()]
+            if missing:
+                problems.append(
+                    f"data.{key}: no dataset at prefix {prefix!r}: looked for {base}.idx and {base}.bin, "
+                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (fix the path, or "
+                    "write the pair with `mcore-data preprocess`)"
+                )
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------------- trees
@@ -254,8 +296,13 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     base: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
 ) -> TrainConfig:
-    """Recipe (or defaults) ← YAML file ← dotted overrides, validated all at once."""
+    """Recipe (or defaults) ← YAML file ← dotted overrides, validated all at once.
+
+    With ``world_size`` (the run's number of processes) the checks of :meth:`TrainConfig.check_layout` join that one
+    pass: a layout that does not fit, a missing data file and a misspelt key come back in the same ConfigError.
+    """
     from mcore_train.recipes import recipe_tree
 
     tree: dict[str, Any] = {}
@@ -271,10 +318,10 @@ def load_config(
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    return _from_tree(tree, recipe)
+    return _from_tree(tree, recipe, world_size)
 
 
-def _from_tree(tree: Mapping[str, Any], recipe: str | None) -> TrainConfig:
+def _from_tree(tree: Mapping[str, Any], recipe: str | None, world_size: int | None = None) -> TrainConfig:
     errors: list[str] = []
     known = [*SECTIONS, "model", "recipe"]
     for key in tree:
@@ -289,6 +336,15 @@ def _from_tree(tree: Mapping[str, Any], recipe: str | None) -> TrainConfig:
             continue
         sections[name] = build(cls, raw, name, errors)
     if errors:
-        raise ConfigError(errors)
+        header = "invalid training configuration" + (f" for {world_size} rank(s)" if world_size is not None else "")
+        if world_size is not None:  # what can still be checked without the whole config
+            if isinstance(sections.get("parallel"), ParallelSection):
+                errors.extend(parallel_problems(sections["parallel"], world_size))
+            if isinstance(sections.get("data"), DataSection) and not sections["data"].mock:
+                errors.extend(data_path_problems(sections["data"]))
+        raise ConfigError(errors, header=header)
     assert model is not None
-    return TrainConfig(model=model, recipe=tree.get("recipe", recipe), **sections)
+    config = TrainConfig(model=model, recipe=tree.get("recipe", recipe), **sections)
+    if world_size is not None:
+        config.check_layout(world_size)
+    return config
