@@ -243,6 +243,8 @@ class CheckpointSection:
     """Resume from ``dir``'s latest checkpoint when present."""
     save_at_end: bool = True
     """Save when training ends."""
+    verify: Literal["full", "off", False] = "full"
+    """Check every chunk's CRC-32C while loading (``off``, which YAML reads as false: presence and sizes only)."""
 
 
 @dataclass

@@ -18,7 +18,13 @@ import torch
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
 from mcore_parallel import ParallelState, ShardedTensor
-from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
+from mcore_parallel.checkpoint import (
+    CheckpointFormatError,
+    CheckpointManager,
+    latest_checkpoint,
+    load_model,
+    read_metadata,
+)
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
@@ -138,13 +144,33 @@ def _train_iters(config: TrainConfig) -> int:
     return math.ceil(tr.train_tokens / (tr.global_batch_size * config.data.seq_length))
 
 
+def _explicit_load_path(load: str) -> Path:
+    """``checkpoint.load``: a checkpoint directory, or a run directory whose ``latest`` names one; else an error."""
+    p = Path(load)
+    if not p.exists():
+        raise CheckpointFormatError(f"checkpoint.load={load}: {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointFormatError(f"checkpoint.load={load}: {p} is a file, not a checkpoint directory")
+    if (p / "zarr.json").exists():
+        return p
+    found = latest_checkpoint(p)
+    if found is None:
+        raise CheckpointFormatError(
+            f"checkpoint.load={load}: {p} is not a checkpoint (no {p / 'zarr.json'}) nor a run directory "
+            f"with checkpoints (no {p / 'latest'})"
+        )
+    return found
+
+
 def _load_path(config: TrainConfig) -> Path | None:
     ck = config.checkpoint
     if ck.load is not None:
-        p = Path(ck.load)
-        return p if (p / "zarr.json").exists() else latest_checkpoint(p)
+        return _explicit_load_path(ck.load)
     if ck.dir is not None and ck.auto_resume:
-        return latest_checkpoint(ck.dir)
+        found = latest_checkpoint(ck.dir)
+        if found is None:
+            logger.info("no checkpoint in %s (no %s): starting from step 0", ck.dir, Path(ck.dir) / "latest")
+        return found
     return None
 
 
@@ -215,16 +241,17 @@ def _resume(run: Run, path: Path) -> None:
             raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "
                                f"{getattr(run.model_config, d)!r}" for d in diffs],
                               header=f"the model in {path} differs from the configured one")  # fmt: skip
+    verify = run.config.checkpoint.verify not in ("off", False)
     if run.config.checkpoint.finetune:
         for chunk in run.chunks:
-            load_model(path, chunk.sharded_state_dict())
+            load_model(path, chunk.sharded_state_dict(), verify=verify)
         # the optimizer's fp32 master weights must start from the loaded weights too
         _reseed_master(run)
         run.loaded_from = path
         logger.info("fine-tuning from the weights of %s", path)
         return
     manager = run.checkpoints or CheckpointManager(path.parent, run.state)
-    _, meta, saved_rank_state = manager.load(run.items, run.optimizer, path)
+    _, meta, saved_rank_state = manager.load(run.items, run.optimizer, path, verify=verify)
     run.step = int(meta.get("step", 0))
     run.consumed_samples = int(meta.get("consumed_samples", 0))
     run.consumed_tokens = int(meta.get("consumed_tokens", 0))

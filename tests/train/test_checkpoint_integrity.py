@@ -1,0 +1,145 @@
+"""Damaged or wrong checkpoints never load silently: each gives one clear error naming the file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mcore_parallel.checkpoint import CheckpointFormatError, latest_checkpoint
+from mcore_parallel.errors import MCoreParallelError
+from mcore_train import pretrain
+from tests.train._util import config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("good") / "run"
+    pretrain(config("training.train_iters=2", f"checkpoint.dir={root}"))
+    return root
+
+
+@pytest.fixture
+def run_dir(saved: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def _chunk(run_dir: Path, state: str = "exp_avg") -> Path:
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    array = sorted(p.parent for p in (ckpt / "optimizer").glob(f"*/{state}/zarr.json"))[0]
+    return sorted(p for p in (array / "c").rglob("*") if p.is_file())[0]
+
+
+def _resume(run_dir: Path, *overrides: str) -> None:
+    pretrain(config("training.train_iters=3", f"checkpoint.dir={run_dir}", *overrides))
+
+
+def _fails(match: str, run_dir: Path, *overrides: str) -> CheckpointFormatError:
+    with pytest.raises(CheckpointFormatError, match=match) as info:
+        _resume(run_dir, *overrides)
+    assert isinstance(info.value, MCoreParallelError)  # the CLI turns these into one message, exit code 2
+    return info.value
+
+
+@pytest.mark.parametrize("state", ["master", "exp_avg"])
+def test_missing_chunk_is_an_error_naming_it(run_dir: Path, state: str) -> None:
+    chunk = _chunk(run_dir, state)
+    chunk.unlink()
+    _fails(f"{chunk}: missing chunk", run_dir)
+
+
+def test_truncated_chunk_is_an_error_naming_it(run_dir: Path) -> None:
+    chunk = _chunk(run_dir)
+    chunk.write_bytes(chunk.read_bytes()[:-9])
+    _fails(f"{chunk}: truncated chunk", run_dir)
+
+
+def test_too_long_chunk_is_an_error_naming_it(run_dir: Path) -> None:
+    chunk = _chunk(run_dir)
+    chunk.write_bytes(chunk.read_bytes() + b"\0")
+    _fails(f"{chunk}: chunk of the wrong size", run_dir)
+
+
+def test_flipped_bytes_fail_the_checksum(run_dir: Path) -> None:
+    chunk = _chunk(run_dir, "master")
+    data = bytearray(chunk.read_bytes())
+    for i in range(16):
+        data[i] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    _fails(f"{chunk}: checksum mismatch", run_dir)
+
+
+def test_verify_off_skips_the_checksum_only(run_dir: Path) -> None:
+    chunk = _chunk(run_dir, "master")
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    _resume(run_dir, "checkpoint.verify=off")  # loads (the user asked not to check)
+    chunk.unlink()
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.name == "step_0000003"
+
+
+def test_every_missing_array_metadata_is_reported_at_once(run_dir: Path) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    metas = sorted((ckpt / "optimizer").glob("*/exp_avg/zarr.json"))[:2]
+    for meta in metas:
+        meta.unlink()
+    error = _fails("2 problems", run_dir)
+    assert sorted(p.split(":")[0] for p in error.problems) == [str(m) for m in metas]
+
+
+def test_missing_step_metadata(run_dir: Path) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    (ckpt / "zarr.json").unlink()
+    _fails(f"points at '{ckpt.name}', which is not a complete checkpoint \\(has no {ckpt / 'zarr.json'}\\)", run_dir)
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00garbage\n", b"", b"../../etc\n", b"step_9999999\n"])
+def test_garbage_in_latest(run_dir: Path, garbage: bytes) -> None:
+    (run_dir / "latest").write_bytes(garbage)
+    _fails(str(run_dir / "latest"), run_dir)
+
+
+def test_newer_format_version_is_an_error(run_dir: Path) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    meta = json.loads((ckpt / "zarr.json").read_text())
+    meta["attributes"]["format_version"] = 99
+    (ckpt / "zarr.json").write_text(json.dumps(meta))
+    _fails("format version 99 is newer", run_dir)
+
+
+def test_load_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(CheckpointFormatError, match=f"{tmp_path / 'elsewhere'} is not a checkpoint"):
+        pretrain(config("training.train_iters=3", f"checkpoint.load={tmp_path / 'elsewhere'}"))
+
+
+def test_load_path_that_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFormatError, match=f"{tmp_path / 'nope'} does not exist"):
+        pretrain(config("training.train_iters=3", f"checkpoint.load={tmp_path / 'nope'}"))
+
+
+def test_explicit_load_of_a_good_checkpoint_or_run_dir(run_dir: Path, tmp_path: Path) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    for load in (ckpt, run_dir):
+        result = pretrain(config("training.train_iters=3", f"checkpoint.load={load}"))
+        assert result.steps == 3 and len(result.losses) == 1  # resumed at step 2
+
+
+def test_auto_resume_from_an_empty_dir_starts_fresh_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="mcore_train"):
+        result = pretrain(config("training.train_iters=3", f"checkpoint.dir={tmp_path / 'empty'}"))
+    assert result.steps == 3
+    assert "starting from step 0" in caplog.text
