@@ -4,6 +4,9 @@ mcore-train pretrain --recipe tiny data.path=data/demo_text checkpoint.dir=runs/
 torchrun --nproc-per-node 8 -m mcore_train.cli pretrain --config examples/llama_1b.yaml parallel.tp=2
 mcore-train show-config --recipe llama-1b optimizer.lr=1e-4
 mcore-train prepare-demo --out data/demo        # the built-in demo corpus, tokenized
+
+exit codes: 0 done; 2 a user mistake (the configuration, the data files, a checkpoint, the parallel layout),
+printed as one message by rank 0; 3 the loss diverged; 1 an internal fault (with its traceback)
 """
 
 from __future__ import annotations
@@ -28,10 +31,27 @@ def _configure_logging(rank: int) -> None:
                         stream=sys.stdout)  # fmt: skip
 
 
-def _load(args: argparse.Namespace) -> TrainConfig:
+def _load(args: argparse.Namespace, world_size: int | None = None) -> TrainConfig:
     from mcore_train.config import load_config
 
-    return load_config(recipe=args.recipe, path=args.config, overrides=args.overrides)
+    return load_config(recipe=args.recipe, path=args.config, overrides=args.overrides, world_size=world_size)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The base classes of the errors the mcore packages raise for a user's mistake (not an internal fault)."""
+    from mcore_data.errors import MCoreDataError
+    from mcore_models.errors import MCoreModelsError
+    from mcore_parallel.errors import MCoreParallelError
+    from mcore_train.errors import MCoreTrainError
+
+    return (MCoreTrainError, MCoreParallelError, MCoreDataError, MCoreModelsError)
+
+
+def _report(rank: int, message: str) -> None:
+    """One message on stderr, from rank 0 only (every rank of a torchrun job fails the same way)."""
+    if rank == 0:
+        sys.stderr.write(f"mcore-train: error: {message}\n")
+        sys.stderr.flush()
 
 
 def prepare_demo(out: str, max_files: int | None = None, workers: int = 1) -> str:
@@ -71,27 +91,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mcore_parallel import read_launch_env
-    from mcore_train.errors import ConfigError, TrainingDiverged
+    from mcore_train.errors import TrainingDiverged
 
-    rank = read_launch_env().rank
-    _configure_logging(rank)
-    if args.command == "prepare-demo":
-        sys.stdout.write(prepare_demo(args.out, args.max_files, args.workers) + "\n")
-        return 0
+    errors = user_errors()  # anything else is an internal fault: its traceback, exit code 1
     try:
-        config = _load(args)
-        if args.command == "show-config":
-            sys.stdout.write(config.to_yaml())
-            return 0
-        from mcore_train.api import pretrain
-
-        pretrain(config)
-    except ConfigError as e:
-        logger.error("%s", e)
+        rank = read_launch_env().rank
+    except errors as e:
+        _report(0, str(e))
         return 2
+    _configure_logging(rank)
+    try:
+        if args.command == "prepare-demo":
+            sys.stdout.write(prepare_demo(args.out, args.max_files, args.workers) + "\n")
+            return 0
+        if args.command == "show-config":
+            sys.stdout.write(_load(args).to_yaml())
+            return 0
+        from mcore_train.api import launch_world_size, pretrain
+
+        pretrain(_load(args, world_size=launch_world_size()))
     except TrainingDiverged as e:
-        logger.error("training stopped: %s", e)
+        _report(rank, f"training stopped: {e}")
         return 3
+    except errors as e:
+        _report(rank, str(e))
+        return 2
     return 0
 
 
