@@ -55,7 +55,9 @@ def test_layout_problems_for_a_world_size() -> None:
     with pytest.raises(ConfigError) as exc:
         cfg.check_layout(18)
     text = str(exc.value)
-    assert "global_batch_size=10 is not divisible by micro_batch_size x dp = 2 x 2 = 4" in text
+    assert (
+        "global_batch_size=10 is not divisible by micro_batch_size x dp = 2 x 2 = 4; set it to a multiple of 4" in text
+    )
     assert "num_attention_heads=4 is not divisible by the tensor-parallel size 3" in text
     assert "parallel:" in text  # 4 layers do not split over 3 stages
     with pytest.raises(ConfigError, match="world size 4 is not divisible by tp"):

@@ -75,7 +75,7 @@ def _order_problems(order: str) -> list[str]:
         problems.append(f"order={order!r} has unknown dimension(s) {unknown}; allowed: {', '.join(ORDER_TOKENS)}")
     dupes = sorted({t for t in tokens if tokens.count(t) > 1})
     if dupes:
-        problems.append(f"order={order!r} repeats {dupes}")
+        problems.append(f"order={order!r} repeats {dupes}; name each of {', '.join(ORDER_TOKENS)} once")
     missing = [t for t in ORDER_TOKENS if t not in tokens]
     if missing and not unknown:
         problems.append(f"order={order!r} is missing {missing}; name each of {', '.join(ORDER_TOKENS)} once")

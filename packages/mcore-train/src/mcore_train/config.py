@@ -100,19 +100,21 @@ class TrainConfig:
         if tr.global_batch_size % per_step:
             problems.append(
                 f"training.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size x dp = "
-                f"{tr.micro_batch_size} x {dp} = {per_step}"
+                f"{tr.micro_batch_size} x {dp} = {per_step}; set it to a multiple of {per_step} (e.g. "
+                f"{max(1, round(tr.global_batch_size / per_step)) * per_step}) or change training.micro_batch_size"
             )
         if tr.rampup_batch_size:
             start, inc, _ = tr.rampup_batch_size
             if start % per_step or inc % per_step:
                 problems.append(
                     f"training.rampup_batch_size start {start} and increment {inc} must be multiples of "
-                    f"micro_batch_size x dp = {per_step}"
+                    f"micro_batch_size x dp = {tr.micro_batch_size} x {dp} = {per_step}"
                 )
         if par.pp > 1 and micro < par.pp:
             problems.append(
                 f"pipeline parallelism needs at least pp={par.pp} micro-batches per step, but global_batch_size / "
-                f"(micro_batch_size x dp) = {tr.global_batch_size} / {per_step} = {micro}"
+                f"(micro_batch_size x dp) = {tr.global_batch_size} / {per_step} = {micro}; raise "
+                f"training.global_batch_size to at least {par.pp * per_step} or lower training.micro_batch_size"
             )
         if par.pp > 1 and par.vpp_size > 1 and micro % par.pp:
             problems.append(

@@ -71,11 +71,14 @@ def build_run_data(config: TrainConfig, train_iters: int) -> RunData:
             for k, (name, size) in enumerate(zip(("train", "valid", "test"), sizes))
         ]
         return RunData(tokenizer, *splits)
-    if d.path:
-        train, valid, test = build_gpt_datasets(ds_config, sizes, blend=parse_blend(d.path))
-    else:
-        per_split = [parse_blend(p) if p else None for p in (d.train_path, d.valid_path, d.test_path)]
-        train, valid, test = build_gpt_datasets(ds_config, sizes, blend_per_split=per_split)
+    try:  # the files were checked by TrainConfig.check_layout; this catches one removed since
+        if d.path:
+            train, valid, test = build_gpt_datasets(ds_config, sizes, blend=parse_blend(d.path))
+        else:
+            per_split = [parse_blend(p) if p else None for p in (d.train_path, d.valid_path, d.test_path)]
+            train, valid, test = build_gpt_datasets(ds_config, sizes, blend_per_split=per_split)
+    except FileNotFoundError as e:
+        raise ConfigError([f"data: {e}"]) from None
     if train is None:
         raise ConfigError([f"data: the train split is empty (split={d.split!r}, path={d.path})"])
     return RunData(tokenizer, train, valid, test)
