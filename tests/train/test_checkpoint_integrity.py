@@ -143,3 +143,55 @@ def test_auto_resume_from_an_empty_dir_starts_fresh_and_says_so(
         result = pretrain(config("training.train_iters=3", f"checkpoint.dir={tmp_path / 'empty'}"))
     assert result.steps == 3
     assert "starting from step 0" in caplog.text
+
+
+def _cli(*argv: str) -> int:
+    from mcore_train.cli import main
+
+    return main(list(argv))
+
+
+def test_verify_cli_good_and_damaged(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    assert _cli("checkpoint", "verify", str(run_dir)) == 0
+    assert _cli("checkpoint", "verify", str(ckpt)) == 0
+    capsys.readouterr()
+    chunk, gone = _chunk(run_dir, "master"), _chunk(run_dir, "exp_avg")
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    gone.unlink()
+    meta = sorted((ckpt / "optimizer").glob("*/exp_avg_sq/zarr.json"))[-1]
+    meta.unlink()
+    assert _cli("checkpoint", "verify", str(ckpt)) == 2
+    err = capsys.readouterr().err
+    assert "3 problems" in err
+    for needle in (f"{chunk}: checksum mismatch", f"{gone}: missing chunk", f"{meta}: missing"):
+        assert needle in err
+    assert _cli("checkpoint", "verify", "--no-checksums", str(ckpt)) == 2
+    assert "2 problems" in capsys.readouterr().err
+
+
+def test_verify_cli_bad_paths(tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli("checkpoint", "verify", str(tmp_path / "nope")) == 2
+    (tmp_path / "empty").mkdir()
+    assert _cli("checkpoint", "verify", str(tmp_path / "empty")) == 2
+    (run_dir / "latest").write_bytes(b"\x00\x01")
+    assert _cli("checkpoint", "verify", str(run_dir)) == 2
+    assert str(run_dir / "latest") in capsys.readouterr().err
+
+
+def test_inspect_cli(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli("checkpoint", "inspect", "--json", str(run_dir)) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["latest"] == "step_0000002"
+    (ckpt,) = info["checkpoints"]
+    assert ckpt["step"] == 2 and ckpt["saved_layout"]["tp"] == 1 and ckpt["model"]["num_layers"] == 4
+    names = {a["name"]: a for a in ckpt["arrays"]}
+    emb = next(a for n, a in names.items() if n.startswith("model/") and "embedding" in n)
+    assert emb["dtype"] in ("float32", "bfloat16") and emb["checksum"] and len(emb["shape"]) == 2
+    assert any(n.endswith("/exp_avg") for n in names)
+    assert _cli("checkpoint", "inspect", str(run_dir)) == 0
+    assert "step 2" in capsys.readouterr().out
+    assert _cli("checkpoint", "inspect", str(run_dir / "nope")) == 2

@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="data/demo")
     demo.add_argument("--max-files", type=int, default=None)
     demo.add_argument("--workers", type=int, default=1)
+    from mcore_train.checkpoint_cli import add_checkpoint_parser, run_checkpoint_command
+
+    add_checkpoint_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "checkpoint":
+        return run_checkpoint_command(args)
 
     from mcore_parallel import read_launch_env
     from mcore_train.errors import TrainingDiverged
