@@ -7,6 +7,7 @@ from mcore_data.blended import BlendedDataset
 from mcore_data.builder import build_gpt_datasets, parse_blend
 from mcore_data.errors import (
     ConfigError,
+    EmptyInputError,
     IndexFormatError,
     InputFormatError,
     MCoreDataError,
@@ -31,6 +32,7 @@ __all__ = [
     "BlendedDataset",
     "ByteTokenizer",
     "ConfigError",
+    "EmptyInputError",
     "GPTDataset",
     "GPTDatasetConfig",
     "HFTokenizer",

@@ -53,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="role of the main process: reader (reads and parses; a core of its own) or tokenizer (also "
                    "tokenizes, with workers-1 pool processes); auto: tokenizer once workers >= cores")  # fmt: skip
     p.add_argument("--no-append-eod", action="store_true", help="do not append the EOD token to documents")
-    p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed lines instead of stopping")
+    p.add_argument("--skip-malformed", action="store_true",
+                   help="skip malformed lines (the first 10 are logged with file:line, then a total) instead of stopping")  # fmt: skip
+    p.add_argument("--allow-empty", action="store_true", help="write an empty dataset when the inputs hold no document")
+    p.add_argument("--keep-blank-documents", action="store_true",
+                   help="keep empty or whitespace-only documents (default: count them as blank and skip them)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -120,6 +124,8 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         skip_malformed=args.skip_malformed,
         overwrite=args.overwrite,
         main_process=args.main_process,
+        allow_empty=args.allow_empty,
+        keep_blank=args.keep_blank_documents,
     )
     bar: Any = None
     if not args.no_progress:

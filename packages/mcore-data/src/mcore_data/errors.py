@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "EmptyInputError",
     "IndexFormatError",
     "InputFormatError",
     "MCoreDataError",
@@ -58,3 +59,7 @@ class MissingDependencyError(MCoreDataError, ImportError):
 
 class ConfigError(MCoreDataError, ValueError):
     """A dataset or CLI configuration is inconsistent; the message says how to fix it."""
+
+
+class EmptyInputError(MCoreDataError, ValueError):
+    """The inputs hold no document (empty files, or only blank or malformed lines)."""

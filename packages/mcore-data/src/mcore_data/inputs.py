@@ -107,13 +107,17 @@ def iter_chunks(
                 yield chunk
 
 
-def parse_unit(kind: str, raw: bytes, json_key: str) -> str | None:
-    """The text of one raw unit; ``None`` for a blank line. Raises ``ValueError`` for a malformed one."""
+def parse_unit(kind: str, raw: bytes, json_key: str, keep_blank: bool = False) -> str | None:
+    """The text of one raw unit; ``None`` for a blank one. Raises ``ValueError`` for a malformed one.
+
+    A unit whose text is empty or only whitespace is blank unless ``keep_blank`` (then only an empty JSONL line or an
+    empty text line is blank).
+    """
     if kind == "text":
         text = raw.decode("utf-8")
         if raw.endswith(b"\n") and not raw.strip():
             return None
-        return text
+        return text if keep_blank or text.strip() else None
     if not raw.strip():
         return None
     obj = json.loads(raw)
@@ -124,7 +128,7 @@ def parse_unit(kind: str, raw: bytes, json_key: str) -> str | None:
     value = obj[json_key]
     if not isinstance(value, str):
         raise ValueError(f"value of {json_key!r} is {type(value).__name__}, expected a string")
-    return value
+    return value if keep_blank or value.strip() else None
 
 
 def iter_texts(

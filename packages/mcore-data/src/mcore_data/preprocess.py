@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mcore_data._files import check_outputs, usable_cores
-from mcore_data.errors import ConfigError, InputFormatError
+from mcore_data.errors import ConfigError, EmptyInputError, InputFormatError
 from mcore_data.indexed import IndexedDatasetWriter, optimal_dtype
 from mcore_data.inputs import Chunk, expand_inputs, iter_chunks, parse_unit
 from mcore_data.tokenizer import ByteTokenizer, Tokenizer, TokenizerSpec, build_tokenizer
@@ -66,6 +66,10 @@ class PreprocessConfig:
     """Replace existing outputs."""
     main_process: str = "auto"
     """Role of the main process: ``reader``, ``tokenizer``, or ``auto`` (``tokenizer`` once workers >= cores)."""
+    allow_empty: bool = False
+    """Write an empty dataset when the inputs hold no document (otherwise that is an :class:`EmptyInputError`)."""
+    keep_blank: bool = False
+    """Keep documents that are empty or only whitespace (by default they are counted as blank and skipped)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -90,6 +94,8 @@ class PreprocessSummary:
     documents: int = 0
     tokens: int = 0
     skipped: int = 0
+    skipped_examples: list[str] = field(default_factory=list)
+    """``file:line: problem`` of the first malformed lines skipped (at most 10)."""
     blank: int = 0
     input_bytes: int = 0
     seconds: float = 0.0
@@ -98,41 +104,49 @@ class PreprocessSummary:
 
 
 _TOKENIZER: Tokenizer | None = None
-_OPTS: tuple[bool, Any, str, bool] = (True, np.uint16, "text", False)
+_OPTS: tuple[bool, Any, str, bool, bool] = (True, np.uint16, "text", False, False)
+_MAX_EXAMPLES = 10  # malformed lines logged with file:line
 
 
-def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any, json_key: str, skip: bool) -> None:
+def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any, json_key: str, skip: bool, keep: bool) -> None:
     global _TOKENIZER, _OPTS
     # one tokenizer thread per process: parallelism comes from worker processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _TOKENIZER = build_tokenizer(spec)
-    _OPTS = (append_eod, dtype, json_key, skip)
+    _OPTS = (append_eod, dtype, json_key, skip, keep)
 
 
-def _parse_chunk(chunk: Chunk, json_key: str, skip: bool) -> tuple[list[str], int, int]:
-    """(texts, skipped, blank) of a chunk; the first malformed unit raises unless ``skip``."""
+_Counts = tuple[int, int, int, list[str]]
+"""(documents, skipped, blank, first skipped lines as ``file:line: problem``) of a chunk."""
+
+
+def _parse_chunk(chunk: Chunk, json_key: str, skip: bool, keep: bool) -> tuple[list[str], _Counts]:
+    """(texts, counts) of a chunk; the first malformed unit raises unless ``skip``."""
     texts: list[str] = []
     skipped = blank = 0
+    examples: list[str] = []
     for k, raw in enumerate(chunk.units):
         try:
-            text = parse_unit(chunk.kind, raw, json_key)
+            text = parse_unit(chunk.kind, raw, json_key, keep)
         except (ValueError, UnicodeDecodeError) as e:
             if not skip:
                 raise InputFormatError(chunk.path, chunk.first_line + k, f"{e} (use --skip-malformed to skip)") from e
             skipped += 1
+            if len(examples) < _MAX_EXAMPLES:
+                examples.append(f"{chunk.path}:{chunk.first_line + k}: {e}")
             continue
         if text is None:
             blank += 1
             continue
         texts.append(text)
-    return texts, skipped, blank
+    return texts, (len(texts), skipped, blank, examples)
 
 
-def _parse_and_encode(chunk: Chunk) -> tuple[tuple[int, int, int], tuple[npt.NDArray[Any], npt.NDArray[np.int32]]]:
-    """Worker side when workers parse: ((documents, skipped, blank), encoded) of a raw chunk."""
-    _, _, json_key, skip = _OPTS
-    texts, skipped, blank = _parse_chunk(chunk, json_key, skip)
-    return (len(texts), skipped, blank), _encode(texts)
+def _parse_and_encode(chunk: Chunk) -> tuple[_Counts, tuple[npt.NDArray[Any], npt.NDArray[np.int32]]]:
+    """Worker side when workers parse: (counts, encoded) of a raw chunk."""
+    _, _, json_key, skip, keep = _OPTS
+    texts, counts = _parse_chunk(chunk, json_key, skip, keep)
+    return counts, _encode(texts)
 
 
 def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
@@ -177,12 +191,14 @@ class _Done:
 @dataclass
 class _Pending:
     nbytes: int
-    counts: tuple[int, int, int] | None
-    """(documents, skipped, blank) when the main process parsed the chunk; None when they come with the result."""
+    counts: _Counts | None
+    """(documents, skipped, blank, examples) when the main process parsed the chunk; None when they come with the result."""
     result: Any
 
 
-def _restore_worker_state(tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool], env: str | None) -> None:
+def _restore_worker_state(
+    tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool, bool], env: str | None
+) -> None:
     """Undo what :func:`_init_worker` did to this (the caller's) process when it tokenized here."""
     global _TOKENIZER, _OPTS
     _TOKENIZER, _OPTS = tokenizer, opts
@@ -203,7 +219,7 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     # shrinking chunks at the end of the input let the tokenizer processes finish together
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes,
                          tail_parts=4 * config.workers if config.workers > 1 else 0)  # fmt: skip
-    init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed)
+    init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed, config.keep_blank)
     main_tokenizes = config.main_tokenizes()
     pool_size = config.workers - 1 if main_tokenizes else config.workers
     logger.info("%d tokenizer processes: %d pool workers%s", config.workers, pool_size,
@@ -211,9 +227,12 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
 
     def consume(item: _Pending, writer: IndexedDatasetWriter) -> None:
         if item.counts is None:  # parsed where it was tokenized: the counts come back with the tokens
-            (n_docs_in, skipped, blank), (tokens, lengths) = item.result.get()
+            (n_docs_in, skipped, blank, examples), (tokens, lengths) = item.result.get()
         else:
-            (n_docs_in, skipped, blank), (tokens, lengths) = item.counts, item.result.get()
+            (n_docs_in, skipped, blank, examples), (tokens, lengths) = item.counts, item.result.get()
+        for line in examples[: _MAX_EXAMPLES - len(summary.skipped_examples)]:
+            logger.warning("skipped malformed line %s", line)
+            summary.skipped_examples.append(line)
         writer.add_documents(tokens, lengths)
         summary.documents += len(lengths)
         summary.tokens += int(tokens.size)
@@ -247,14 +266,19 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
                     pending.append(_Pending(chunk.nbytes, None, pool.apply_async(_parse_and_encode, (chunk,))))
             else:
                 assert pool is not None
-                texts, skipped, blank = _parse_chunk(chunk, config.json_key, config.skip_malformed)
-                pending.append(
-                    _Pending(chunk.nbytes, (len(texts), skipped, blank), pool.apply_async(_encode, (texts,)))
-                )
+                texts, counts = _parse_chunk(chunk, config.json_key, config.skip_malformed, config.keep_blank)
+                pending.append(_Pending(chunk.nbytes, counts, pool.apply_async(_encode, (texts,))))
             while pending and (len(pending) >= max_in_flight or pending[0].result.ready()):
                 consume(pending.popleft(), writer)
         while pending:
             consume(pending.popleft(), writer)
+        if writer.num_documents == 0 and not config.allow_empty:  # raising here discards the outputs
+            raise EmptyInputError(
+                f"no documents in {len(files)} input file(s) ({summary.blank:,} blank, {summary.skipped:,} malformed "
+                "skipped); pass --allow-empty to write an empty dataset"
+            )
+    if summary.skipped:
+        logger.warning("skipped %d malformed line(s) in total", summary.skipped)
     summary.seconds = time.perf_counter() - t0
     logger.info(
         "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
