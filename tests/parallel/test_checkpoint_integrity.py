@@ -1,0 +1,101 @@
+"""Checksums and damage detection of the zarr checkpoint format, below the trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mcore_parallel import ParallelConfig, ParallelState
+from mcore_parallel.checkpoint import CheckpointFormatError, CheckpointManager, read_region, zarr_io
+from tests.parallel.test_checkpoint import Net
+
+
+def _saved(tmp_path: Path) -> tuple[ParallelState, Net]:
+    state = ParallelState.initialize(ParallelConfig())
+    net = Net(state.tp)
+    CheckpointManager(tmp_path, state).save("s", net.sharded_state_dict(), metadata={"step": 1})
+    return state, net
+
+
+def test_chunks_carry_the_standard_crc32c_codec(tmp_path: Path) -> None:
+    _saved(tmp_path)
+    meta = json.loads((tmp_path / "s/model/fc1.weight/zarr.json").read_text())
+    assert meta["codecs"] == [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    chunk = tmp_path / "s/model/scale/c/0"
+    raw = chunk.read_bytes()
+    assert len(raw) == 16 * 4 + 4
+    import crc32c
+
+    assert int.from_bytes(raw[-4:], "little") == crc32c.crc32c(raw[:-4])
+    assert json.loads((tmp_path / "s/zarr.json").read_text())["attributes"]["format_version"] == 2
+
+
+def test_plain_zarr_checks_the_checksum_too(tmp_path: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    _saved(tmp_path)
+    chunk = tmp_path / "s/model/scale/c/0"
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "s/model/scale"), mode="r")[:],
+                                  read_region(tmp_path / "s/model/scale").numpy())  # fmt: skip
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        zarr.open_array(str(tmp_path / "s/model/scale"), mode="r")[:]
+    with pytest.raises(CheckpointFormatError, match=f"{chunk}: checksum mismatch"):
+        read_region(tmp_path / "s/model/scale")
+    assert read_region(tmp_path / "s/model/scale", verify=False).shape == (16,)
+
+
+def _strip_checksums(ckpt: Path) -> None:
+    """Turn a checkpoint into the format-1 layout: chunks without CRC, no crc32c codec."""
+    for meta_path in ckpt.rglob("zarr.json"):
+        meta = json.loads(meta_path.read_text())
+        if meta["node_type"] == "array":
+            meta["codecs"] = meta["codecs"][:1]
+            for chunk in (p for p in (meta_path.parent / "c").rglob("*") if p.is_file()):
+                chunk.write_bytes(chunk.read_bytes()[:-4])
+        elif meta_path.parent == ckpt:
+            meta["attributes"]["format_version"] = 1
+        meta_path.write_text(json.dumps(meta))
+
+
+def test_old_checkpoints_without_checksums_still_load(tmp_path: Path) -> None:
+    state, net = _saved(tmp_path)
+    _strip_checksums(tmp_path / "s")
+    fresh = Net(state.tp)
+    CheckpointManager(tmp_path, state).load(fresh.sharded_state_dict())
+    for (name, a), b in zip(net.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    (tmp_path / "s/model/scale/c/0").write_bytes(b"\0" * 60)  # sizes are still checked
+    with pytest.raises(CheckpointFormatError, match="truncated chunk"):
+        CheckpointManager(tmp_path, state).load(fresh.sharded_state_dict())
+
+
+def test_missing_chunk_in_a_partial_read_is_an_error(tmp_path: Path) -> None:
+    spec = zarr_io.ArraySpec((8, 4), torch.float32, (4, 4))
+    zarr_io.write_array_metadata(tmp_path / "a", spec)
+    zarr_io.write_chunk(tmp_path / "a", spec, (0, 0), torch.ones(4, 4))
+    assert torch.equal(read_region(tmp_path / "a", (slice(1, 3), slice(0, 4))), torch.ones(2, 4))
+    with pytest.raises(CheckpointFormatError, match=f"{tmp_path / 'a/c/1/0'}: missing chunk"):
+        read_region(tmp_path / "a", (slice(2, 6), slice(0, 4)))
+    with pytest.raises(CheckpointFormatError, match="missing chunk"):
+        read_region(tmp_path / "a", (slice(5, 7), slice(0, 4)))
+
+
+def test_every_problem_is_reported_before_any_tensor_is_touched(tmp_path: Path) -> None:
+    state, _ = _saved(tmp_path)
+    (tmp_path / "s/model/scale/c/0").unlink()
+    (tmp_path / "s/model/fc2.weight/zarr.json").unlink()
+    fresh = Net(state.tp)
+    before = fresh.emb.weight.detach().clone()
+    with pytest.raises(CheckpointFormatError, match="2 problems") as info:
+        CheckpointManager(tmp_path, state).load(fresh.sharded_state_dict())
+    assert sorted(p.split(":")[0] for p in info.value.problems) == [
+        str(tmp_path / "s/model/fc2.weight/zarr.json"),
+        str(tmp_path / "s/model/scale/c/0"),
+    ]
+    assert torch.equal(fresh.emb.weight, before)  # nothing was loaded
