@@ -95,8 +95,9 @@ def test_a_missing_data_prefix_is_a_listed_problem(tmp_path: Path) -> None:
     problems = exc.value.problems
     assert len(problems) == 3 and "optimizer.lrr: unknown key; did you mean 'lr'?" in problems, problems
     half, none = (p for p in problems if p.startswith("data.path"))
-    assert f"no dataset at prefix '{tmp_path / 'half'}'" in half and f"{tmp_path / 'half'}.bin is missing" in half
-    assert f"{tmp_path / 'none'}.idx and {tmp_path / 'none'}.bin are missing" in none
+    half_prefix = tmp_path / "half"
+    assert f"no dataset at prefix '{half_prefix}': {half_prefix}.idx exists but {half_prefix}.bin is missing" in half
+    assert f"neither {tmp_path / 'none'}.idx nor {tmp_path / 'none'}.bin exists" in none
     with pytest.raises(ConfigError, match=r"data.train_path: no dataset at prefix '.*none'"):
         config("data.mock=false", f"data.train_path={tmp_path / 'none'}").check_layout(1)
     config("data.mock=false", f"data.path={tmp_path / 'full'}").check_layout(1)

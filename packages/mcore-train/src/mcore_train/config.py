@@ -189,13 +189,18 @@ def data_path_problems(data: DataSection) -> list[str]:
             continue
         for _, prefix in blend:
             base = prefix[:-4] if prefix.endswith((".idx", ".bin")) else prefix
-            missing = [f"{base}{ext}" for ext in (".idx", ".bin") if not Path(f"{base}{ext}").is_file()]
-            if missing:
-                problems.append(
-                    f"data.{key}: no dataset at prefix {prefix!r}: looked for {base}.idx and {base}.bin, "
-                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (fix the path, or "
-                    "write the pair with `mcore-data preprocess`)"
-                )
+            idx, bin_ = (Path(f"{base}{ext}").is_file() for ext in (".idx", ".bin"))
+            if idx and bin_:
+                continue
+            if not (idx or bin_):
+                what = f"neither {base}.idx nor {base}.bin exists"
+            else:
+                there, gone = (f"{base}.idx", f"{base}.bin") if idx else (f"{base}.bin", f"{base}.idx")
+                what = f"{there} exists but {gone} is missing"
+            problems.append(
+                f"data.{key}: no dataset at prefix {prefix!r}: {what} (fix the path, or write the pair with "
+                "`mcore-data preprocess`)"
+            )
     return problems
 
 
