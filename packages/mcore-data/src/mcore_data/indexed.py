@@ -379,19 +379,27 @@ class IndexedDatasetWriter:
         self.num_tokens += arr.size
         self._fdoc.write(np.array([self.num_sequences], dtype="<i8").tobytes())
 
-    def add_documents(self, tokens: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
-        """Append many one-sequence documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes."""
+    def add_documents(
+        self, tokens: npt.ArrayLike, lengths: npt.ArrayLike, sequences_per_document: npt.ArrayLike | None = None
+    ) -> None:
+        """Append many documents at once: ``tokens`` is their concatenation, ``lengths`` their sequences' sizes;
+        each document is one sequence unless ``sequences_per_document`` says how many each has."""
         arr = np.asarray(tokens)
         seq = np.asarray(lengths, dtype="<i4")
         self._check_range(arr)
         if int(seq.sum(dtype=np.int64)) != arr.size:
             raise ConfigError(f"lengths sum to {int(seq.sum())}, but {arr.size} tokens were given")
+        if sequences_per_document is None:
+            ends = np.arange(self.num_sequences + 1, self.num_sequences + len(seq) + 1, dtype="<i8")
+        else:
+            ends = self.num_sequences + np.cumsum(np.asarray(sequences_per_document, dtype="<i8"))
+            if (int(ends[-1]) if len(ends) else self.num_sequences) != self.num_sequences + len(seq):
+                raise ConfigError(f"sequences per document do not add up to the {len(seq)} sequences given")
         self._fbin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._flen.write(seq.tobytes())
-        ends = np.arange(self.num_sequences + 1, self.num_sequences + len(seq) + 1, dtype="<i8")
-        self._fdoc.write(ends.tobytes())
+        self._fdoc.write(ends.astype("<i8").tobytes())
         self.num_sequences += len(seq)
-        self.num_documents += len(seq)
+        self.num_documents += len(ends)
         self.num_tokens += arr.size
 
     def add_index(self, path_prefix: str | os.PathLike[str]) -> None:

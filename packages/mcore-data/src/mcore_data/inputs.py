@@ -107,8 +107,11 @@ def iter_chunks(
                 yield chunk
 
 
-def parse_unit(kind: str, raw: bytes, json_key: str, keep_blank: bool = False) -> str | None:
+def parse_unit(kind: str, raw: bytes, json_key: str, keep_blank: bool = False) -> str | list[str] | None:
     """The text of one raw unit; ``None`` for a blank one. Raises ``ValueError`` for a malformed one.
+
+    A JSONL value that is a list of strings is a document of ready-made sentences (Megatron's convention) and is
+    returned as that list.
 
     A unit whose text is empty or only whitespace is blank unless ``keep_blank`` (then only an empty JSONL line or an
     empty text line is blank).
@@ -126,8 +129,12 @@ def parse_unit(kind: str, raw: bytes, json_key: str, keep_blank: bool = False) -
     if json_key not in obj:
         raise ValueError(f"no key {json_key!r} (keys: {', '.join(list(obj)[:8])})")
     value = obj[json_key]
+    if isinstance(value, list):
+        if not all(isinstance(v, str) for v in value):
+            raise ValueError(f"value of {json_key!r} is a list with non-string items, expected strings (sentences)")
+        return value if keep_blank or any(v.strip() for v in value) else None
     if not isinstance(value, str):
-        raise ValueError(f"value of {json_key!r} is {type(value).__name__}, expected a string")
+        raise ValueError(f"value of {json_key!r} is {type(value).__name__}, expected a string or a list of strings")
     return value if keep_blank or value.strip() else None
 
 
@@ -141,5 +148,7 @@ def iter_texts(
                 text = parse_unit(chunk.kind, raw, json_key)
             except (ValueError, UnicodeDecodeError) as e:
                 raise InputFormatError(chunk.path, chunk.first_line + k, str(e)) from e
-            if text is not None:
+            if isinstance(text, list):
+                yield " ".join(text)
+            elif text is not None:
                 yield text

@@ -33,6 +33,7 @@ from mcore_data._files import check_outputs, usable_cores
 from mcore_data.errors import ConfigError, EmptyInputError, InputFormatError
 from mcore_data.indexed import IndexedDatasetWriter, optimal_dtype
 from mcore_data.inputs import Chunk, expand_inputs, iter_chunks, parse_unit
+from mcore_data.sentences import sentence_splitter
 from mcore_data.tokenizer import ByteTokenizer, Tokenizer, TokenizerSpec, build_tokenizer
 
 __all__ = ["PreprocessConfig", "PreprocessSummary", "preprocess"]
@@ -70,6 +71,12 @@ class PreprocessConfig:
     """Write an empty dataset when the inputs hold no document (otherwise that is an :class:`EmptyInputError`)."""
     keep_blank: bool = False
     """Keep documents that are empty or only whitespace (by default they are counted as blank and skipped)."""
+    split_sentences: bool = False
+    """Split each text into sentences, one sequence each (see :mod:`mcore_data.sentences`)."""
+    keep_newlines: bool = False
+    """With ``split_sentences``: keep the whitespace between sentences (with the sentence before)."""
+    lang: str = "english"
+    """With ``split_sentences`` and NLTK installed: the punkt language."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -93,6 +100,8 @@ class PreprocessSummary:
 
     documents: int = 0
     tokens: int = 0
+    sentences: int = 0
+    """Sequences written (equal to ``documents`` unless documents are sentences)."""
     skipped: int = 0
     skipped_examples: list[str] = field(default_factory=list)
     """``file:line: problem`` of the first malformed lines skipped (at most 10)."""
@@ -103,33 +112,54 @@ class PreprocessSummary:
     dtype: str = ""
 
 
+_Encoded = tuple[npt.NDArray[Any], npt.NDArray[np.int32], npt.NDArray[np.int32] | None]
+"""(concatenated tokens, sequence lengths, sequences per document or None when every document is one sequence)."""
+_Doc = str | list[str]
+"""A document: its text, or its ready-made sentences (one sequence each)."""
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What worker processes need besides the tokenizer (picklable)."""
+
+    append_eod: bool = True
+    dtype: Any = np.uint16
+    json_key: str = "text"
+    skip: bool = False
+    keep_blank: bool = False
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+
+
 _TOKENIZER: Tokenizer | None = None
-_OPTS: tuple[bool, Any, str, bool, bool] = (True, np.uint16, "text", False, False)
+_OPTS = _Options()
 _MAX_EXAMPLES = 10  # malformed lines logged with file:line
 
 
-def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype: Any, json_key: str, skip: bool, keep: bool) -> None:
+def _init_worker(spec: TokenizerSpec, opts: _Options) -> None:
     global _TOKENIZER, _OPTS
     # one tokenizer thread per process: parallelism comes from worker processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _TOKENIZER = build_tokenizer(spec)
-    _OPTS = (append_eod, dtype, json_key, skip, keep)
+    _OPTS = opts
 
 
 _Counts = tuple[int, int, int, list[str]]
 """(documents, skipped, blank, first skipped lines as ``file:line: problem``) of a chunk."""
 
 
-def _parse_chunk(chunk: Chunk, json_key: str, skip: bool, keep: bool) -> tuple[list[str], _Counts]:
-    """(texts, counts) of a chunk; the first malformed unit raises unless ``skip``."""
-    texts: list[str] = []
+def _parse_chunk(chunk: Chunk, opts: _Options) -> tuple[list[_Doc], _Counts]:
+    """(documents, counts) of a chunk; the first malformed unit raises unless ``opts.skip``."""
+    docs: list[_Doc] = []
     skipped = blank = 0
     examples: list[str] = []
+    split = sentence_splitter(opts.lang, opts.keep_newlines) if opts.split_sentences else None
     for k, raw in enumerate(chunk.units):
         try:
-            text = parse_unit(chunk.kind, raw, json_key, keep)
+            text = parse_unit(chunk.kind, raw, opts.json_key, opts.keep_blank)
         except (ValueError, UnicodeDecodeError) as e:
-            if not skip:
+            if not opts.skip:
                 raise InputFormatError(chunk.path, chunk.first_line + k, f"{e} (use --skip-malformed to skip)") from e
             skipped += 1
             if len(examples) < _MAX_EXAMPLES:
@@ -138,22 +168,24 @@ def _parse_chunk(chunk: Chunk, json_key: str, skip: bool, keep: bool) -> tuple[l
         if text is None:
             blank += 1
             continue
-        texts.append(text)
-    return texts, (len(texts), skipped, blank, examples)
+        docs.append(split(text) if split is not None and isinstance(text, str) else text)
+    return docs, (len(docs), skipped, blank, examples)
 
 
-def _parse_and_encode(chunk: Chunk) -> tuple[_Counts, tuple[npt.NDArray[Any], npt.NDArray[np.int32]]]:
+def _parse_and_encode(chunk: Chunk) -> tuple[_Counts, _Encoded]:
     """Worker side when workers parse: (counts, encoded) of a raw chunk."""
-    _, _, json_key, skip, keep = _OPTS
-    texts, counts = _parse_chunk(chunk, json_key, skip, keep)
-    return counts, _encode(texts)
+    docs, counts = _parse_chunk(chunk, _OPTS)
+    return counts, _encode(docs)
 
 
-def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
-    """(concatenated tokens, per-document lengths) of ``texts`` with the worker's tokenizer."""
+def _encode(docs: list[_Doc]) -> _Encoded:
+    """Tokens of ``docs`` with the worker's tokenizer; one sequence per document unless a document is sentences."""
     tok = _TOKENIZER
     assert tok is not None, "worker not initialised"
-    append_eod, dtype = _OPTS[:2]
+    if not all(isinstance(d, str) for d in docs):
+        return _encode_sentences(tok, docs)
+    texts: list[str] = docs  # type: ignore[assignment]
+    append_eod, dtype = _OPTS.append_eod, _OPTS.dtype
     eod = tok.eod
     if isinstance(tok, ByteTokenizer):
         encoded = [t.encode("utf-8") for t in texts]
@@ -172,7 +204,37 @@ def _encode(texts: list[str]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
         tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
     if not append_eod and len(lengths):  # documents with no token at all are dropped
         lengths = lengths[lengths > 0]
-    return tokens, lengths
+    return tokens, lengths, None
+
+
+def _encode_sentences(tok: Tokenizer, docs: list[_Doc]) -> _Encoded:
+    """Documents of sentences: one sequence per non-empty sentence, EOD at the end of the last one (Megatron's rule)."""
+    flat: list[str] = []
+    counts: list[int] = []
+    for d in docs:
+        sentences = [d] if isinstance(d, str) else d
+        flat.extend(sentences)
+        counts.append(len(sentences))
+    ids = tok.encode_batch(flat)
+    tokens: list[int] = []
+    lengths: list[int] = []
+    per_doc: list[int] = []
+    pos = 0
+    for n in counts:
+        doc = [list(x) for x in ids[pos : pos + n] if len(x)]
+        pos += n
+        if _OPTS.append_eod:
+            if doc:
+                doc[-1].append(tok.eod)
+            else:
+                doc = [[tok.eod]]
+        if not doc:  # no token at all: dropped, counted as blank
+            continue
+        per_doc.append(len(doc))
+        for x in doc:
+            lengths.append(len(x))
+            tokens.extend(x)
+    return np.asarray(tokens, _OPTS.dtype), np.asarray(lengths, np.int32), np.asarray(per_doc, np.int32)
 
 
 class _Done:
@@ -196,9 +258,7 @@ class _Pending:
     result: Any
 
 
-def _restore_worker_state(
-    tokenizer: Tokenizer | None, opts: tuple[bool, Any, str, bool, bool], env: str | None
-) -> None:
+def _restore_worker_state(tokenizer: Tokenizer | None, opts: _Options, env: str | None) -> None:
     """Undo what :func:`_init_worker` did to this (the caller's) process when it tokenized here."""
     global _TOKENIZER, _OPTS
     _TOKENIZER, _OPTS = tokenizer, opts
@@ -219,7 +279,9 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     # shrinking chunks at the end of the input let the tokenizer processes finish together
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes,
                          tail_parts=4 * config.workers if config.workers > 1 else 0)  # fmt: skip
-    init_args = (config.tokenizer, config.append_eod, dtype, config.json_key, config.skip_malformed, config.keep_blank)
+    opts = _Options(config.append_eod, dtype, config.json_key, config.skip_malformed, config.keep_blank,
+                    config.split_sentences, config.keep_newlines, config.lang)  # fmt: skip
+    init_args = (config.tokenizer, opts)
     main_tokenizes = config.main_tokenizes()
     pool_size = config.workers - 1 if main_tokenizes else config.workers
     logger.info("%d tokenizer processes: %d pool workers%s", config.workers, pool_size,
@@ -227,20 +289,22 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
 
     def consume(item: _Pending, writer: IndexedDatasetWriter) -> None:
         if item.counts is None:  # parsed where it was tokenized: the counts come back with the tokens
-            (n_docs_in, skipped, blank, examples), (tokens, lengths) = item.result.get()
+            (n_docs_in, skipped, blank, examples), (tokens, lengths, per_doc) = item.result.get()
         else:
-            (n_docs_in, skipped, blank, examples), (tokens, lengths) = item.counts, item.result.get()
+            (n_docs_in, skipped, blank, examples), (tokens, lengths, per_doc) = item.counts, item.result.get()
         for line in examples[: _MAX_EXAMPLES - len(summary.skipped_examples)]:
             logger.warning("skipped malformed line %s", line)
             summary.skipped_examples.append(line)
-        writer.add_documents(tokens, lengths)
-        summary.documents += len(lengths)
+        writer.add_documents(tokens, lengths, per_doc)
+        n_docs = len(lengths) if per_doc is None else len(per_doc)
+        summary.documents += n_docs
+        summary.sentences += len(lengths)
         summary.tokens += int(tokens.size)
         summary.skipped += skipped
-        summary.blank += blank + n_docs_in - len(lengths)
+        summary.blank += blank + n_docs_in - n_docs
         summary.input_bytes += item.nbytes
         if progress is not None:
-            progress(len(lengths), item.nbytes)
+            progress(n_docs, item.nbytes)
 
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
@@ -266,8 +330,8 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
                     pending.append(_Pending(chunk.nbytes, None, pool.apply_async(_parse_and_encode, (chunk,))))
             else:
                 assert pool is not None
-                texts, counts = _parse_chunk(chunk, config.json_key, config.skip_malformed, config.keep_blank)
-                pending.append(_Pending(chunk.nbytes, counts, pool.apply_async(_encode, (texts,))))
+                docs, counts = _parse_chunk(chunk, opts)
+                pending.append(_Pending(chunk.nbytes, counts, pool.apply_async(_encode, (docs,))))
             while pending and (len(pending) >= max_in_flight or pending[0].result.ready()):
                 consume(pending.popleft(), writer)
         while pending:
