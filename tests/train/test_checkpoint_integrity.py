@@ -57,7 +57,8 @@ def test_missing_chunk_is_an_error_naming_it(run_dir: Path, state: str) -> None:
 def test_truncated_chunk_is_an_error_naming_it(run_dir: Path) -> None:
     chunk = _chunk(run_dir)
     chunk.write_bytes(chunk.read_bytes()[:-9])
-    _fails(f"{chunk}: truncated chunk", run_dir)
+    size = chunk.stat().st_size
+    _fails(f"{chunk}: truncated chunk \\({size} bytes, expected {size + 9}\\)", run_dir)
 
 
 def test_too_long_chunk_is_an_error_naming_it(run_dir: Path) -> None:
@@ -103,10 +104,17 @@ def test_missing_step_metadata(run_dir: Path) -> None:
     _fails(f"points at '{ckpt.name}', which is not a complete checkpoint \\(has no {ckpt / 'zarr.json'}\\)", run_dir)
 
 
-@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00garbage\n", b"", b"../../etc\n", b"step_9999999\n"])
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00garbage\n", b"", b"../../etc\n", b".tmp.x", b"a" * 300])
 def test_garbage_in_latest(run_dir: Path, garbage: bytes) -> None:
     (run_dir / "latest").write_bytes(garbage)
-    _fails(str(run_dir / "latest"), run_dir)
+    _fails(f"{run_dir / 'latest'}: does not name a checkpoint directory", run_dir)
+
+
+def test_latest_naming_a_missing_checkpoint(run_dir: Path) -> None:
+    (run_dir / "latest").write_text("step_9999999\n")
+    _fails(
+        f"{run_dir / 'latest'} points at 'step_9999999', which is not a complete checkpoint \\(does not exist", run_dir
+    )
 
 
 def test_newer_format_version_is_an_error(run_dir: Path) -> None:
@@ -115,7 +123,8 @@ def test_newer_format_version_is_an_error(run_dir: Path) -> None:
     meta = json.loads((ckpt / "zarr.json").read_text())
     meta["attributes"]["format_version"] = 99
     (ckpt / "zarr.json").write_text(json.dumps(meta))
-    _fails("format version 99 is newer", run_dir)
+    _fails(f"{ckpt / 'zarr.json'}: checkpoint format version 99 is newer than this mcore knows", run_dir)
+    _fails("format version 99 is newer", run_dir, "checkpoint.finetune=true")
 
 
 def test_load_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
