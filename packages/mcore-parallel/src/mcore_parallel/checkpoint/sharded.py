@@ -19,6 +19,7 @@ layout loads any other. Writes go to a temporary directory published by :mod:`mc
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import zlib
@@ -336,11 +337,23 @@ def _shape_problem(array_dir: Path, spec: ArraySpec, info: ShardedTensor) -> str
     )
 
 
+def _chunks_read(spec: ArraySpec, info: ShardedTensor) -> list[tuple[int, ...]]:
+    """The chunks of an array that loading ``info``'s pieces reads (each rank stats only its own)."""
+    found: set[tuple[int, ...]] = set()
+    for _, global_idx in info.pieces:
+        ranges = []
+        for d, (sl, c) in enumerate(zip(global_idx, spec.chunk_shape)):
+            a, b = sl.start or 0, spec.shape[d] if sl.stop is None else sl.stop
+            ranges.append(range(a // c, -(-b // c)) if b > a else range(0))
+        found.update(itertools.product(*ranges))
+    return sorted(found)
+
+
 def check_arrays(
     root: Path, arrays: Mapping[str, ShardedTensor], allow_missing: bool = False
 ) -> tuple[dict[str, ArraySpec], list[str]]:
     """Read the metadata of every array in ``arrays`` (path inside ``root`` -> the tensor it loads into) and stat
-    each chunk; raises one :class:`CheckpointFormatError` listing every missing or bad array and chunk file.
+    each chunk the load reads; raises one :class:`CheckpointFormatError` listing every missing or bad array and chunk file.
 
     Returns the specs and, with ``allow_missing``, the arrays that have no ``zarr.json`` (instead of raising)."""
     specs: dict[str, ArraySpec] = {}
@@ -362,7 +375,7 @@ def check_arrays(
         if shape is not None:
             problems.append(shape)
             continue
-        chunk_problems = [check_chunk_file(chunk_path(array_dir, i), spec) for i in spec.chunk_indices()]
+        chunk_problems = [check_chunk_file(chunk_path(array_dir, i), spec) for i in _chunks_read(spec, info)]
         problems += [c for c in chunk_problems if c is not None]
         specs[name] = spec
     if problems:
