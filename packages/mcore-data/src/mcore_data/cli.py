@@ -14,6 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mcore_data._megatron_args import (
+    MEGATRON_TOKENIZERS,
+    add_megatron_args,
+    megatron_mode,
+    megatron_outputs,
+    resolve_tokenizer,
+)
+
 __all__ = ["main"]
 
 logger = logging.getLogger("mcore_data.cli")
@@ -23,8 +31,10 @@ def _out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
 
 
-def _add_tokenizer_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--tokenizer-type", choices=["byte", "sentencepiece", "hf"], default="byte" if required else None)
+def _add_tokenizer_args(p: argparse.ArgumentParser, required: bool = True, megatron: bool = False) -> None:
+    kinds = ["byte", "sentencepiece", "hf"] + (["gpt2-bpe", *MEGATRON_TOKENIZERS] if megatron else [])
+    p.add_argument("--tokenizer-type", choices=kinds, default="byte" if required else None, metavar="TYPE",
+                   help=f"one of: {', '.join(kinds)}")  # fmt: skip
     p.add_argument("--tokenizer-model", help="SentencePiece .model or HF tokenizer.json (or its directory)")
     p.add_argument("--eod-token", help="HF only: the end-of-document token (default: first known one)")
 
@@ -45,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preprocess", help="tokenize JSONL / text into prefix.bin + prefix.idx")
     p.add_argument("--input", nargs="+", required=True, help="files or directories (.jsonl, .txt, .gz)")
     p.add_argument("--output-prefix", required=True)
-    _add_tokenizer_args(p)
+    _add_tokenizer_args(p, megatron=True)
     p.add_argument("--json-key", default="text")
+    p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (NLTK punkt or a regex)")
     p.add_argument("--text-unit", choices=["file", "line"], default="file", help="plain text: document per ...")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     p.add_argument("--main-process", choices=["auto", "reader", "tokenizer"], default="auto",
@@ -60,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep empty or whitespace-only documents (default: count them as blank and skip them)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    add_megatron_args(p)
 
     p = sub.add_parser("train-tokenizer", help="train a SentencePiece or HF BPE tokenizer on a corpus")
     p.add_argument("--input", nargs="+", required=True)
@@ -108,25 +120,40 @@ def _tokenizer_spec(args: argparse.Namespace) -> Any:
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
+    from mcore_data.preprocess import PreprocessConfig
+    from mcore_data.tokenizer import TokenizerSpec
+
+    kind, model, merges = resolve_tokenizer(args)
+    spec = TokenizerSpec(kind, model, args.eod_token, merges)
+    append_eod = bool(args.append_eod) if megatron_mode(args) else not args.no_append_eod
+    for key, prefix in megatron_outputs(args):
+        cfg = PreprocessConfig(
+            inputs=args.input,
+            output_prefix=prefix,
+            tokenizer=spec,
+            json_key=key,
+            text_unit=args.text_unit,
+            workers=args.workers,
+            append_eod=append_eod,
+            skip_malformed=args.skip_malformed,
+            overwrite=args.overwrite,
+            main_process=args.main_process,
+            allow_empty=args.allow_empty,
+            keep_blank=args.keep_blank_documents,
+            split_sentences=args.split_sentences,
+            keep_newlines=bool(args.keep_newlines),
+            lang=args.lang or "english",
+        )
+        _preprocess_one(args, cfg)
+    return 0
+
+
+def _preprocess_one(args: argparse.Namespace, cfg: Any) -> None:
     import os
 
     from mcore_data.inputs import expand_inputs
-    from mcore_data.preprocess import PreprocessConfig, preprocess
+    from mcore_data.preprocess import preprocess
 
-    cfg = PreprocessConfig(
-        inputs=args.input,
-        output_prefix=args.output_prefix,
-        tokenizer=_tokenizer_spec(args),
-        json_key=args.json_key,
-        text_unit=args.text_unit,
-        workers=args.workers,
-        append_eod=not args.no_append_eod,
-        skip_malformed=args.skip_malformed,
-        overwrite=args.overwrite,
-        main_process=args.main_process,
-        allow_empty=args.allow_empty,
-        keep_blank=args.keep_blank_documents,
-    )
     bar: Any = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -151,14 +178,13 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     mb = s.input_bytes / 1e6
     _out(
         f"documents {s.documents:,}  tokens {s.tokens:,}  skipped (malformed) {s.skipped:,}  blank {s.blank:,}  "
-        f"files {s.files}  dtype {s.dtype}"
+        f"files {s.files}  dtype {s.dtype}" + (f"  sequences {s.sentences:,}" if s.sentences != s.documents else "")
     )
     _out(
         f"{mb:,.1f} MB in {s.seconds:.2f}s: {mb / max(s.seconds, 1e-9):.2f} MB/s, "
         f"{s.documents / max(s.seconds, 1e-9):,.0f} docs/s, {s.tokens / max(s.seconds, 1e-9):,.0f} tokens/s"
     )
-    _out(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx")
-    return 0
+    _out(f"wrote {cfg.output_prefix}.bin and {cfg.output_prefix}.idx")
 
 
 def _cmd_train_tokenizer(args: argparse.Namespace) -> int:

@@ -341,14 +341,13 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
                 f"no documents in {len(files)} input file(s) ({summary.blank:,} blank, {summary.skipped:,} malformed "
                 "skipped); pass --allow-empty to write an empty dataset"
             )
+    return _finish(summary, t0)
+
+
+def _finish(summary: PreprocessSummary, t0: float) -> PreprocessSummary:
     if summary.skipped:
         logger.warning("skipped %d malformed line(s) in total", summary.skipped)
     summary.seconds = time.perf_counter() - t0
-    logger.info(
-        "preprocessed %d documents, %d tokens, %d skipped in %.1fs",
-        summary.documents,
-        summary.tokens,
-        summary.skipped,
-        summary.seconds,
-    )
+    logger.info("preprocessed %d documents, %d tokens, %d skipped in %.1fs", summary.documents, summary.tokens,
+                summary.skipped, summary.seconds)  # fmt: skip
     return summary

@@ -105,15 +105,16 @@ _BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` ``tokenizer.json``. EOD is ``eod_token`` or the first known end token found."""
 
-    def __init__(self, path: str | os.PathLike[str], eod_token: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], eod_token: str | None = None, merges: str | None = None) -> None:
         tk = _import("tokenizers", "tokenizers")
         p = os.fspath(path)
-        if os.path.isdir(p):
+        if os.path.isdir(p) and merges is None:
             p = os.path.join(p, "tokenizer.json")
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"{p}: tokenizer.json not found")
+        for f in (p, merges):
+            if f is not None and not os.path.exists(f):
+                raise FileNotFoundError(f"{f}: tokenizer file not found")
         self.model_path = p
-        self._tok = tk.Tokenizer.from_file(p)
+        self._tok = tk.Tokenizer.from_file(p) if merges is None else _gpt2_bpe(tk, p, merges)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         eod = self._find((eod_token,) if eod_token else _EOD_CANDIDATES)
         if eod is None:
@@ -146,25 +147,40 @@ class HFTokenizer:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
 
+def _gpt2_bpe(tk: Any, vocab: str, merges: str) -> Any:
+    """GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt`` (what Megatron's GPT2BPETokenizer reads)."""
+    tok = tk.Tokenizer(tk.models.BPE.from_file(vocab, merges))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    return tok
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """How to build a tokenizer (picklable, so worker processes can rebuild it).
 
-    ``kind`` is ``byte``, ``sentencepiece`` or ``hf``; ``path`` the model file for the last two.
+    ``kind`` is ``byte``, ``sentencepiece``, ``hf`` or ``gpt2-bpe``; ``path`` the model file (for ``gpt2-bpe`` the
+    ``vocab.json``, with ``merges`` the ``merges.txt``).
     """
 
     kind: str = "byte"
     path: str | None = None
     eod_token: str | None = None
+    merges: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("byte", "sentencepiece", "hf"):
-            raise ConfigError(f"unknown tokenizer kind {self.kind!r}; use byte, sentencepiece or hf")
+        if self.kind not in ("byte", "sentencepiece", "hf", "gpt2-bpe"):
+            raise ConfigError(f"unknown tokenizer kind {self.kind!r}; use byte, sentencepiece, hf or gpt2-bpe")
+        if self.kind == "gpt2-bpe" and not self.merges:
+            raise ConfigError("tokenizer kind 'gpt2-bpe' needs a merges.txt (--merge-file)")
         if self.kind != "byte" and not self.path:
             raise ConfigError(f"tokenizer kind {self.kind!r} needs a model path (--tokenizer-model)")
 
     def identifier(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": os.path.abspath(self.path) if self.path else None}
+        ident = {"kind": self.kind, "path": os.path.abspath(self.path) if self.path else None}
+        if self.merges:
+            ident["merges"] = os.path.abspath(self.merges)
+        return ident
 
 
 def build_tokenizer(spec: TokenizerSpec | str, path: str | None = None) -> Tokenizer:
@@ -176,4 +192,4 @@ def build_tokenizer(spec: TokenizerSpec | str, path: str | None = None) -> Token
     assert spec.path is not None
     if spec.kind == "sentencepiece":
         return SentencePieceTokenizer(spec.path)
-    return HFTokenizer(spec.path, spec.eod_token)
+    return HFTokenizer(spec.path, spec.eod_token, spec.merges)
