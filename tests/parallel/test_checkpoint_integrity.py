@@ -99,3 +99,25 @@ def test_every_problem_is_reported_before_any_tensor_is_touched(tmp_path: Path) 
         str(tmp_path / "s/model/scale/c/0"),
     ]
     assert torch.equal(fresh.emb.weight, before)  # nothing was loaded
+
+
+def _load_on_each_rank(root: str) -> str:
+    state = ParallelState.initialize(ParallelConfig(tp=2))
+    net = Net(state.tp)
+    CheckpointManager(root, state).save("s", net.sharded_state_dict(), metadata={"step": 1})
+    if state.rank == 0:
+        (Path(root) / "s/model/fc2.weight/c/0/1").unlink()  # only rank 1 reads this chunk
+    torch.distributed.barrier()
+    try:
+        CheckpointManager(root, state).load(Net(state.tp).sharded_state_dict())
+    except CheckpointFormatError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_problem_only_one_rank_sees_stops_every_rank(tmp_path: Path) -> None:
+    from mcore_parallel.testing import run_distributed
+
+    messages = run_distributed(_load_on_each_rank, 2, str(tmp_path))
+    assert "another rank found missing or damaged files" in messages[0]
+    assert f"{tmp_path / 's/model/fc2.weight/c/0/1'}: missing chunk" in messages[1]

@@ -301,7 +301,15 @@ class CheckpointManager:
         meta = read_metadata(ckpt)
         model = model_arrays(model_items)
         arrays = model if optimizer is None else {**model, **optimizer_arrays(ckpt, optimizer, model_items)}
-        check_arrays(ckpt, arrays, allow_missing=not strict and optimizer is None)  # every problem at once
+        problem: CheckpointFormatError | None = None
+        try:
+            check_arrays(ckpt, arrays, allow_missing=not strict and optimizer is None)  # every problem at once
+        except CheckpointFormatError as e:
+            problem = e
+        if not _all_done(problem is None, self.state.device):  # every rank stops, none waits in a collective
+            raise problem or CheckpointFormatError(
+                f"{ckpt}: another rank found missing or damaged files in this checkpoint (its error names them)"
+            )
         load_model(ckpt, model_items, strict=strict, verify=verify)
         if optimizer is not None:
             load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)), verify=verify)
