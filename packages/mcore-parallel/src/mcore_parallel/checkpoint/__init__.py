@@ -2,6 +2,7 @@
 
 from mcore_parallel.checkpoint.manager import CheckpointManager, SaveStats, latest_checkpoint, read_metadata
 from mcore_parallel.checkpoint.sharded import FORMAT_VERSION, load_model, load_optimizer
+from mcore_parallel.checkpoint.verify import verify_checkpoint, verify_path
 from mcore_parallel.checkpoint.zarr_io import CheckpointFormatError, read_array_spec, read_region
 
 __all__ = [
@@ -15,4 +16,6 @@ __all__ = [
     "read_array_spec",
     "CheckpointFormatError",
     "FORMAT_VERSION",
+    "verify_checkpoint",
+    "verify_path",
 ]
