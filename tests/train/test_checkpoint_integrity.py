@@ -204,3 +204,18 @@ def test_inspect_cli(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli("checkpoint", "inspect", str(run_dir)) == 0
     assert "step 2" in capsys.readouterr().out
     assert _cli("checkpoint", "inspect", str(run_dir / "nope")) == 2
+
+
+def test_pretrain_cli_reports_a_damaged_checkpoint_with_exit_code_2(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.train._util import TINY_MODEL
+
+    base = ["pretrain", "--recipe", "tiny", *TINY_MODEL, "training.train_iters=3"]
+    assert _cli(*base, f"checkpoint.load={tmp_path / 'nope'}") == 2
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    chunk = _chunk(run_dir)
+    chunk.unlink()
+    assert _cli(*base, f"checkpoint.dir={run_dir}") == 2
+    err = capsys.readouterr().err
+    assert f"{chunk}: missing chunk" in err and "Traceback" not in err
