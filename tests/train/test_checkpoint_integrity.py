@@ -219,3 +219,14 @@ def test_pretrain_cli_reports_a_damaged_checkpoint_with_exit_code_2(
     assert _cli(*base, f"checkpoint.dir={run_dir}") == 2
     err = capsys.readouterr().err
     assert f"{chunk}: missing chunk" in err and "Traceback" not in err
+
+
+def test_finetune_loads_weights_and_checks_them(run_dir: Path, tmp_path: Path) -> None:
+    ckpt = latest_checkpoint(run_dir)
+    result = pretrain(config("training.train_iters=3", f"checkpoint.load={ckpt}", "checkpoint.finetune=true"))
+    assert len(result.losses) == 3  # weights only: the schedule starts again
+    chunk = sorted(p for p in (ckpt / "model").glob("*/c/*") if p.is_file() or p.is_dir())[0]
+    target = chunk if chunk.is_file() else sorted(p for p in chunk.rglob("*") if p.is_file())[0]
+    target.write_bytes(target.read_bytes()[:-1])
+    with pytest.raises(CheckpointFormatError, match=f"{target}: truncated chunk"):
+        pretrain(config("training.train_iters=3", f"checkpoint.load={ckpt}", "checkpoint.finetune=true"))

@@ -22,7 +22,6 @@ from mcore_parallel.checkpoint import (
     CheckpointFormatError,
     CheckpointManager,
     latest_checkpoint,
-    load_model,
     read_metadata,
 )
 from mcore_parallel.ddp import DistributedDataParallel
@@ -242,15 +241,14 @@ def _resume(run: Run, path: Path) -> None:
                                f"{getattr(run.model_config, d)!r}" for d in diffs],
                               header=f"the model in {path} differs from the configured one")  # fmt: skip
     verify = run.config.checkpoint.verify not in ("off", False)
+    manager = run.checkpoints or CheckpointManager(path.parent, run.state)
     if run.config.checkpoint.finetune:
-        for chunk in run.chunks:
-            load_model(path, chunk.sharded_state_dict(), verify=verify)
+        manager.load(run.items, None, path, verify=verify)  # weights only (every rank checks, then all load)
         # the optimizer's fp32 master weights must start from the loaded weights too
         _reseed_master(run)
         run.loaded_from = path
         logger.info("fine-tuning from the weights of %s", path)
         return
-    manager = run.checkpoints or CheckpointManager(path.parent, run.state)
     _, meta, saved_rank_state = manager.load(run.items, run.optimizer, path, verify=verify)
     run.step = int(meta.get("step", 0))
     run.consumed_samples = int(meta.get("consumed_samples", 0))
