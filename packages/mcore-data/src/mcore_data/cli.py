@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=int, help="sample i of the GPTDataset split (see --seq-length ...)")
     p.add_argument("--split-name", choices=["train", "valid", "test"], default="train")
     _add_dataset_args(p)
-    p.add_argument("--validate", action="store_true", help="full consistency check of the index")
+    p.add_argument("--validate", action="store_true", help="re-run the structural checks (they also run at open)")
     p.add_argument("--json", action="store_true", help="statistics as JSON")
 
     p = sub.add_parser("merge", help="concatenate several datasets into one")
