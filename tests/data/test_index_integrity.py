@@ -39,7 +39,11 @@ GOOD_BIN = bytes(range(20))
 
 # (case id, .idx bytes, .bin bytes, which file is named, words in the message)
 CASES: list[tuple[str, bytes, bytes, str, str]] = [
-    *[(f"idx-truncated-at-{n}", GOOD_IDX[:n], GOOD_BIN, ".idx", "truncated") for n in (5, 12, 33, 40, 60, 100, 121)],
+    *[(f"idx-truncated-at-{n}", GOOD_IDX[:n], GOOD_BIN, ".idx", f"truncated header: {n} of 34") for n in (5, 12, 33)],
+    ("idx-truncated-at-40", GOOD_IDX[:40], GOOD_BIN, ".idx", "122 bytes); cut inside the sequence lengths"),
+    ("idx-truncated-at-60", GOOD_IDX[:60], GOOD_BIN, ".idx", "122 bytes); cut inside the sequence pointers"),
+    ("idx-truncated-at-100", GOOD_IDX[:100], GOOD_BIN, ".idx", "122 bytes); cut inside the document indices"),
+    ("idx-truncated-at-121", GOOD_IDX[:121], GOOD_BIN, ".idx", "121 bytes, header promises 4 sequences"),
     ("idx-empty", b"", GOOD_BIN, ".idx", "empty file (0 bytes)"),
     (
         "bin-empty",

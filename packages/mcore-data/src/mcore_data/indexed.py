@@ -96,6 +96,13 @@ def _map(path: str, size: int, random_access: bool = False) -> mmap.mmap | bytes
     return m
 
 
+def _section(size: int, n_seq: int) -> str:
+    """The ``.idx`` array that a file of ``size`` bytes ends inside."""
+    if size < HEADER_SIZE + 4 * n_seq:
+        return "sequence lengths"
+    return "sequence pointers" if size < HEADER_SIZE + 12 * n_seq else "document indices"
+
+
 class IndexedDataset:
     """A read-only, memory-mapped ``prefix.bin``/``prefix.idx`` pair. Opening checks the index structurally
     (one vectorised O(n) pass, see :mod:`mcore_data._validate`) and raises :class:`IndexFormatError` on any fault.
@@ -137,7 +144,7 @@ class IndexedDataset:
             raise IndexFormatError(
                 self.idx_path,
                 f"truncated index: {idx_size} bytes, header promises {n_seq} sequences and {n_doc - 1} documents "
-                f"({expected} bytes)",
+                f"({expected} bytes); cut inside the {_section(idx_size, n_seq)}",
             )
         if idx_size not in (expected, expected + n_seq):
             raise IndexFormatError(self.idx_path, f"{idx_size - expected} unexpected trailing bytes")
