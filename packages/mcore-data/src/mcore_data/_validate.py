@@ -67,8 +67,8 @@ def _check_pointers(
                 raise IndexFormatError(idx_path, f"sequence 0 has pointer {int(pointers[0])}, expected 0")
             raise IndexFormatError(
                 idx_path,
-                f"sequence {i} has pointer {int(pointers[i])}, expected {int(expect[i - lo])} (pointer of sequence "
-                f"{i - 1} {int(pointers[i - 1])} + its length {int(lengths[i - 1])} x {itemsize} bytes)",
+                f"sequence {i} has pointer {int(pointers[i])}, expected {int(expect[i - lo])} (where sequence {i - 1}, "
+                f"at byte {int(pointers[i - 1])} with {int(lengths[i - 1])} tokens of {itemsize} bytes, ends)",
             )
         carry = int(expect[-1] + nbytes[-1])
 
