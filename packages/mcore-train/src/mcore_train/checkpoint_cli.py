@@ -17,6 +17,9 @@ __all__ = ["add_checkpoint_parser", "run_checkpoint_command", "inspect_path"]
 
 _MODEL_SUMMARY = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "vocab_size", "max_position_embeddings")  # fmt: skip
+_CONFIG_SUMMARY = ("recipe", "training.train_iters", "training.global_batch_size", "training.micro_batch_size",
+                   "data.seq_length", "data.path", "optimizer.optimizer", "optimizer.lr", "parallel.tp", "parallel.pp",
+                   "tokenizer")  # fmt: skip
 _COUNTERS = ("step", "consumed_samples", "consumed_tokens", "skipped_steps", "format_version")
 
 
@@ -30,6 +33,18 @@ def add_checkpoint_parser(sub: Any) -> None:
     inspect = actions.add_parser("inspect", help="steps, arrays with shapes and dtypes, saved layout, config")
     inspect.add_argument("dir", help="a checkpoint directory or a run directory")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _config_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """A few keys of the saved training config (``config`` attribute), by dotted name."""
+    out = {}
+    for dotted in _CONFIG_SUMMARY:
+        node: Any = meta.get("config") if dotted != "tokenizer" else meta
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out[dotted] = node
+    return out
 
 
 def _describe(ckpt: Path) -> dict[str, Any]:
@@ -46,8 +61,7 @@ def _describe(ckpt: Path) -> dict[str, Any]:
     out["saved_layout"] = meta.get("saved_layout")
     model = meta.get("model") or {}
     out["model"] = {k: model[k] for k in _MODEL_SUMMARY if k in model}
-    out["config"] = {k: v for k, v in meta.items() if k not in (*_COUNTERS, "model", "saved_layout") and
-                     isinstance(v, str | int | float | bool)}  # fmt: skip
+    out["config"] = _config_summary(meta)
     arrays: list[dict[str, Any]] = []
     for a in find_arrays(ckpt):
         if a.spec is None:
@@ -85,7 +99,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         w("  " + ", ".join(f"{k} {c[k]}" for k in _COUNTERS if k in c) + "\n")
         w(f"  saved layout: {c['saved_layout']}\n  model: {c['model']}\n")
         if c["config"]:
-            w(f"  metadata: {c['config']}\n")
+            w("  config: " + ", ".join(f"{k}={v}" for k, v in c["config"].items()) + "\n")
         for a in c["arrays"]:
             if "problem" in a:
                 w(f"  {a['name']}: PROBLEM {a['problem']}\n")
