@@ -43,7 +43,8 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--split", default="969,30,1", help="train,valid,test document weights")
-    p.add_argument("--ordering", choices=["fast", "megatron"], default="fast")
+    p.add_argument("--ordering", choices=["fast", "megatron"], default="fast",
+                   help="sample order: fast (default) or megatron (Megatron-LM's exact samples, to continue its runs)")  # fmt: skip
     p.add_argument("--cache-dir", help="index cache directory (default <data dir>/cache/GPTDataset_indices)")
 
 
