@@ -37,7 +37,7 @@ from mcore_parallel.checkpoint.sharded import (
     plan_optimizer_writes,
     write_jobs,
 )
-from mcore_parallel.checkpoint.zarr_io import CheckpointFormatError, fsync_tree, write_group_metadata
+from mcore_parallel.checkpoint.zarr_io import ArraySpec, CheckpointFormatError, fsync_tree, write_group_metadata
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import ParallelState
 
@@ -302,17 +302,18 @@ class CheckpointManager:
         model = model_arrays(model_items)
         arrays = model if optimizer is None else {**model, **optimizer_arrays(ckpt, optimizer, model_items)}
         problem: CheckpointFormatError | None = None
-        try:
-            check_arrays(ckpt, arrays, allow_missing=not strict and optimizer is None)  # every problem at once
+        specs: dict[str, ArraySpec] = {}
+        try:  # every problem at once, before any tensor is touched
+            specs, _ = check_arrays(ckpt, arrays, allow_missing=not strict and optimizer is None)
         except CheckpointFormatError as e:
             problem = e
         if not _all_done(problem is None, self.state.device):  # every rank stops, none waits in a collective
             raise problem or CheckpointFormatError(
                 f"{ckpt}: another rank found missing or damaged files in this checkpoint (its error names them)"
             )
-        load_model(ckpt, model_items, strict=strict, verify=verify)
+        load_model(ckpt, model_items, strict=strict, verify=verify, checked=specs)
         if optimizer is not None:
-            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)), verify=verify)
+            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)), verify=verify, checked=specs)
         rank_file = ckpt / "rank_state" / f"rank_{self.state.rank:05d}.pt"
         try:
             rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None

@@ -401,12 +401,23 @@ def model_arrays(items: Mapping[str, ShardedTensor]) -> dict[str, ShardedTensor]
     return {f"model/{info.key}": info for info in items.values()}
 
 
-def load_model(root: Path, items: Mapping[str, ShardedTensor], strict: bool = True, verify: bool = True) -> list[str]:
+def load_model(
+    root: Path,
+    items: Mapping[str, ShardedTensor],
+    strict: bool = True,
+    verify: bool = True,
+    checked: Mapping[str, ArraySpec] | None = None,
+) -> list[str]:
     """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys.
 
-    Every array's metadata and chunk files are checked before any tensor is touched."""
+    Every array's metadata and chunk files are checked before any tensor is touched (``checked``: the specs that a
+    :func:`check_arrays` of these arrays returned already)."""
     arrays = model_arrays(items)
-    specs, missing_arrays = check_arrays(root, arrays, allow_missing=True)
+    if checked is None:
+        specs, missing_arrays = check_arrays(root, arrays, allow_missing=True)
+    else:
+        specs = {n: checked[n] for n in arrays if n in checked}
+        missing_arrays = [n for n in arrays if n not in checked]
     missing = sorted({arrays[m].key for m in missing_arrays})
     if strict and missing:
         raise CheckpointFormatError(f"{root}: no saved tensor for {missing}")
@@ -450,7 +461,12 @@ def _read_local(
 
 
 def load_optimizer(
-    root: Path, optimizer: Any, items: Mapping[str, ShardedTensor], step: int, verify: bool = True
+    root: Path,
+    optimizer: Any,
+    items: Mapping[str, ShardedTensor],
+    step: int,
+    verify: bool = True,
+    checked: Mapping[str, ArraySpec] | None = None,
 ) -> None:
     """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
 
@@ -458,7 +474,7 @@ def load_optimizer(
     Every array's metadata and chunk files are checked before any tensor is touched."""
     by_id = _params_by_identity(items)
     arrays = optimizer_arrays(root, optimizer, items)
-    specs, _ = check_arrays(root, arrays)
+    specs = {n: checked[n] for n in arrays} if checked is not None else check_arrays(root, arrays)[0]
 
     def pieces(entry: Any) -> dict[str, torch.Tensor]:
         info = by_id[id(entry.param)]
