@@ -13,6 +13,7 @@ from typing import get_args
 
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import DecodeKernels
+from mcore_infer.errors import InvalidRequestError, MissingDependencyError
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["main"]
@@ -55,7 +56,13 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         import torch
 
         device = f"cuda:{state.local_rank}" if torch.cuda.is_available() else "cpu"
-    config = EngineConfig(
+    config = _engine_config(args, device)
+    return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)
+
+
+def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
+    """The engine's configuration from the flags; a bad value is a user error naming it."""
+    options = dict(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         memory_fraction=args.memory_fraction,
@@ -68,10 +75,40 @@ def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
         attention_backend=args.attention,
         decode_kernels=args.decode_kernels,
     )
-    return LLM(args.checkpoint, config=config, tp=state.tp, device=device, dtype=args.dtype, name=name)
+    try:
+        return EngineConfig(**options)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InvalidRequestError(f"invalid engine options: {e}") from e
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors the mcore packages raise for a user's mistake (a bad checkpoint, option or environment)."""
+    from mcore_data.errors import MCoreDataError
+    from mcore_models.errors import MCoreModelsError
+    from mcore_parallel.errors import MCoreParallelError
+
+    return (MCoreParallelError, MCoreModelsError, MCoreDataError, InvalidRequestError, MissingDependencyError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user's mistake is one message on stderr (from rank 0) and exit code 2, no traceback."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except _user_errors() as e:
+        from mcore_parallel import read_launch_env
+
+        try:
+            rank = read_launch_env().rank
+        except Exception:
+            rank = 0
+        if rank == 0:
+            sys.stderr.write(f"mcore-infer: error: {e}\n")
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -88,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return parser
 
+
+def _run(args: argparse.Namespace) -> int:
     from mcore_infer.api import LLM
 
     llm = _build_llm(args, getattr(args, "model_name", None))

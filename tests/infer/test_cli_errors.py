@@ -1,0 +1,39 @@
+"""``mcore-infer``: a user's mistake (a checkpoint that is missing or damaged, a bad engine option) is one message on
+stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore_infer.cli import main
+from mcore_models.checkpoint import save_weights
+from mcore_parallel import ParallelState
+from tests.infer._tiny import tiny_model
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(["generate", "--device", "cpu", "--max-tokens", "2", *argv, "hi"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def test_a_missing_checkpoint_is_one_message_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(capsys, "--checkpoint", str(tmp_path / "nowhere"))
+    assert rc == 2 and f"mcore-infer: error: {tmp_path / 'nowhere'}" in err
+
+
+def test_a_damaged_checkpoint_names_the_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_weights(tiny_model(), ParallelState.initialize(), tmp_path)
+    chunk = next(p for p in sorted((path / "model").rglob("c/*")) if p.is_file())
+    chunk.unlink()
+    rc, err = _run(capsys, "--checkpoint", str(path))
+    assert rc == 2 and "missing chunk" in err and chunk.name in err, err
+
+
+def test_a_bad_engine_option_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_weights(tiny_model(), ParallelState.initialize(), tmp_path)
+    rc, err = _run(capsys, "--checkpoint", str(path), "--block-size", "3")
+    assert rc == 2 and "block_size=3 must be a power of two" in err
