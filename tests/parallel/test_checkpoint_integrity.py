@@ -121,3 +121,22 @@ def test_a_problem_only_one_rank_sees_stops_every_rank(tmp_path: Path) -> None:
     messages = run_distributed(_load_on_each_rank, 2, str(tmp_path))
     assert "another rank found missing or damaged files" in messages[0]
     assert f"{tmp_path / 's/model/fc2.weight/c/0/1'}: missing chunk" in messages[1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("data_type", "float16", "chunk of the wrong size"),  # the chunk's bytes read as another dtype
+        ("shape", [5, 16], r"saved shape \(5, 16\) does not match the model.s global shape"),
+    ],
+)
+def test_edited_array_metadata_is_an_error(tmp_path: Path, field: str, value: object, says: str) -> None:
+    state, _ = _saved(tmp_path)
+    meta_path = tmp_path / "s/model/fc1.weight/zarr.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta[field] != value
+    meta[field] = value
+    meta_path.write_text(json.dumps(meta))
+    fresh = Net(state.tp)
+    with pytest.raises(CheckpointFormatError, match=says):
+        CheckpointManager(tmp_path, state).load(fresh.sharded_state_dict())
