@@ -141,6 +141,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
             main_process=args.main_process,
             allow_empty=args.allow_empty,
             keep_blank=args.keep_blank_documents,
+            megatron_documents=megatron_mode(args),
             split_sentences=args.split_sentences,
             keep_newlines=bool(args.keep_newlines),
             lang=args.lang or "english",

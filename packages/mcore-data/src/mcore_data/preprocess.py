@@ -71,6 +71,10 @@ class PreprocessConfig:
     """Write an empty dataset when the inputs hold no document (otherwise that is an :class:`EmptyInputError`)."""
     keep_blank: bool = False
     """Keep documents that are empty or only whitespace (by default they are counted as blank and skipped)."""
+    megatron_documents: bool = False
+    """Megatron-LM's rules for each document (``tools/preprocess_data.py``): blank texts kept and tokenized as they
+    are, empty sentences dropped, EOD appended only to a non-empty last sentence, and a document left with no tokens
+    written as a document of no sequences (never skipped), so the files match Megatron's byte for byte."""
     split_sentences: bool = False
     """Split each text into sentences, one sequence each (see :mod:`mcore_data.sentences`)."""
     keep_newlines: bool = False
@@ -130,6 +134,7 @@ class _Options:
     split_sentences: bool = False
     keep_newlines: bool = False
     lang: str = "english"
+    megatron_documents: bool = False
 
 
 _TOKENIZER: Tokenizer | None = None
@@ -226,9 +231,9 @@ def _encode_sentences(tok: Tokenizer, docs: list[_Doc]) -> _Encoded:
         if _OPTS.append_eod:
             if doc:
                 doc[-1].append(tok.eod)
-            else:
+            elif not _OPTS.megatron_documents:
                 doc = [[tok.eod]]
-        if not doc:  # no token at all: dropped, counted as blank
+        if not doc and not _OPTS.megatron_documents:  # no token at all: dropped, counted as blank
             continue
         per_doc.append(len(doc))
         for x in doc:
@@ -279,8 +284,9 @@ def preprocess(config: PreprocessConfig, progress: Callable[[int, int], None] | 
     # shrinking chunks at the end of the input let the tokenizer processes finish together
     chunks = iter_chunks(files, text_unit=config.text_unit, chunk_bytes=config.chunk_bytes,
                          tail_parts=4 * config.workers if config.workers > 1 else 0)  # fmt: skip
-    opts = _Options(config.append_eod, dtype, config.json_key, config.skip_malformed, config.keep_blank,
-                    config.split_sentences, config.keep_newlines, config.lang)  # fmt: skip
+    opts = _Options(config.append_eod, dtype, config.json_key, config.skip_malformed,
+                    config.keep_blank or config.megatron_documents, config.split_sentences, config.keep_newlines,
+                    config.lang, config.megatron_documents)  # fmt: skip
     init_args = (config.tokenizer, opts)
     main_tokenizes = config.main_tokenizes()
     pool_size = config.workers - 1 if main_tokenizes else config.workers
