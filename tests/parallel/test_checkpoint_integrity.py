@@ -140,3 +140,22 @@ def test_edited_array_metadata_is_an_error(tmp_path: Path, field: str, value: ob
     fresh = Net(state.tp)
     with pytest.raises(CheckpointFormatError, match=says):
         CheckpointManager(tmp_path, state).load(fresh.sharded_state_dict())
+
+
+def test_sample_verification_checks_the_first_and_every_eighth_chunk(tmp_path: Path) -> None:
+    spec = zarr_io.ArraySpec((10, 4), torch.float32, (1, 4))
+    zarr_io.write_array_metadata(tmp_path / "a", spec)
+    for i in range(10):
+        zarr_io.write_chunk(tmp_path / "a", spec, (i, 0), torch.full((1, 4), float(i)))
+    for i in (0, 3, 8):
+        raw = bytearray(zarr_io.chunk_path(tmp_path / "a", (i, 0)).read_bytes())
+        raw[0] ^= 0x01
+        zarr_io.chunk_path(tmp_path / "a", (i, 0)).write_bytes(bytes(raw))
+    row = {i: (slice(i, i + 1), slice(0, 4)) for i in range(10)}
+    for i in (0, 8):  # sampled: the first chunk, and chunk indices summing to a multiple of eight
+        with pytest.raises(CheckpointFormatError, match="checksum mismatch"):
+            read_region(tmp_path / "a", row[i], verify="sample")
+    read_region(tmp_path / "a", row[3], verify="sample")  # not sampled: read as stored
+    with pytest.raises(CheckpointFormatError, match="checksum mismatch"):
+        read_region(tmp_path / "a", row[3], verify=True)
+    read_region(tmp_path / "a", row[3], verify=False)

@@ -230,3 +230,13 @@ def test_finetune_loads_weights_and_checks_them(run_dir: Path, tmp_path: Path) -
     target.write_bytes(target.read_bytes()[:-1])
     with pytest.raises(CheckpointFormatError, match=f"{target}: truncated chunk"):
         pretrain(config("training.train_iters=3", f"checkpoint.load={ckpt}", "checkpoint.finetune=true"))
+
+
+def test_verify_sample_resumes_a_good_checkpoint_and_catches_a_sampled_chunk(run_dir: Path) -> None:
+    _resume(run_dir, "checkpoint.verify=sample")
+    chunk = _chunk(run_dir, "master")
+    assert chunk.name == "0"  # a first chunk: always sampled
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    _fails(f"{chunk}: checksum mismatch", run_dir, "checkpoint.verify=sample")

@@ -24,6 +24,7 @@ from mcore_parallel.checkpoint import (
     latest_checkpoint,
     read_metadata,
 )
+from mcore_parallel.checkpoint.zarr_io import Verify
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
@@ -240,7 +241,8 @@ def _resume(run: Run, path: Path) -> None:
             raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "
                                f"{getattr(run.model_config, d)!r}" for d in diffs],
                               header=f"the model in {path} differs from the configured one")  # fmt: skip
-    verify = run.config.checkpoint.verify not in ("off", False)
+    choice = run.config.checkpoint.verify
+    verify: Verify = "sample" if choice == "sample" else choice not in ("off", False)
     manager = run.checkpoints or CheckpointManager(path.parent, run.state)
     if run.config.checkpoint.finetune:
         manager.load(run.items, None, path, verify=verify)  # weights only (every rank checks, then all load)

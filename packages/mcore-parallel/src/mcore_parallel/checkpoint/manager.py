@@ -37,7 +37,7 @@ from mcore_parallel.checkpoint.sharded import (
     plan_optimizer_writes,
     write_jobs,
 )
-from mcore_parallel.checkpoint.zarr_io import ArraySpec, CheckpointFormatError, fsync_tree, write_group_metadata
+from mcore_parallel.checkpoint.zarr_io import ArraySpec, CheckpointFormatError, Verify, fsync_tree, write_group_metadata
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import ParallelState
 
@@ -289,7 +289,7 @@ class CheckpointManager:
         path: str | Path | None = None,
         *,
         strict: bool = True,
-        verify: bool = True,
+        verify: Verify = True,
     ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
         """Load ``path`` (default: ``latest``) into the model (and optimizer); returns (path, metadata, rank state).
 

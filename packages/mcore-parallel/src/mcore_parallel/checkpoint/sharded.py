@@ -35,6 +35,7 @@ import torch.distributed as dist
 from mcore_parallel.checkpoint.zarr_io import (
     ArraySpec,
     CheckpointFormatError,
+    Verify,
     check_chunk_file,
     chunk_path,
     read_array_spec,
@@ -386,7 +387,7 @@ def check_arrays(
 
 
 def _read_piece(
-    array_dir: Path, info: ShardedTensor, dest: torch.Tensor, spec: ArraySpec | None = None, verify: bool = True
+    array_dir: Path, info: ShardedTensor, dest: torch.Tensor, spec: ArraySpec | None = None, verify: Verify = True
 ) -> None:
     spec = spec or read_array_spec(array_dir)
     shape = _shape_problem(array_dir, spec, info)
@@ -405,7 +406,7 @@ def load_model(
     root: Path,
     items: Mapping[str, ShardedTensor],
     strict: bool = True,
-    verify: bool = True,
+    verify: Verify = True,
     checked: Mapping[str, ArraySpec] | None = None,
 ) -> list[str]:
     """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys.
@@ -448,7 +449,7 @@ def optimizer_arrays(root: Path, optimizer: Any, items: Mapping[str, ShardedTens
 
 
 def _read_local(
-    root: Path, array: str, info: ShardedTensor, local_shape: tuple[int, ...], spec: ArraySpec, verify: bool
+    root: Path, array: str, info: ShardedTensor, local_shape: tuple[int, ...], spec: ArraySpec, verify: Verify
 ) -> torch.Tensor:
     """This rank's TP piece (shaped like the local parameter) of a saved global array; only its chunks are read."""
     array_dir = root / array
@@ -465,7 +466,7 @@ def load_optimizer(
     optimizer: Any,
     items: Mapping[str, ShardedTensor],
     step: int,
-    verify: bool = True,
+    verify: Verify = True,
     checked: Mapping[str, ArraySpec] | None = None,
 ) -> None:
     """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
