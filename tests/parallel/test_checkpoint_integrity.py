@@ -159,3 +159,31 @@ def test_sample_verification_checks_the_first_and_every_eighth_chunk(tmp_path: P
     with pytest.raises(CheckpointFormatError, match="checksum mismatch"):
         read_region(tmp_path / "a", row[3], verify=True)
     read_region(tmp_path / "a", row[3], verify=False)
+
+
+def test_verify_reports_an_array_the_manifest_lists_and_the_checkpoint_lacks(tmp_path: Path) -> None:
+    import shutil
+
+    from mcore_parallel.checkpoint import verify_checkpoint
+
+    _saved(tmp_path)
+    assert verify_checkpoint(tmp_path / "s") == []
+    shutil.rmtree(tmp_path / "s/model/fc2.weight")  # the whole array, metadata and chunks
+    assert verify_checkpoint(tmp_path / "s") == [
+        f"{tmp_path / 's/model/fc2.weight'}: missing (listed in {tmp_path / 's/manifest.json'})"
+    ]
+
+
+def _save_tp2(root: str) -> None:
+    state = ParallelState.initialize(ParallelConfig(tp=2))
+    CheckpointManager(root, state).save("s", Net(state.tp).sharded_state_dict(), metadata={"step": 1})
+
+
+def test_the_manifest_lists_every_rank_s_arrays(tmp_path: Path) -> None:
+    from mcore_parallel.testing import run_distributed
+
+    run_distributed(_save_tp2, 2, str(tmp_path))
+    listed = json.loads((tmp_path / "s/manifest.json").read_text())["arrays"]
+    on_disk = {str(p.parent.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("zarr.json")}
+    assert set(listed) == on_disk - {".", "model", "optimizer"}
+    assert listed["model/fc1.weight"]["shape"] == list(Net(ParallelState.initialize().tp).fc1.weight.shape)

@@ -107,6 +107,25 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return attrs
 
 
+MANIFEST = "manifest.json"
+"""Every array of a checkpoint (path, shape, zarr data type), from every rank's writes, written by rank 0 at save:
+``mcore-train checkpoint verify`` reports an array that is listed there and missing."""
+
+
+def _write_manifest(tmp: Path, jobs: list[Any], rank: int) -> None:
+    """Gather the arrays every rank writes and write :data:`MANIFEST` (collective)."""
+    mine = {job.path: {"shape": list(job.spec.shape), "data_type": job.spec.zarr_dtype} for job in jobs}
+    gathered: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        arrays: dict[str, Any] = {}
+        for part in gathered:
+            arrays.update(part)
+        (tmp / MANIFEST).write_text(json.dumps({"arrays": dict(sorted(arrays.items()))}, indent=1) + "\n")
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -191,6 +210,7 @@ class CheckpointManager:
         jobs = plan_model_writes(model_items, self.state, to_host)
         if optimizer is not None:
             jobs += plan_optimizer_writes(optimizer, model_items, self.state, to_host)
+        _write_manifest(tmp, jobs, self.state.rank)
         if rank_state is not None:
             (tmp / "rank_state").mkdir(exist_ok=True)
             torch.save(rank_state, tmp / "rank_state" / f"rank_{self.state.rank:05d}.pt")

@@ -69,6 +69,18 @@ def _missing_optimizer_states(ckpt: Path, found: list[ArrayInfo]) -> list[ArrayI
     ]
 
 
+def _manifest_problems(ckpt: Path, found: set[str]) -> list[str]:
+    """The arrays the checkpoint's manifest lists that are not there (none for checkpoints written before it)."""
+    path = ckpt / "manifest.json"
+    if not path.exists():
+        return []
+    try:
+        listed = json.loads(path.read_text())["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{path}: unreadable manifest ({e})"]
+    return [f"{ckpt / name}: missing (listed in {path})" for name in sorted(set(listed) - found)]
+
+
 def verify_checkpoint(ckpt: Path, checksums: bool = True) -> list[str]:
     """Every problem of one checkpoint directory (empty when it is good): metadata, arrays, each chunk file."""
     problems = []
@@ -76,7 +88,9 @@ def verify_checkpoint(ckpt: Path, checksums: bool = True) -> list[str]:
         read_metadata(ckpt)
     except CheckpointFormatError as e:
         problems.append(str(e))
-    for array in find_arrays(ckpt):
+    found = find_arrays(ckpt)
+    problems += _manifest_problems(ckpt, {a.name for a in found})
+    for array in found:
         if array.spec is None:
             problems.append(array.problem or f"{ckpt / array.name}: unreadable")
             continue
