@@ -162,15 +162,7 @@ class IndexedDataset:
         if idx_size == expected + n_seq and n_seq > 0:
             self.sequence_modes = np.frombuffer(self._idx_buf, dtype=np.int8, count=n_seq, offset=expected)
         bin_size = os.path.getsize(self.bin_path)
-        check_index(
-            self.idx_path,
-            self.bin_path,
-            self.sequence_lengths,
-            self.sequence_pointers,
-            self.document_indices,
-            self.dtype,
-            bin_size,
-        )
+        self._check(bin_size)
         self._bin_buf = _map(self.bin_path, bin_size, random_access=True)
         self.tokens: npt.NDArray[Any] = np.frombuffer(self._bin_buf, dtype=self.dtype)
 
@@ -239,15 +231,11 @@ class IndexedDataset:
 
     def validate(self) -> None:
         """Re-run the structural checks made at open (lengths, pointers, document indices, ``.bin`` size)."""
-        check_index(
-            self.idx_path,
-            self.bin_path,
-            self.sequence_lengths,
-            self.sequence_pointers,
-            self.document_indices,
-            self.dtype,
-            os.path.getsize(self.bin_path),
-        )
+        self._check(os.path.getsize(self.bin_path))
+
+    def _check(self, bin_size: int) -> None:
+        check_index(self.idx_path, self.bin_path, self.sequence_lengths, self.sequence_pointers,
+                    self.document_indices, self.dtype, bin_size)  # fmt: skip
 
     def __repr__(self) -> str:
         return (

@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except _user_errors() as e:
-        from mcore_parallel import read_launch_env
+        from mcore_parallel import LaunchEnvironmentError, read_launch_env
 
         try:
             rank = read_launch_env().rank
-        except Exception:
+        except LaunchEnvironmentError:  # the environment itself is the mistake being reported
             rank = 0
         if rank == 0:
             sys.stderr.write(f"mcore-infer: error: {e}\n")
