@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mcore_models.errors import ConfigError
+from mcore_models.moe_config import MoEConfig
 
 __all__ = ["TransformerConfig", "RopeScaling", "DTYPES"]
 
@@ -113,6 +114,9 @@ class TransformerConfig:
     """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
     logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
     of activation memory for one extra output-layer matmul). Same loss and gradients up to float rounding."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (:class:`~mcore_models.moe.MoEConfig`): which layers get routed experts, and how; None =
+    every layer has a dense MLP."""
     seed: int = 1234
     """Base seed of the initialisation (each parameter draws from a seed derived from it and its name)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +125,11 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # accept the plain mapping a YAML file or HF config gives
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, dict):
+            unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+            if unknown:
+                raise ConfigError([f"unknown moe field(s) {unknown}"])
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -210,6 +219,12 @@ class TransformerConfig:
             p.append("rope_scaling is set but position_embedding is not 'rope'")
         if not ok:
             return p
+        if self.moe is not None:
+            p.extend(self.moe.problems(self.num_layers))
+            if self.add_bias_linear:
+                p.append(
+                    "moe is set but add_bias_linear=true: routed experts have no biases; set add_bias_linear=false"
+                )
         heads, groups = self.num_attention_heads, self.query_groups
         if self.kv_channels is None and self.hidden_size % heads:
             p.append(
@@ -234,6 +249,10 @@ class TransformerConfig:
                 )
             if self.ffn_size % tp_size:
                 p.append(f"ffn_hidden_size={self.ffn_size} is not divisible by the tensor-parallel size {tp_size}")
+            shared = None if self.moe is None else self.moe.shared_expert_ffn_hidden_size
+            if shared is not None and shared % tp_size:
+                p.append(f"moe.shared_expert_ffn_hidden_size={shared} is not divisible by the tensor-parallel size "
+                         f"{tp_size}")  # fmt: skip
         return p
 
     def check_parallel(self, tp_size: int) -> None:

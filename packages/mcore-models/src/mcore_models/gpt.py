@@ -57,7 +57,12 @@ class GPTModel(nn.Module):
         spec: LayerSpec | None = None,
         rng_tracker: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
+        ep: Group | None = None,
+        expert_tp: Group | None = None,
+        balance: Group | None = None,
     ) -> None:
+        """``ep``, ``expert_tp``, ``balance``: the groups of the MoE layers (see
+        :class:`~mcore_models.transformer.context.ModelContext`; one-member groups when not given)."""
         super().__init__()
         tp = tp or Group.single("tp")
         config.check_parallel(tp.size)
@@ -66,7 +71,8 @@ class GPTModel(nn.Module):
             raise ValueError(f"layers={layers} must be a contiguous range inside [0, {config.num_layers})")
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
         self.layer_numbers = layers
-        self.ctx = ModelContext(tp, sequence_parallel and tp.size > 1, rng_tracker, device, config.seed)
+        self.ctx = ModelContext(tp, sequence_parallel and tp.size > 1, rng_tracker, device, config.seed, ep=ep,
+                                expert_tp=expert_tp, balance=balance)  # fmt: skip
         spec = spec or default_spec()
         self.padded_vocab_size = padded_vocab_size(config.vocab_size, tp.size, config.make_vocab_size_divisible_by)
         self.input_tensor: torch.Tensor | None = None
@@ -254,7 +260,8 @@ class GPTModel(nn.Module):
                     EMBEDDING_KEY, info.local, info.global_shape, info.pieces, replica=True
                 )
                 continue
-            out[name] = shard_info(name, param, self.ctx.tp)
+            group = self.ctx.expert_tensor_parallel if getattr(param, "expert_parallel", False) else self.ctx.tp
+            out[name] = shard_info(name, param, group)
         return out
 
     def load_global_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -277,8 +284,12 @@ class GPTModel(nn.Module):
                 continue
             full = torch.zeros(info.global_shape, dtype=info.local.dtype, device=info.local.device)
             info.scatter_into(full)
-            if self.ctx.tp.size > 1 and getattr(info.local, "tensor_model_parallel", False):
-                torch.distributed.all_reduce(full, group=self.ctx.tp.pg)
+            expert = getattr(info.local, "expert_parallel", False)
+            tp = self.ctx.expert_tensor_parallel if expert else self.ctx.tp
+            if tp.size > 1 and getattr(info.local, "tensor_model_parallel", False):
+                torch.distributed.all_reduce(full, group=tp.pg)
+            if expert and self.ctx.expert_parallel.size > 1:  # each ep rank holds other experts
+                torch.distributed.all_reduce(full, group=self.ctx.expert_parallel.pg)
             out[info.key] = full
         return out
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from mcore_models.moe.layer import MoELayer
 from mcore_models.transformer.attention import SDPACoreAttention, SelfAttention
 from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.mlp import MLP
@@ -31,6 +32,8 @@ class LayerSpec:
     attention: Callable[..., nn.Module] = SelfAttention
     core_attention: Callable[..., nn.Module] = SDPACoreAttention
     mlp: Callable[..., nn.Module] = MLP
+    moe: Callable[..., nn.Module] = MoELayer
+    """The MLP of the layers that ``TransformerConfig.moe`` makes mixture-of-experts (same signature as ``mlp``)."""
     norm: Callable[..., nn.Module] = build_norm
     column_linear: Callable[..., Any] = ColumnParallelLinear
     row_linear: Callable[..., Any] = RowParallelLinear

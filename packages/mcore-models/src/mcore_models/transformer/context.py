@@ -18,13 +18,33 @@ __all__ = ["ModelContext"]
 
 @dataclass(frozen=True, eq=False)
 class ModelContext:
-    """Tensor-parallel group, sequence parallelism, RNG streams, device and the base seed of one model."""
+    """Tensor-parallel group, sequence parallelism, RNG streams, device and the base seed of one model, and the
+    groups of its MoE layers (one-member groups when not given)."""
 
     tp: Group
     sequence_parallel: bool = False
     rng_tracker: RNGStatesTracker | None = None
     device: torch.device | str | None = None
     seed: int = 1234
+    ep: Group | None = None
+    """Expert parallelism: the ranks that split the experts of an MoE layer."""
+    expert_tp: Group | None = None
+    """Tensor parallelism inside each expert (the same ranks as ``tp``, or one rank)."""
+    balance: Group | None = None
+    """The ranks of this pipeline stage (tp x cp x dp): token counts of the global load-balancing loss and of the
+    expert bias update are summed over it."""
+
+    @property
+    def expert_parallel(self) -> Group:
+        return self.ep or Group.single("ep")
+
+    @property
+    def expert_tensor_parallel(self) -> Group:
+        return self.expert_tp or Group.single("expert_tp")
+
+    @property
+    def balance_group(self) -> Group:
+        return self.balance or Group.single("balance")
 
     def seed_for(self, name: str) -> int:
         """The initialisation seed of the parameter with fully qualified name ``name``."""

@@ -31,7 +31,8 @@ class TransformerLayer(nn.Module):
             config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute == "selective"
         )
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
-        self.mlp = spec.mlp(config, ctx, spec, f"{prefix}.mlp")
+        moe_layer = config.moe is not None and config.moe.is_moe_layer(layer_number)
+        self.mlp = (spec.moe if moe_layer else spec.mlp)(config, ctx, spec, f"{prefix}.mlp")
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.hidden_dropout > 0 and self.training:
