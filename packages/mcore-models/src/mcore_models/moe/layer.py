@@ -148,13 +148,13 @@ class MoELayer(nn.Module):
         counts = self._reduced(counts, balance if balance.size > 1 else None)
         return (counts * r.scores.sum(0)).sum() * (moe.aux_loss_coeff * e / (total * k * tokens))
 
-    def _record(self, aux: torch.Tensor | None, z: torch.Tensor | None, dropped: Any, counts: torch.Tensor) -> None:
+    def _record(self, aux: torch.Tensor | None, z: torch.Tensor | None, counts: torch.Tensor) -> None:
         with torch.no_grad():
             dt = self.stats.dtype
             head = torch.stack([
                 aux.detach().to(dt) if aux is not None else self.stats.new_zeros(()),
                 z.detach().to(dt) if z is not None else self.stats.new_zeros(()),
-                torch.as_tensor(dropped, dtype=dt, device=counts.device),
+                self.stats.new_zeros(()),  # dropped choices: added by the capacity step
                 self.stats.new_ones(()),
             ])  # fmt: skip
             self.stats.add_(torch.cat([head, counts.to(dt)]))
@@ -176,7 +176,7 @@ class MoELayer(nn.Module):
         )
         if self.training:
             counts = expert_counts(r.indices, moe.num_experts)
-            self._record(aux, z, 0, counts)
+            self._record(aux, z, counts)
             if self.router.expert_bias is not None:
                 with torch.no_grad():
                     self.bias_counts.add_(counts)
