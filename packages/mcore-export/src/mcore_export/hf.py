@@ -34,6 +34,7 @@ from mcore_models.hf import (
     llama_config_to_hf,
     mcore_to_hf,
 )
+from mcore_models.hf_moe import MOE_ARCHITECTURES, MOE_MODEL_TYPES, moe_config_from_hf, moe_config_to_hf
 from mcore_parallel import Group
 from mcore_parallel.checkpoint import FORMAT_VERSION
 from mcore_parallel.checkpoint.zarr_io import ArraySpec, write_array_metadata, write_chunk, write_group_metadata
@@ -49,7 +50,10 @@ _DTYPE_JSON = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 def hf_config_for(config: TransformerConfig) -> dict[str, Any]:
     """The Hugging Face ``config.json`` content (raises ConversionError naming what HF cannot represent)."""
-    if hf_architecture(config) == "LlamaForCausalLM":
+    arch = hf_architecture(config)
+    if arch in MOE_ARCHITECTURES:
+        return moe_config_to_hf(config)
+    if arch == "LlamaForCausalLM":
         return llama_config_to_hf(config)
     return gpt2_config_to_hf(config)
 
@@ -153,9 +157,11 @@ def _config_from_hf(hf: dict[str, Any], params_dtype: str) -> TransformerConfig:
         return llama_config_from_hf(hf, params_dtype=params_dtype)
     if arch == "GPT2LMHeadModel" or (arch is None and model_type == "gpt2"):
         return gpt2_config_from_hf(hf, params_dtype=params_dtype)
+    if arch in MOE_ARCHITECTURES or (arch is None and model_type in MOE_MODEL_TYPES):
+        return moe_config_from_hf(hf, params_dtype=params_dtype)
     raise ConversionError(
         f"architecture {arch!r} (model_type {model_type!r}) is not supported; supported: LlamaForCausalLM, "
-        "GPT2LMHeadModel"
+        f"GPT2LMHeadModel, {', '.join(MOE_ARCHITECTURES)}"
     )
 
 
@@ -191,7 +197,10 @@ def import_hf(
         )
     out_path = Path(out)
     check_output(out_path.absolute(), overwrite)
-    layout = GPTModel(config, tp=Group("tp", tuple(range(tp)), 0, None), device="meta").sharded_state_dict()
+    # MoE layers under tp > 1 need sequence parallelism; it marks parameters but does not change their chunks
+    tp_group = Group("tp", tuple(range(tp)), 0, None)
+    meta_model = GPTModel(config, tp=tp_group, sequence_parallel=config.moe is not None, device="meta")
+    layout = meta_model.sharded_state_dict()
     infos: dict[str, ShardedTensor] = {}
     for info in layout.values():
         infos.setdefault(info.key, info)

@@ -51,6 +51,8 @@ def trtllm_architecture(config: TransformerConfig) -> str:
     """``LlamaForCausalLM`` or ``GPTForCausalLM``, or a ConversionError naming what neither can represent."""
     c = config
     problems = []
+    if c.moe is not None:
+        problems.append("moe (mixture-of-experts layers; export those with 'mcore-export hf')")
     if c.qk_layernorm:
         problems.append("qk_layernorm")
     if c.normalization == "rmsnorm":

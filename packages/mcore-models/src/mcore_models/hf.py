@@ -1,5 +1,8 @@
 """Converters between mcore's global state dict and Hugging Face Llama / GPT-2 layouts, in one place.
 
+Configs with ``moe`` (Mixtral, Qwen2-MoE, Qwen3-MoE) are handled by :mod:`mcore_models.hf_moe`; ``hf_architecture``,
+``mcore_to_hf`` and ``hf_to_mcore`` dispatch there.
+
 Both directions work tensor by tensor (``get`` returns one global tensor by key), so exporters can stream a
 checkpoint without holding more than one tensor. Configs convert both ways too. Features a Hugging Face class
 cannot represent are refused with :class:`~mcore_models.errors.ConversionError` naming the feature.
@@ -36,8 +39,13 @@ Getter = Callable[[str], torch.Tensor]
 
 # ---------------------------------------------------------------------------------------------------- configs
 def hf_architecture(config: TransformerConfig) -> str:
-    """``LlamaForCausalLM`` or ``GPT2LMHeadModel``, or a ConversionError naming what neither can represent."""
+    """``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (for an MoE config: ``Mixtral``/``Qwen2Moe``/``Qwen3Moe`` +
+    ``ForCausalLM``), or a ConversionError naming what the class cannot represent."""
     c = config
+    if c.moe is not None:
+        from mcore_models.hf_moe import moe_architecture  # hf_moe builds on this module
+
+        return moe_architecture(c)
     if c.position_embedding == "rope" and c.normalization == "rmsnorm" and c.activation == "swiglu":
         problems = []
         if c.qk_layernorm:
@@ -233,10 +241,19 @@ def _layer_map_llama(c: TransformerConfig, i: int) -> list[tuple[str, str]]:
     ]
 
 
-def mcore_to_hf(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_key, tensor)`` for every tensor of the HF model, reading mcore global tensors via ``get``."""
+def mcore_to_hf(
+    config: TransformerConfig, get: Getter, *, expert_layout: str = "hub"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_key, tensor)`` for every tensor of the HF model, reading mcore global tensors via ``get``.
+    ``expert_layout`` (MoE models only): ``hub`` (per-expert tensors, as ``save_pretrained`` writes) or ``fused``
+    (the ``transformers`` module's own ``experts.gate_up_proj`` / ``down_proj``)."""
     arch = hf_architecture(config)
     c = config
+    if c.moe is not None:
+        from mcore_models.hf_moe import moe_mcore_to_hf
+
+        yield from moe_mcore_to_hf(c, get, expert_layout)
+        return
     if arch == "LlamaForCausalLM":
         yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")
         for i in range(c.num_layers):
@@ -283,6 +300,11 @@ def hf_to_mcore(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
     """Yield ``(mcore_key, global tensor)`` for every mcore parameter, reading HF tensors via ``get``."""
     arch = hf_architecture(config)
     c = config
+    if c.moe is not None:
+        from mcore_models.hf_moe import moe_hf_to_mcore
+
+        yield from moe_hf_to_mcore(c, get)
+        return
     if arch == "LlamaForCausalLM":
         yield "embedding.word_embeddings.weight", get("model.embed_tokens.weight")
         for i in range(c.num_layers):
