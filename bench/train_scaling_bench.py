@@ -76,6 +76,14 @@ CASES: dict[str, Case] = {
     "llama3-8b/tp4-dp2": Case(8, ("parallel.tp=4", *_SP, *_batch(1, 16), *FAST), "llama3-8b on 8 GPUs", **_8B),
     "llama3-8b/tp2-pp2-dp2": Case(8, ("parallel.tp=2", *_SP, "parallel.pp=2", *_batch(1, 32), *FAST),
                                   "llama3-8b on 8 GPUs", **_8B),
+    "moe-8x4k/mb4": Case(1, (*_batch(4, 64), *FAST), "moe-8x4k (8 experts of ffn 4096, top-2: llama-1b's active "
+                         "FLOPs, 3.5 B parameters), compiled layers, micro-batch 4", preset="moe-8x4k"),
+    "moe-8x4k/mb8": Case(1, (*_batch(8, 64), *FAST), "moe-8x4k at micro-batch 8", preset="moe-8x4k"),
+    "moe-32x1k/mb4": Case(1, (*_batch(4, 64), *FAST), "moe-32x1k (32 experts of ffn 1024, top-8), compiled layers, "
+                          "micro-batch 4", preset="moe-32x1k"),
+    "moe-32x1k/mb8": Case(1, (*_batch(8, 64), *FAST), "moe-32x1k at micro-batch 8", preset="moe-32x1k"),
+    "moe-8x4k/ep2": Case(2, ("parallel.ep=2", *_batch(4, 128), *FAST), "moe-8x4k, expert parallel 2 (dp 2)",
+                         preset="moe-8x4k"),
 }  # fmt: skip
 
 
