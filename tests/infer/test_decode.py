@@ -198,9 +198,9 @@ def _every_other_layer(config: Any, ctx: Any, spec: LayerSpec, layer_number: int
 
 
 def test_another_layer_type_serves_through_the_plain_path() -> None:
-    """Layers built by ``LayerSpec(layer=...)`` that are not the standard layer run their own forward under auto
-    (the standard layers around them keep their fusions, the deferred residual add included); a strict plan that
-    needs a layer fusion for them raises, naming the layer and what it is."""
+    """Layers built by ``LayerSpec(layer=...)`` that are not the standard layer run their own forward under any plan
+    (the standard layers around them keep their fusions, the deferred residual add included): a fusion that does not
+    concern a layer is never an error, so a new layer type serves without touching the decode plan."""
     model = GPTModel(tiny_config(num_layers=3), spec=LayerSpec(layer=_every_other_layer)).eval()
     prompts = prompts_of_lengths(5, 40, 3, seed=6)
     expected = [reference_greedy(model, p, 6) for p in prompts]
@@ -214,10 +214,9 @@ def test_another_layer_type_serves_through_the_plain_path() -> None:
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
     assert _plan(model) == ROW  # auto on a GPU: every fusion, on the layers that take it
-    for kernels in ("attention", "row", DecodePlan(defer_residual=True)):
-        with pytest.raises(ValueError, match=r"cannot apply to decoder.layers.1: it is a ParallelBlock, not a"):
-            tiny_llm(model, decode_kernels=kernels)
-    tiny_llm(model, decode_kernels="none")  # nothing the layer must take
+    for kernels in ("attention", "row", DecodePlan(defer_residual=True), "none"):
+        llm = tiny_llm(model, decode_kernels=kernels)
+        assert isinstance(llm.runner.decode.layers["1"], PlainDecodeLayer)
 
 
 class GeluMLP(nn.Module):
@@ -232,10 +231,51 @@ class GeluMLP(nn.Module):
         return self.proj(torch.nn.functional.gelu(x))
 
 
+class PlainAttention(nn.Module):
+    """A stand-in for another attention: no projections, ``q`` the layer's input split into heads and ``k = v`` its
+    first head of each query group."""
+
+    def __init__(self, config: Any, ctx: Any, spec: LayerSpec, prefix: str, **kw: Any) -> None:
+        super().__init__()
+        self.heads, self.groups, self.d = config.num_attention_heads, config.query_groups, config.head_dim
+
+    def forward(self, x: torch.Tensor, rotary: Any = None, inference_context: Any = None) -> torch.Tensor:
+        s, b, _ = x.shape
+        rep = self.heads // self.groups
+        q = x.reshape(s, b, self.heads, self.d)
+        k = q[:, :, ::rep]
+        if inference_context is not None:
+            return inference_context.attention(q, k, k)
+        q, k = q.permute(1, 2, 0, 3), k.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
 def test_a_standard_layer_with_another_mlp_keeps_the_attention_fusions() -> None:
+    """Decided per layer part: every preset leaves the other MLP to its own forward (no swiglu_down; norm_linear
+    fuses only the first norm into the QKV projection) and keeps the attention's fusions."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(mlp=GeluMLP)).eval()
     assert _plan(model) == replace(ROW, swiglu_down=False)
-    with pytest.raises(ValueError, match=r"swiglu_down cannot apply to decoder.layers.0: mlp is a GeluMLP"):
-        _plan(model, "row")
-    with pytest.raises(ValueError, match=r"norm_linear cannot apply to decoder.layers.0: mlp is a GeluMLP"):
-        _plan(model, "norm_linear")
+    assert _plan(model, "row") == replace(ROW, swiglu_down=False)
+    assert _plan(model, "norm_linear") == DECODE_PRESETS["norm_linear"]
+    prompts = prompts_of_lengths(5, 20, seed=2)
+    expected = [reference_greedy(model, p, 5) for p in prompts]
+    for kernels in ("row", "norm_linear"):
+        llm = tiny_llm(model, decode_kernels=kernels)
+        layer = llm.runner.decode.layers["0"]
+        assert isinstance(layer, FusedDecodeLayer) and not layer.swiglu_down and not layer.norm_linear_mlp
+        res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        assert [r.outputs[0].token_ids for r in res] == expected
+
+
+def test_a_standard_layer_with_another_attention_keeps_the_deferred_add() -> None:
+    """Another attention module is called whole (never its pieces), while the layer keeps the deferred residual add
+    and, with the standard MLP, swiglu_down."""
+    model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(attention=PlainAttention)).eval()
+    assert _plan(model, "row") == replace(ATTENTION, swiglu_down=True)
+    prompts = prompts_of_lengths(5, 20, seed=4)
+    expected = [reference_greedy(model, p, 5) for p in prompts]
+    llm = tiny_llm(model, decode_kernels="row")
+    assert all(isinstance(w, FusedDecodeLayer) and w.defer for w in llm.runner.decode.layers.values())
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == expected

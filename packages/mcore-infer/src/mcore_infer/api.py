@@ -54,14 +54,17 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: str | None = None,
 ) -> tuple[GPTModel, Any]:
-    """Build the checkpoint's model on ``device`` (this rank's TP shard), load its weights; and its tokenizer."""
+    """Build the checkpoint's model on ``device`` (this rank's TP shard), load its weights; and its tokenizer. MoE
+    layers hold every expert (ep=1), each split over the tensor-parallel ranks (expert_tp = tp)."""
     ckpt = resolve_checkpoint(checkpoint)
     config = model_config_from_checkpoint(ckpt)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     config = _inference_config(config, dtype)
-    model = GPTModel(config, tp=tp, device=device)
+    # serving runs without sequence parallelism, so MoE layers split each expert over the tensor-parallel ranks
+    expert_tp = tp if config.moe is not None and tp is not None and tp.size > 1 else None
+    model = GPTModel(config, tp=tp, device=device, expert_tp=expert_tp)
     load_weights(model, ckpt)
     spec = tokenizer_spec_from_checkpoint(ckpt)
     tokenizer = ByteTokenizer() if spec is None else build_tokenizer(TokenizerSpec(spec["kind"], spec.get("path")))

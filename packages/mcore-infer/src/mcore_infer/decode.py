@@ -17,7 +17,10 @@ number of kernels per layer, and serving removes some with fusions the training 
 A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` replaces the projections the three
 row kernels replace, so it excludes them); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
 device (:func:`requested_plan`). :func:`prepare_for_decode` builds a new module over the caller's model: it shares
-the parameters, wraps each layer (:mod:`mcore_infer.decode_layers`) and sets nothing on the caller's modules.
+the parameters, wraps each layer (:mod:`mcore_infer.decode_layers`) and sets nothing on the caller's modules. It
+decides per layer: the layer fusions reach into the standard modules (``TransformerLayer``, ``SelfAttention``,
+``MLP``), and a layer part of another type (an MoE layer's ``mlp``, a new layer type) runs by its own forward with
+none of the fusions that would reach into it, under any plan; the fusions of its other parts still apply.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mcore_infer.decode_layers import LAYER_FUSIONS, FusedDecodeLayer, PlainDecodeLayer, missing_for_fusions
+from mcore_infer.decode_layers import (
+    LAYER_FUSIONS,
+    FusedDecodeLayer,
+    PlainDecodeLayer,
+    missing_for_fusions,
+    skipped_fusions,
+)
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.norm_linear import Launch as NormLinearLaunch
 from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
@@ -183,7 +192,8 @@ def requested_plan(
 
     ``auto``: the ``row`` preset on CUDA with the Triton backend and compiled layers (their partial sums are summed
     inside the compiled residual add), else ``attention``; not strict, so each layer keeps the fusions it can take.
-    A preset or a plan is strict: a layer that cannot take one of its fusions is an error. On the plain attention
+    A preset or a plan is strict: a standard layer part that cannot take one of its fusions is an error (a fusion that
+    does not concern a layer, one whose part is of another type, is off for it under any plan). On the plain attention
     backend (no kernels to fuse into) RoPE and the KV write stay separate whatever was asked."""
     check_decode_kernels(kernels)
     if isinstance(kernels, DecodePlan):
@@ -265,9 +275,11 @@ def prepare_for_decode(
 ) -> DecodeModel:
     """A :class:`DecodeModel` running ``model`` (whole, in eval mode) with ``plan`` (resolved by
     :func:`requested_plan` for ``device_type``, default the model's, the attention ``backend`` and whether the caller
-    compiles the layers). Each layer gets the plan's fusions it can take; with a strict plan (anything but ``auto``)
-    a layer that cannot take one raises a ValueError naming the layer and what it lacks. Nothing is set on ``model``
-    or its modules."""
+    compiles the layers). Each layer gets the plan's fusions it can take, decided per layer: a fusion that does not
+    concern a layer (the part it rewrites is of another type than the standard one, e.g. an MoE layer's ``mlp``:
+    :func:`~mcore_infer.decode_layers.skipped_fusions`) stays off for it under any plan; with a strict plan
+    (anything but ``auto``) a standard part that cannot take one raises a ValueError naming the layer and what it
+    lacks. Nothing is set on ``model`` or its modules."""
     if model.training:
         raise ValueError("prepare_for_decode needs a model in eval mode: call model.eval() first")
     if not (model.pre_process and model.post_process):
@@ -276,33 +288,52 @@ def prepare_for_decode(
     wanted, strict = requested_plan(plan, device_type=device_type, backend=backend, compiled=compiled)
     wrappers: dict[str, nn.Module] = {}
     applied: dict[str, Any] = dict.fromkeys(LAYER_FUSIONS, False)
+    off: dict[tuple[str, str], list[str]] = {}  # (fusion, why) -> the layers it stays off for
     for key, layer in model.decoder.layers.items():
-        fusions = _layer_fusions(layer, f"decoder.layers.{key}", model, wanted, strict)
+        fusions = _layer_fusions(layer, f"decoder.layers.{key}", model, wanted, strict, off)
         if any(fusions.values()):
             assert isinstance(layer, TransformerLayer)
             wrappers[key] = FusedDecodeLayer(layer, fusions, wanted.launches)
         else:
             wrappers[key] = PlainDecodeLayer(layer)
         applied = {name: on or fusions[name] for name, on in applied.items()}
+    for (fusion, why), keys in off.items():
+        log.info("decode plan: %s stays off for layers %s: %s", fusion, ",".join(keys), why)
     resolved = replace(wanted, **applied)
     head = resolved.norm_linear and _norm_linear_head(model)
     log.info("decode plan: %s", {k: v for k, v in resolved.to_dict().items() if v})
     return DecodeModel(model, wrappers, resolved, head)
 
 
-def _layer_fusions(layer: nn.Module, name: str, model: GPTModel, wanted: DecodePlan, strict: bool) -> dict[str, bool]:
-    """The fusions of ``wanted`` that ``layer`` takes; with ``strict``, a ValueError for any it cannot take."""
+def _layer_fusions(
+    layer: nn.Module,
+    name: str,
+    model: GPTModel,
+    wanted: DecodePlan,
+    strict: bool,
+    off: dict[tuple[str, str], list[str]],
+) -> dict[str, bool]:
+    """The fusions of ``wanted`` that ``layer`` takes; with ``strict``, a ValueError for any its standard parts cannot
+    take. Each fusion it does not take is noted in ``off`` under its reason."""
+    skipped = skipped_fusions(layer)
     missing = missing_for_fusions(layer, model.config, model.ctx.tp.size)
     fusions = wanted.layer_fusions
     for fusion, on in fusions.items():
-        if on and missing[fusion]:
+        if not on:
+            continue
+        if fusion in skipped:
+            why = f"{skipped[fusion]} (its own forward runs)"
+        elif missing[fusion]:
             if strict:
                 raise ValueError(
                     f"DecodePlan.{fusion} cannot apply to {name}: {'; '.join(missing[fusion])}; "
                     f"use a plan without {fusion} (or decode_kernels='auto') for this model"
                 )
-            log.info("decode plan: %s stays off for %s: %s", fusion, name, "; ".join(missing[fusion]))
-            fusions[fusion] = False
+            why = "; ".join(missing[fusion])
+        else:
+            continue
+        off.setdefault((fusion, why), []).append(name.rsplit(".", 1)[-1])
+        fusions[fusion] = False
     return fusions
 
 

@@ -4,8 +4,9 @@ needs of a layer.
 Every wrapper is called as ``wrapper(hidden, rotary, inference_context, residual)`` and returns ``(out, residual)``:
 with the deferred residual add, ``out + residual`` is the layer's output, added where the next layer's first norm
 reads it (with compiled wrappers the add and the norm are one kernel); otherwise ``residual`` is None and ``out`` is
-the output. :class:`FusedDecodeLayer` runs a standard :class:`~mcore_models.transformer.layer.TransformerLayer` with
-the fusions its plan names; :class:`PlainDecodeLayer` adds a pending residual and calls any layer plainly. Both hold
+the output. :class:`FusedDecodeLayer` runs a :class:`~mcore_models.transformer.layer.TransformerLayer` with the fusions
+its plan names (an attention or MLP other than the standard module, an MoE layer's say, is called whole, never
+fused: :func:`skipped_fusions`); :class:`PlainDecodeLayer` adds a pending residual and calls any layer plainly. Both hold
 the caller's layer as a child module: the parameters are shared, never copied, and the layer itself is unchanged.
 """
 
@@ -34,7 +35,7 @@ from mcore_models.transformer.norm import RMSNorm
 if TYPE_CHECKING:
     from mcore_infer.decode import DecodeLaunches
 
-__all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions"]
+__all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
 LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv")
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
@@ -52,40 +53,62 @@ def _plain_linear(lin: Any, name: str, column: bool = False) -> list[str]:
     return problems
 
 
-def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) -> dict[str, list[str]]:
-    """For each of :data:`LAYER_FUSIONS`, what ``layer`` lacks for it (an empty list: it applies). The fused forwards
-    are written for the standard layer (exactly ``TransformerLayer`` with ``SelfAttention`` and ``MLP``): any other
-    module is run by its own forward, whatever it is built of."""
+def _standard_parts(layer: TransformerLayer) -> tuple[bool, bool]:
+    """Whether ``layer``'s attention and MLP are exactly the standard modules (``SelfAttention``, ``MLP``) whose
+    pieces the fused forwards call; any other module is called whole, by its own forward."""
+    return type(layer.self_attention) is SelfAttention, type(layer.mlp) is MLP
+
+
+def skipped_fusions(layer: nn.Module) -> dict[str, str]:
+    """The fusions of :data:`LAYER_FUSIONS` that do not concern ``layer``, each with why: the part of the layer the
+    fusion rewrites is not the standard module (exactly ``TransformerLayer``, ``SelfAttention``, ``MLP``), so that
+    part runs its own forward. They stay off under any plan, and are never an error: a new layer type, attention or
+    MLP (an MoE layer, say) is served as it is. ``norm_linear`` only needs the standard attention: with another MLP
+    it fuses the first norm into the QKV projection and leaves the MLP and its norm alone."""
     if type(layer) is not TransformerLayer:
-        why = [f"it is a {type(layer).__name__}, not a TransformerLayer (its own forward runs)"]
-        return dict.fromkeys(LAYER_FUSIONS, why)
+        return dict.fromkeys(LAYER_FUSIONS, f"it is a {type(layer).__name__}, not a TransformerLayer")
+    attn_ok, mlp_ok = _standard_parts(layer)
+    skipped: dict[str, str] = {}
+    if not attn_ok:
+        why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
+        skipped.update(dict.fromkeys(("row_gemv", "proj_partials", "norm_linear"), why))
+    if not mlp_ok:
+        skipped["swiglu_down"] = f"mlp is a {type(layer.mlp).__name__}, not an MLP"
+    return skipped
+
+
+def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) -> dict[str, list[str]]:
+    """For each of :data:`LAYER_FUSIONS` that concerns ``layer`` (see :func:`skipped_fusions`), what its standard
+    parts lack for it (an empty list: it applies); the fusions that do not concern it map to empty lists."""
+    missing: dict[str, list[str]] = {name: [] for name in LAYER_FUSIONS}
+    if type(layer) is not TransformerLayer:
+        return missing
     attn, mlp = layer.self_attention, layer.mlp
-    bad_attn = (
-        [] if type(attn) is SelfAttention else [f"self_attention is a {type(attn).__name__} (needs SelfAttention)"]
-    )
-    bad_mlp = [] if type(mlp) is MLP else [f"mlp is a {type(mlp).__name__} (needs MLP)"]
+    attn_ok, mlp_ok = _standard_parts(layer)
 
     def sharded(what: str) -> list[str]:
         return [f"tensor parallelism (tp={tp}; {what})"] if tp > 1 else []
 
-    missing: dict[str, list[str]] = {"defer_residual": []}
-    missing["row_gemv"] = bad_attn or _plain_linear(attn.linear_qkv, "linear_qkv") + sharded("tensor-parallel shards")
-    missing["proj_partials"] = bad_attn or (
-        _plain_linear(attn.linear_proj, "linear_proj") + sharded("the output projection's all-reduce")
-    )
-    swiglu = [] if getattr(mlp, "is_swiglu", False) else [f"activation={config.activation!r} (needs swiglu)"]
-    missing["swiglu_down"] = bad_mlp or (
-        swiglu + _plain_linear(mlp.linear_fc2, "linear_fc2") + sharded("the down projection's all-reduce")
-    )
-    norms = [
-        f"{name} is a {type(norm).__name__} (needs RMSNorm; normalization={config.normalization!r})"
-        for name, norm in (("input_layernorm", layer.input_layernorm), ("pre_mlp_layernorm", layer.pre_mlp_layernorm))
-        if not isinstance(norm, RMSNorm)
-    ]
-    missing["norm_linear"] = norms + bad_attn + bad_mlp
-    if not (bad_attn or bad_mlp):
-        missing["norm_linear"] += _plain_linear(attn.linear_qkv, "linear_qkv", column=True)
-        missing["norm_linear"] += _plain_linear(mlp.linear_fc1, "linear_fc1", column=True)
+    if attn_ok:
+        missing["row_gemv"] = _plain_linear(attn.linear_qkv, "linear_qkv") + sharded("tensor-parallel shards")
+        missing["proj_partials"] = _plain_linear(attn.linear_proj, "linear_proj") + sharded(
+            "the output projection's all-reduce"
+        )
+    if mlp_ok:
+        swiglu = [] if getattr(mlp, "is_swiglu", False) else [f"activation={config.activation!r} (needs swiglu)"]
+        missing["swiglu_down"] = (
+            swiglu + _plain_linear(mlp.linear_fc2, "linear_fc2") + sharded("the down projection's all-reduce")
+        )
+    if attn_ok:  # norm_linear: the first norm into the QKV projection, and with the standard MLP the second into fc1
+        norms = [("input_layernorm", layer.input_layernorm)] + ([("pre_mlp_layernorm", layer.pre_mlp_layernorm)]
+                                                                 if mlp_ok else [])  # fmt: skip
+        missing["norm_linear"] = [
+            f"{name} is a {type(norm).__name__} (needs RMSNorm; normalization={config.normalization!r})"
+            for name, norm in norms
+            if not isinstance(norm, RMSNorm)
+        ] + _plain_linear(attn.linear_qkv, "linear_qkv", column=True)
+        if mlp_ok:
+            missing["norm_linear"] += _plain_linear(mlp.linear_fc1, "linear_fc1", column=True)
     return missing
 
 
@@ -110,7 +133,9 @@ class FusedDecodeLayer(nn.Module):
     Steps of at most :data:`~mcore_infer.kernels.small_gemv.FMA_MAX_ROWS` tokens run the one-row kernels (the QKV
     projection summed, the output projection as partial sums the residual add sums, SwiGLU inside the down
     projection); steps of at most :data:`~mcore_infer.kernels.norm_linear.MAX_ROWS` tokens with ``norm_linear`` run
-    each norm inside the projection after it. Longer steps (prefill chunks) run the layer's own modules.
+    each norm inside the projection after it. Longer steps (prefill chunks) run the layer's own modules. An attention
+    or MLP that is not the standard module (an MoE layer's ``mlp``) is called whole and never fused
+    (:func:`skipped_fusions`: the plan gives it none of the fusions that would reach into it).
     """
 
     def __init__(self, layer: TransformerLayer, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
@@ -123,6 +148,8 @@ class FusedDecodeLayer(nn.Module):
             fusions["proj_partials"],
             fusions["row_gemv"],
         )
+        self.standard_attention, standard_mlp = _standard_parts(layer)
+        self.norm_linear_mlp = self.norm_linear and standard_mlp  # the second norm inside the up projection too
         self.launches = launches
 
     def forward(
@@ -139,15 +166,18 @@ class FusedDecodeLayer(nn.Module):
         h = layer.input_layernorm(x)
         # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs)
         small = (self.row_gemv or self.proj_partials or self.swiglu_down) and h.numel() // h.shape[-1] <= FMA_MAX_ROWS
-        if self.row_gemv and small:
-            qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv)
+        if not self.standard_attention:
+            x = x + attn(h, rotary, inference_context)
         else:
-            qkv = attn.linear_qkv(h)
-        out = attn.attend(qkv, rotary, inference_context)
-        if self.proj_partials and small:  # split-K partial sums, summed by the residual add
-            x = add_deferred(linear_partials(out, attn.linear_proj.weight, launches.proj_partials), x)
-        else:
-            x = x + attn.linear_proj(out)
+            if self.row_gemv and small:
+                qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv)
+            else:
+                qkv = attn.linear_qkv(h)
+            out = attn.attend(qkv, rotary, inference_context)
+            if self.proj_partials and small:  # split-K partial sums, summed by the residual add
+                x = add_deferred(linear_partials(out, attn.linear_proj.weight, launches.proj_partials), x)
+            else:
+                x = x + attn.linear_proj(out)
         h = layer.pre_mlp_layernorm(x)
         if self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
             fused = swiglu_down_partials if self.defer else swiglu_down
@@ -161,7 +191,7 @@ class FusedDecodeLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Both norms inside the projections after them (:func:`~mcore_infer.kernels.norm_linear.norm_linear`): the
         QKV projection adds the residual and normalises, the up projection adds the attention output and (SwiGLU)
-        applies the activation."""
+        applies the activation. Another MLP than the standard one keeps its own norm and forward."""
         layer: Any = self.layer
         attn: Any = layer.self_attention
         mlp: Any = layer.mlp
@@ -169,6 +199,10 @@ class FusedDecodeLayer(nn.Module):
         launch = self.launches.norm_linear
         qkv, h = norm_linear(x, residual, ln1.weight, ln1.eps, attn.linear_qkv.weight, launch=launch)
         a = attn.linear_proj(attn.attend(qkv, rotary, inference_context))
-        act, h = norm_linear(a, h, ln2.weight, ln2.eps, mlp.linear_fc1.weight, swiglu=mlp.is_swiglu, launch=launch)
-        out = mlp.linear_fc2(act if mlp.is_swiglu else mlp.act(act))
+        if not self.norm_linear_mlp:
+            h = h + a
+            out = mlp(ln2(h))
+        else:
+            act, h = norm_linear(a, h, ln2.weight, ln2.eps, mlp.linear_fc1.weight, swiglu=mlp.is_swiglu, launch=launch)
+            out = mlp.linear_fc2(act if mlp.is_swiglu else mlp.act(act))
         return (out, h) if self.defer else (h + out, None)

@@ -6,6 +6,8 @@ per-layer wrappers are compiled, never the caller's layers). A step arrives as a
 scheduler); the runner packs them into one int64 array, copies it to the device once, and calls the model with a
 :class:`~mcore_infer.attention.PagedAttentionContext`. Steps made only of decode tokens replay a CUDA graph captured
 for the next larger batch size (GPU, triton backend); padded rows write to the scratch block and attend to nothing.
+Models whose steps read device values on the host (MoE layers outside ``grouped_mm``'s conditions, see
+:func:`graph_blockers`) are not captured: their steps run eagerly.
 
 Tensor parallelism: the first rank of the TP group runs the scheduler and broadcasts each :class:`StepBatch` to the
 other ranks (``torch.distributed.broadcast_object_list`` over the TP group); they run :meth:`ModelRunner.follow`,
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from mcore_infer._triton_attention import triton_available
 from mcore_infer.attention import PagedAttentionContext, Segment
@@ -29,11 +33,48 @@ from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_models import GPTModel
+from mcore_models.moe import moe_layers
 from mcore_parallel import Group
 
-__all__ = ["ModelRunner", "StepBatch"]
+__all__ = ["ModelRunner", "StepBatch", "graph_blockers"]
 
 log = logging.getLogger(__name__)
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_runs(*weights: torch.Tensor) -> bool:
+    """Whether :func:`mcore_models.moe.grouped_linear` takes ``grouped_mm`` for expert weights ``[E, out, in]``:
+    CUDA, 16-bit floats, both widths multiples of 8 (its conditions, read from the weights)."""
+    return _GROUPED_MM is not None and all(
+        w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0
+        for w in weights
+    )
+
+
+def graph_blockers(model: nn.Module) -> list[str]:
+    """Why ``model``'s decode steps cannot be captured as CUDA graphs (empty: they can). A dropless MoE layer at
+    ep=1 has static shapes (one argsort of the choices) and runs its experts with ``grouped_mm`` on CUDA in bfloat16
+    or float16; otherwise its experts loop over row blocks sized on the host (``counts.tolist()``, a synchronisation
+    capture refuses), expert parallelism exchanges the row counts on the host, and a capacity depends on the step's
+    token count (a captured batch's padding rows would take capacity from real tokens)."""
+    layers: dict[str, list[int]] = {}
+    for number, layer in moe_layers([model]):
+        moe, experts = layer.moe, cast(Any, layer.experts)
+        why = []
+        if layer.ctx.expert_parallel.size > 1:
+            why.append(f"expert parallelism (ep={layer.ctx.expert_parallel.size}) reads the row counts on the host")
+        if moe.capacity_factor is not None:
+            why.append(f"moe.capacity_factor={moe.capacity_factor}: the capacity follows the step's token count")
+        w = experts.linear_fc1.weight
+        if not _grouped_mm_runs(w, experts.linear_fc2.weight):
+            why.append(
+                f"the experts' weights ({w.dtype} on {w.device.type}) run the per-expert loop, which reads the row "
+                "counts on the host (grouped_mm needs CUDA, bfloat16 or float16, widths that are multiples of 8)"
+            )
+        for reason in why:
+            layers.setdefault(reason, []).append(number)
+    return [f"MoE layers {','.join(map(str, numbers))}: {reason}" for reason, numbers in layers.items()]
 
 
 @dataclass
@@ -196,8 +237,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------- CUDA graphs
     def capture_graphs(self) -> None:
-        """Capture decode steps for the configured batch sizes (CUDA + triton backend only; else a no-op)."""
+        """Capture decode steps for the configured batch sizes (CUDA + triton backend only; else a no-op). A model
+        whose steps cannot be captured (:func:`graph_blockers`) is left to run eagerly, with a warning that says
+        why."""
         if self.device.type != "cuda" or self.backend != "triton" or not self.config.cuda_graphs:
+            return
+        blockers = graph_blockers(self.model)
+        if blockers:
+            log.warning("decode CUDA graphs off, every step runs eagerly: %s", "; ".join(blockers))
             return
         sizes = self.config.graph_sizes()
         mx, w = sizes[-1], self.max_blocks_per_seq
