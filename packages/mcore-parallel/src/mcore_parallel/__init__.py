@@ -10,7 +10,7 @@ from mcore_parallel._launch import LaunchEnv, read_launch_env
 from mcore_parallel.config import ParallelConfig
 from mcore_parallel.errors import LaunchEnvironmentError, MCoreParallelError, ParallelConfigError
 from mcore_parallel.layout import RankLayout
-from mcore_parallel.sharding import ShardedTensor, shard_info
+from mcore_parallel.sharding import ShardedTensor, data_parallel_group, shard_group, shard_info
 from mcore_parallel.state import Group, ParallelState, default_backend
 
 __version__ = "0.1.0"
@@ -23,6 +23,8 @@ __all__ = [
     "RankLayout",
     "ShardedTensor",
     "shard_info",
+    "shard_group",
+    "data_parallel_group",
     "LaunchEnv",
     "read_launch_env",
     "default_backend",

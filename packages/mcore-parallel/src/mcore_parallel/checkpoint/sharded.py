@@ -13,6 +13,10 @@ them, chosen by a hash of its name so the write load spreads over the dp ranks; 
 tied embedding) are not written. Under the distributed optimizer each dp rank holds a flat slice of a parameter's
 optimizer state; the slices are summed (``reduce``) onto that parameter's writer first.
 
+Expert-parallel parameters are global arrays ``[num_experts, ...]``: each expert-parallel rank writes the chunks of
+its experts (and expert-TP piece), and among the ``expert_dp`` ranks holding identical copies the one chosen by the
+same hash writes them (the optimizer slices are reduced over ``expert_dp``), so every element is written once.
+
 Loading reads, for each piece a rank holds in the new layout, only the chunks that overlap it, so any TP/PP/DP
 layout loads any other. Writes go to a temporary directory published by :mod:`mcore_parallel.checkpoint.manager`.
 """
@@ -44,7 +48,7 @@ from mcore_parallel.checkpoint.zarr_io import (
     write_chunk,
     write_group_metadata,
 )
-from mcore_parallel.sharding import ShardedTensor
+from mcore_parallel.sharding import ShardedTensor, data_parallel_group
 from mcore_parallel.state import Group, ParallelState
 
 __all__ = [
@@ -211,7 +215,8 @@ def plan_model_writes(items: Mapping[str, ShardedTensor], state: ParallelState, 
     """
     jobs = []
     for info in items.values():
-        write = state.dp_cp.rank == writer_index(info.key, state.dp_cp)
+        group = data_parallel_group(info, state)
+        write = group.rank == writer_index(info.key, group)
         job = _jobs_for(f"model/{info.key}", info, info.local, write, {"kind": "parameter"}, to_host)
         if job is not None:
             jobs.append(job)
@@ -232,34 +237,35 @@ def plan_optimizer_writes(
 ) -> list[WriteJob]:
     """This rank's share of writing master weights and moments of ``optimizer`` (a mcore_parallel optimizer).
 
-    Collective over the data-parallel group when the optimizer is distributed: every dp rank must call it.
+    Collective over the data-parallel groups (``dp_cp``; ``expert_dp`` for expert parameters) when the optimizer is
+    distributed: every rank must call it.
     """
     from mcore_parallel.optim import DistributedOptimizer
 
     by_id = _params_by_identity(items)
     entries = {id(e.param): e for e in optimizer.sharded_state()}
     keys = _optimizer_state_keys(optimizer)
-    distributed = isinstance(optimizer, DistributedOptimizer) and state.dp_cp.size > 1
     jobs = []
     for _, param in _optimizer_params(optimizer):
         info = by_id.get(id(param))
         if info is None:
             raise CheckpointFormatError("an optimizer parameter is missing from the model's sharded_state_dict()")
-        writer = writer_index(info.key, state.dp_cp)
+        group = data_parallel_group(info, state)
+        writer = writer_index(info.key, group)
         entry = entries.get(id(param))
-        if distributed:
+        if isinstance(optimizer, DistributedOptimizer) and group.size > 1:
             stacked = torch.zeros((len(keys), param.numel()), dtype=torch.float32, device=param.device)
             if entry is not None and entry.tensors:
                 lo, hi = entry.flat_range
                 for i, k in enumerate(keys):
                     if k in entry.tensors:
                         stacked[i, lo:hi] = entry.tensors[k].float()
-            dist.reduce(stacked, dst=state.dp_cp.ranks[writer], group=state.dp_cp.pg)
-            if state.dp_cp.rank != writer or info.replica:
+            dist.reduce(stacked, dst=group.ranks[writer], group=group.pg)
+            if group.rank != writer or info.replica:
                 continue
             full = {k: stacked[i].view(param.shape) for i, k in enumerate(keys)}
         else:
-            if state.dp_cp.rank != writer or info.replica or entry is None:
+            if group.rank != writer or info.replica or entry is None:
                 continue
             full = {k: entry.tensors[k].view(param.shape) for k in keys if k in entry.tensors}
         for k, tensor in full.items():

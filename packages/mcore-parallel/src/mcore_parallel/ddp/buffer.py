@@ -11,8 +11,10 @@ data-parallel rank ``i`` owns the ``i``-th contiguous ``1/dp`` of every bucket. 
 one buffer of their own dtype with the same layout (``param.data`` is a view), so the updated shards can be
 all-gathered back in place.
 
-Gradients are multiplied by ``1/dp`` *before* the collective (a sum), so the result is the data-parallel mean and
-low-precision collectives would not overflow.
+Gradients are multiplied by ``scale`` (default ``1/dp``) *before* the collective (a sum), so the default result is the
+data-parallel mean and low-precision collectives would not overflow. Expert-parallel buffers reduce over
+``expert_dp`` with ``scale = 1/dp_cp`` (see :class:`~mcore_parallel.ddp.DistributedDataParallel`); the factor is
+applied even when the group has one member.
 
 ``exchange="p2p"`` (GPUs of one host with peer access; CPU for tests) replaces the NCCL collectives by peer-to-peer
 copies: both buffers live in symmetric memory (:class:`~mcore_parallel.tensor.p2p.PeerBuffer`), and a bucket is
@@ -81,10 +83,13 @@ class GradBuffer:
         distributed_optimizer: bool,
         device: torch.device,
         exchange: str = "nccl",
+        scale: float | None = None,
     ) -> None:
         self.params, self.group, self.distributed_optimizer = params, group, distributed_optimizer
         self.param_dtype = params[0].dtype
         self.dp = max(group.size, 1)
+        self.scale = 1.0 / self.dp if scale is None else float(scale)
+        """Factor applied to the gradients before they are summed over ``group`` (``1/dp``: the mean)."""
         pad = self.dp if distributed_optimizer else 1
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         spans: list[tuple[list[nn.Parameter], int, int, bool]] = []
@@ -149,16 +154,18 @@ class GradBuffer:
 
     # ------------------------------------------------------------------------------------------- gradients
     def start_grad_reduce(self, bucket: Bucket) -> None:
-        """Scale by ``1/dp`` and launch the bucket's asynchronous all-reduce (or reduce-scatter)."""
+        """Scale by ``scale`` and launch the bucket's asynchronous all-reduce (or reduce-scatter)."""
         if bucket.started:
             return
         bucket.started = True
         if self.dp == 1 or self.group.pg is None:
+            if self.scale != 1.0:
+                bucket.grad.mul_(self.scale)
             return
         if self.p2p:
             self._p2p_reduce(bucket)
             return
-        bucket.grad.mul_(1.0 / self.dp)
+        bucket.grad.mul_(self.scale)
         if self.distributed_optimizer:
             bucket.scatter_out = torch.empty(
                 bucket.numel // self.dp, dtype=bucket.grad.dtype, device=bucket.grad.device
@@ -168,7 +175,7 @@ class GradBuffer:
             bucket.handle = dist.all_reduce(bucket.grad, group=self.group.pg, async_op=True)
 
     def _p2p_reduce(self, bucket: Bucket) -> None:
-        """The bucket's data-parallel mean by peer-to-peer pulls, on the side stream (see the module docstring)."""
+        """The bucket's scaled data-parallel sum by peer-to-peer pulls, on the side stream (module docstring)."""
         assert self._peer_grads is not None
         me = self.group.rank
         lo, hi = bucket.shard_range(me, self.dp) if self.distributed_optimizer else (bucket.start, bucket.end)
@@ -183,15 +190,15 @@ class GradBuffer:
                 # ranks read before any rank overwrites its range
                 pulled = torch.stack([self._peer_grads.peer(r)[lo:hi] for r in range(self.dp)])
                 self._peer_grads.barrier()
-                torch.sum(pulled, 0, out=mine).mul_(1.0 / self.dp)
-            elif self.dp == 2:
+                torch.sum(pulled, 0, out=mine).mul_(self.scale)
+            elif self.dp == 2 and self.scale == 0.5:
                 tmp.copy_(self._peer_grads.peer(peers[0])[lo:hi])
                 mine.lerp_(tmp, 0.5)  # (mine + tmp) / 2 in one pass
             else:
                 for r in peers:
                     tmp.copy_(self._peer_grads.peer(r)[lo:hi])
                     mine.add_(tmp)
-                mine.mul_(1.0 / self.dp)
+                mine.mul_(self.scale)
 
     def wait_grad_reduce(self, bucket: Bucket) -> None:
         if not bucket.started:

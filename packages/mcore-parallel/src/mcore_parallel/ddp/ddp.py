@@ -13,6 +13,11 @@ Usage per step::
 The result in ``param.main_grad`` is the mean over data-parallel ranks of each rank's gradient (each rank's gradient
 being whatever its loss produced, e.g. the mean over its micro-batches). ``param.grad`` is folded into
 ``main_grad`` by a post-accumulate-grad hook and freed.
+
+Expert-parallel parameters (``param.expert_parallel``) live in buffers of their own, reduced over ``state.expert_dp``
+instead: their gradient is the *sum* over ``expert_dp`` divided by the ``dp_cp`` size. Each rank's expert gradient
+already holds the contributions of the tokens its expert-parallel peers routed to it, so this is the gradient of the
+mean loss over all data-parallel ranks, as for the dense parameters.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.ddp.buffer import GradBuffer
+from mcore_parallel.sharding import data_parallel_group, is_expert
 from mcore_parallel.state import ParallelState
 from mcore_parallel.tensor import _comm
 
@@ -72,24 +78,11 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.state = state
         self.config = config or DDPConfig()
-        self.group = state.dp_cp
+        self.group, self.expert_group = state.dp_cp, state.expert_dp
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters to wrap")
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reversed(params):
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.grad_buffers = [
-            GradBuffer(
-                ps,
-                self.group,
-                self.config.bucket_size,
-                self.config.use_distributed_optimizer,
-                state.device,
-                self.config.exchange,
-            )
-            for ps in by_dtype.values()
-        ]
+        self.grad_buffers = self._make_buffers(params)
         self._buffer_of = {p: buf for buf in self.grad_buffers for p in buf.params}
         self._sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
         if self.config.gradient_accumulation_fusion:
@@ -99,10 +92,30 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if state.rank == 0:
             logger.info(
-                "DDP: %d params in %d buffer(s), %d bucket(s), dp_cp=%d, overlap=%s, distributed_optimizer=%s",
+                "DDP: %d params in %d buffer(s), %d bucket(s), dp_cp=%d, expert_dp=%d, overlap=%s, "
+                "distributed_optimizer=%s",
                 len(params), len(self.grad_buffers), sum(len(b.buckets) for b in self.grad_buffers),
-                self.group.size, self.config.overlap_grad_reduce, self.config.use_distributed_optimizer,
+                self.group.size, self.expert_group.size, self.config.overlap_grad_reduce,
+                self.config.use_distributed_optimizer,
             )  # fmt: skip
+
+    def _make_buffers(self, params: list[nn.Parameter]) -> list[GradBuffer]:
+        """One buffer per (dtype, dense or expert): dense ones average over ``dp_cp``, expert ones sum over
+        ``expert_dp`` and divide by the ``dp_cp`` size (see the module docstring)."""
+        groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+        for p in reversed(params):
+            groups.setdefault((p.dtype, is_expert(p)), []).append(p)
+        buffers = []
+        for (_, expert), ps in sorted(groups.items(), key=lambda kv: kv[0][1]):  # dense buffers first
+            if expert and any(getattr(p, "shared_embedding", False) for p in ps):
+                raise ValueError("an expert-parallel parameter cannot also be a shared embedding")
+            scale = 1.0 / self.group.size if expert else None
+            group = data_parallel_group(ps[0], self.state)
+            buffers.append(
+                GradBuffer(ps, group, self.config.bucket_size, self.config.use_distributed_optimizer,
+                           self.state.device, self.config.exchange, scale=scale)
+            )  # fmt: skip
+        return buffers
 
     # ------------------------------------------------------------------------------------------- module protocol
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -188,10 +201,12 @@ class DistributedDataParallel(nn.Module):
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
-        """Copy data-parallel rank 0's parameters to the other data-parallel ranks (call once at setup)."""
-        if self.group.size > 1:
-            for p in self.module.parameters():
-                dist.broadcast(p.data, src=self.group.ranks[0], group=self.group.pg)
+        """Copy data-parallel rank 0's parameters to the other data-parallel ranks (call once at setup): dense
+        parameters over ``dp_cp``, expert parameters over ``expert_dp`` (from its first rank)."""
+        for p in self.module.parameters():
+            group = data_parallel_group(p, self.state)
+            if group.size > 1:
+                dist.broadcast(p.data, src=group.ranks[0], group=group.pg)
 
     def all_gather_params(self) -> None:
         """Distributed optimizer: gather every rank's updated parameter shard (the optimizer calls this)."""

@@ -3,7 +3,8 @@
 Each rank passes the gradients it *owns for the norm*: replicated parameters (no ``tensor_model_parallel``
 attribute) only on tensor-parallel rank 0, the shared embedding only on the first pipeline stage. The squares are
 summed locally and then over ``group`` (model-parallel ranks, plus data-parallel ranks under the distributed
-optimizer where each holds a disjoint shard), so each element is counted exactly once.
+optimizer where each holds a disjoint shard, or the world with data-parallel replicas passed by one rank only when
+expert parameters are laid out differently), so each element is counted exactly once.
 """
 
 from __future__ import annotations

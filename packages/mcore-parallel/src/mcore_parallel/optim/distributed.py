@@ -6,6 +6,9 @@ copies and Adam moments only for that shard (one master tensor per parameter pie
 locally, writes the new values into the model's flat parameter buffer and all-gathers every bucket so each rank
 again holds the full parameters. Optimizer-state memory per rank is therefore about ``1/dp`` of the unsharded one.
 
+Expert-parallel parameters live in buffers of their own, sharded over ``expert_dp`` (each buffer's own group): the
+slots of a buffer are this rank's shard over ``buf.group``.
+
 The gradient norm sums squares over the world (tensor x pipeline x data-parallel ranks): the shards are disjoint, so
 nothing is counted twice. The all-gather is synchronous, at the end of ``step()``.
 """
@@ -29,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1 over ``state.dp_cp``; every chunk must be a DDP wrapper built with ``use_distributed_optimizer``."""
+    """ZeRO-1 over ``state.dp_cp`` (expert parameters: ``state.expert_dp``); every chunk must be a DDP wrapper
+    built with ``use_distributed_optimizer``."""
 
     def __init__(
         self,
@@ -46,6 +50,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     "DDPConfig(use_distributed_optimizer=True) to use the distributed optimizer"
                 )
         super().__init__(model_chunks, state, config, no_weight_decay=no_weight_decay)
+
+    dp_sharded = True
 
     @property
     def norm_group(self) -> Group:

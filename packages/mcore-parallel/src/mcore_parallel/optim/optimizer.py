@@ -4,7 +4,13 @@ The optimizer steps fp32 *master* tensors: the parameters themselves when they a
 bf16/fp16 (updated values are cast back after the step). Gradients come from ``param.main_grad`` (DDP's fp32
 buffer) or, for unwrapped modules, ``param.grad``. One step: unscale (fp16) and skip on inf/nan found on any rank,
 global norm over model-parallel ranks, clip, count zeros, the torch optimizer's step (``foreach`` on CPU,
-``fused`` on CUDA), copy back. :class:`~mcore_parallel.optim.distributed.DistributedOptimizer` changes only which
+``fused`` on CUDA), copy back.
+
+The norm and the zero count take every distinct gradient element once: a rank counts a parameter's gradient only
+where it owns it (:meth:`MixedPrecisionOptimizer._counts_in_norm`). When the expert layout differs from the dense
+one (``ep > 1`` or another expert tensor-parallel split), the sums run over the whole world and a replicated
+parameter is counted on the first rank of its data-parallel group only (``dp_cp`` for dense parameters,
+``expert_dp`` for expert ones, see :func:`mcore_parallel.sharding.data_parallel_group`). :class:`~mcore_parallel.optim.distributed.DistributedOptimizer` changes only which
 slice of each parameter this rank owns and how updated values return to the model.
 """
 
@@ -22,7 +28,7 @@ from mcore_parallel.ddp.ddp import DistributedDataParallel
 from mcore_parallel.optim.clip import clip_coefficient, clip_grads_, count_zeros_tensor, global_grad_norm_tensor
 from mcore_parallel.optim.config import OptimizerConfig
 from mcore_parallel.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from mcore_parallel.sharding import ShardedTensor, shard_info
+from mcore_parallel.sharding import ShardedTensor, data_parallel_group, shard_group, shard_info
 from mcore_parallel.state import Group, ParallelState
 from mcore_parallel.tensor import _comm
 
@@ -76,8 +82,9 @@ class _Slot:
 class ParamShardState:
     """What this rank holds of one parameter's optimizer state, addressed in the parameter's global shape.
 
-    The local parameter (``local_shape``) is this tensor-parallel rank's piece of the global (unsharded,
-    unpadded) tensor, as described by :func:`mcore_parallel.sharding.shard_info`; this rank holds elements
+    The local parameter (``local_shape``) is this tensor-parallel (and, for experts, expert-parallel) rank's piece
+    of the global (unsharded, unpadded) tensor, as described by :func:`mcore_parallel.sharding.shard_info` over
+    ``tp`` (:func:`mcore_parallel.sharding.shard_group`); this rank holds elements
     ``flat_range`` of the local parameter flattened. ``tensors`` maps ``master``, ``exp_avg``, ``exp_avg_sq`` or
     ``momentum_buffer`` to 1-D tensors of that range. :meth:`select` and :meth:`place` convert between global
     tensors and this rank's piece, so a checkpoint can be resharded to any tp/pp/dp layout.
@@ -108,6 +115,14 @@ class ParamShardState:
         info.load_from(global_tensor)
         local.view(-1)[self.flat_range[0] : self.flat_range[1]] = piece.to(local)
         info.scatter_into(global_tensor)
+
+
+def expert_layout_is_dense(state: ParallelState) -> bool:
+    """Whether the expert groups are the dense ones (``expert_tp`` = ``tp`` and ``expert_dp`` = ``dp_cp`` on every
+    rank, e.g. ``ep == 1`` with the default ``expert_tp``): then expert parameters count in the norm like dense ones.
+    The same answer on every rank (it reads the whole layout)."""
+    groups = state.layout.groups
+    return groups["expert_tp"] == groups["tp"] and groups["expert_dp"] == groups["dp_cp"]
 
 
 def named_trainable_params(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -160,15 +175,24 @@ class MixedPrecisionOptimizer:
         self._step_count = 0
 
     # ------------------------------------------------------------------------------------------- layout hooks
+    dp_sharded = False
+    """Whether data-parallel ranks hold disjoint shards of the gradients (the distributed optimizer)."""
+
     @property
     def norm_group(self) -> Group:
-        """Ranks whose gradients are disjoint pieces of the model: tensor x pipeline parallel."""
-        return self.state.mp
+        """Ranks whose counted gradients are disjoint pieces of the model: tensor x pipeline parallel, or the world
+        when expert parameters are laid out differently from dense ones (see the module docstring)."""
+        return self.state.mp if expert_layout_is_dense(self.state) else self.state.world
 
     def _counts_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank's gradient of ``p`` counts in the norm: each distinct element on exactly one rank of
+        :attr:`norm_group` (TP-replicated tensors on tensor-parallel rank 0, data-parallel replicas on their first
+        rank when the norm runs over the world, the shared embedding on the first stage)."""
         if getattr(p, "shared_embedding", False) and not self.state.is_first_stage:
             return False
-        return bool(getattr(p, "tensor_model_parallel", False)) or self.state.tp.rank == 0
+        if not self.dp_sharded and self.norm_group is self.state.world and data_parallel_group(p, self.state).rank:
+            return False
+        return bool(getattr(p, "tensor_model_parallel", False)) or shard_group(p, self.state).rank == 0
 
     def _build_slots(
         self, named: list[tuple[str, nn.Parameter]], no_wd: Callable[[str, torch.Tensor], bool]
@@ -296,14 +320,15 @@ class MixedPrecisionOptimizer:
         for s in self.slots:
             st = {} if self.optimizer is None else self.optimizer.state.get(s.master, {})
             step = st.get("step", 0)
+            tp = shard_group(s.param, self.state)
             entry = ParamShardState(
                 s.name,
-                shard_info(s.name, s.param, self.state.tp).global_shape,
+                shard_info(s.name, s.param, tp).global_shape,
                 tuple(s.param.shape),
                 (s.lo, s.hi),
                 int(step.item() if isinstance(step, torch.Tensor) else step),
                 param=s.param,
-                tp=self.state.tp,
+                tp=tp,
             )
             entry.tensors["master"] = s.master.detach().reshape(-1)
             for key, value in st.items():
