@@ -161,6 +161,43 @@ def reshard(ctx: Context) -> list[dict[str, Any]]:
     return [table("save under one layout, resume under another", cols, rows, notes)]
 
 
+MOE_CASES = ["moe-8x4k/mb8", "moe-32x1k/mb4"]
+
+
+def train_moe(ctx: Context) -> list[dict[str, Any]]:
+    """The MoE presets through the loop; Megatron-Core's local-spec MoE on the same models when it imports."""
+    step, results = run_cases(ctx, MOE_CASES, case_timeout=200)
+    rows = [case_row(ctx, step, f"mcore loop, {c}", results.get(c)) for c in MOE_CASES]
+    if ctx.importable("megatron"):
+        for model in ("moe-8x4k", "moe-32x1k"):
+            out = ctx.path(f"megatron-{model}.json")
+            s = ctx.run([PY, "bench/megatron_moe_bench.py", "--model", model, "--micro-batch", "2", "--steps",
+                         "3" if ctx.quick else "4", "--json", out], timeout=300, out=out)  # fmt: skip
+            d = s.data or {}
+            rows.append(ctx.row(s, name=f"Megatron-Core {d.get('megatron_core', '')}, {model}, local spec "
+                                f"(SequentialMLP), alltoall, SDPA", gpus=1, micro_batch=d.get("micro_batch"),
+                                global_batch=d.get("global_batch"), tokens_s_gpu=d.get("tokens_per_s"),
+                                step_s=d.get("step_s"), tflops=d.get("model_tflops"), mfu=d.get("mfu"),
+                                peak_gib=d.get("peak_mem_gib")))  # fmt: skip
+    anchors = {m: r.get("tokens_s_gpu") for r in rows for m in ("moe-8x4k", "moe-32x1k")
+               if r["name"].startswith("Megatron") and m in r["name"]}  # fmt: skip
+    for r in rows:
+        model = next((m for m in anchors if f"{m}/" in r["name"]), None)
+        if model and anchors[model] and r.get("tokens_s_gpu"):
+            r["vs_megatron"] = r["tokens_s_gpu"] / anchors[model]
+    cols = [("name", "system", ""), ("micro_batch", "micro-batch", "d"), ("global_batch", "global batch", "d"),
+            *[c for c in _TRAIN if c[0] not in ("name", "gpus", "vs_1gpu")],
+            ("vs_megatron", "vs Megatron-Core", ".2f")]  # fmt: skip
+    notes = [
+        _MFU_NOTE + "; Megatron-Core against the rate its own process measured",
+        "moe-8x4k: llama-1b's attention with 8 experts of ffn 4096, top-2 (3.5 B parameters); moe-32x1k: 32 of "
+        "1024, top-8; sequence 4096, bf16 with fp32 master weights, mock data, dropless",
+        "Megatron-Core (bench/megatron_moe_bench.py): no Transformer Engine, so the local spec; its experts run "
+        "as a loop (SequentialMLP); torch SDPA in place of its unfused core attention; distributed optimizer",
+    ]
+    return [table("MoE training on one GPU", cols, rows, notes)]
+
+
 TRAIN_SUITES = [
     Suite("train-1gpu", "llama-1b through the full training loop on one GPU: the fastest configuration, the same at "
           "micro-batch 4, and the defaults",
@@ -173,6 +210,9 @@ TRAIN_SUITES = [
           "the one-GPU case and the bf16 matmul rate, same call", 10, 8,
           _scaling_suite(["llama-1b/best-mb4", "dp4", "dp8", "llama3-8b/tp2-dp4", "llama3-8b/tp4-dp2",
                           "llama3-8b/tp2-pp2-dp2"])),
+    Suite("train-moe", "moe-8x4k and moe-32x1k (llama-1b's active FLOPs as 8 or 32 experts) through the loop on one "
+          "GPU", "Megatron-Core's MoE on the same models (when megatron-core imports) and the matmul rate, same call",
+          6, 1, train_moe),
     Suite("train-switches", "llama-1b's fastest one-GPU case with each speed switch turned back, one at a time",
           "the case with every switch on, same call", 6, 1, train_switches),
     Suite("train-curves", "200 steps of llama-1b: the fastest path's loss curve against eager PyTorch-only layers",

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="moe-8x4k")
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -80,25 +81,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument("--smoke", action="store_true", help="tiny config (2 layers, hidden 64, 4 experts, seq 128)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    if cuda:
-        torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
-    peak = matmul_tflops() if cuda else float("nan")
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    # without CUDA the training RNG tracker cannot hold states: the inference one (no-op forks) stands in
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
 
+def _build(args: argparse.Namespace, cuda: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """Megatron's TransformerConfig and GPTModel (local spec, SDPA core attention) and the run's sizes."""
     experts, expert_ffn, topk = (4, 64, 2) if args.smoke else MODELS[args.model]
     layers, hidden, heads, groups, vocab = (2, 64, 4, 2, 256) if args.smoke else (16, 2048, 32, 8, 32768)
     seq, mb = (128, 2) if args.smoke else (args.seq, args.micro_batch)
     global_batch = mb * 2 if args.smoke else args.global_batch
     assert global_batch % mb == 0, "--global-batch must be a multiple of --micro-batch"
-    num_microbatches = global_batch // mb
     dispatcher = "alltoall" if cuda else "allgather"  # alltoall makes a CUDA stream in its constructor
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
@@ -118,24 +110,26 @@ def main() -> None:
     )  # fmt: skip
     if cuda:
         model.cuda()
-    device = "cuda" if cuda else "cpu"
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mb, -1)
+    dims = dict(seq=seq, mb=mb, global_batch=global_batch, vocab=vocab, dispatcher=dispatcher)
+    return config, model, dims
 
-    def batches():
+
+def _train(args: argparse.Namespace, config: Any, model: Any, dims: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's DDP, distributed optimizer and schedule on mock tokens: warm-up, then the timed steps."""
+    seq, mb, vocab, global_batch = dims["seq"], dims["mb"], dims["vocab"], dims["global_batch"]
+    position_ids = torch.arange(seq, device="cuda").unsqueeze(0).expand(mb, -1)
+
+    def batches() -> Any:
         while True:
-            tokens = torch.randint(0, vocab, (mb, seq + 1), device=device)
+            tokens = torch.randint(0, vocab, (mb, seq + 1), device="cuda")
             yield tokens[:, :-1], tokens[:, 1:]
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator: Any, model: Any) -> Any:
         tokens, labels = next(data_iterator)
         per_token = model(tokens, position_ids, None, labels=labels)  # [b, s] cross-entropy
         return per_token, lambda out: (out.float().mean(), {"lm loss": out.detach().float().mean()})
 
     data = batches()
-    if not cuda:  # Megatron's RoPE, DDP buffers, alltoall dispatcher and schedules all need CUDA: stop here
-        n = sum(p.numel() for p in model.parameters())
-        print(json.dumps({"no_cuda": "config, spec and GPTModel built; nothing run", "params": n}))
-        return
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
@@ -147,8 +141,8 @@ def main() -> None:
     )  # fmt: skip
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    n_params = sum(p.numel() for p in model.parameters())
     forward_backward = get_forward_backward_func()
+    num_microbatches = global_batch // mb
 
     def step() -> float:
         model.zero_grad_buffer()
@@ -169,22 +163,44 @@ def main() -> None:
         loss = step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / args.steps
-    tokens_per_s = global_batch * seq / step_s
+    return {
+        "params": sum(p.numel() for p in model.parameters()), "num_microbatches": num_microbatches,
+        "step_s": step_s, "tokens_per_s": global_batch * seq / step_s, "loss": loss,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }  # fmt: skip
+
+
+def main() -> None:
+    args = _args()
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    if cuda:
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
+    peak = matmul_tflops() if cuda else float("nan")
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    # without CUDA the training RNG tracker cannot hold states: the inference one (no-op forks) stands in
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
+    config, model, dims = _build(args, cuda)
+    if not cuda:  # Megatron's RoPE, DDP buffers, alltoall dispatcher and schedules all need CUDA: stop here
+        n = sum(p.numel() for p in model.parameters())
+        print(json.dumps({"no_cuda": "config, spec and GPTModel built; nothing run", "params": n}))
+        return
     result = {
         "framework": "megatron-core", "megatron_core": _version(), "torch": torch.__version__,
-        "model": "smoke" if args.smoke else args.model, "params": n_params, "seq": seq, "micro_batch": mb,
-        "global_batch": global_batch, "num_microbatches": num_microbatches, "steps": args.steps,
-        "spec": "local (SequentialMLP)", "dispatcher": dispatcher, "core_attention": CORE_ATTENTION,
-        "step_s": step_s, "tokens_per_s": tokens_per_s, "loss": loss,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "matmul_tflops": peak,
-        "gpu": torch.cuda.get_device_name(),
+        "model": "smoke" if args.smoke else args.model, "seq": dims["seq"], "micro_batch": dims["mb"],
+        "global_batch": dims["global_batch"], "steps": args.steps, "spec": "local (SequentialMLP)",
+        "dispatcher": dims["dispatcher"], "core_attention": CORE_ATTENTION, "matmul_tflops": peak,
+        "gpu": torch.cuda.get_device_name(), **_train(args, config, model, dims),
     }  # fmt: skip
     if not args.smoke:
         sys.path[:0] = [str(p) for p in sorted((Path(__file__).resolve().parents[1] / "packages").glob("*/src"))]
         from mcore_models import preset, training_flops_per_token
 
-        flops = training_flops_per_token(preset(args.model), seq)
-        result.update(model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / 1e12 / peak)
+        flops = training_flops_per_token(preset(args.model), dims["seq"])
+        tflops = result["tokens_per_s"] * flops / 1e12
+        result.update(model_tflops=tflops, mfu=tflops / peak)
     line = json.dumps(result)
     print(line)
     if args.json:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mcore_parallel import Group
 from mcore_parallel.tensor.all_to_all import all_to_all, exchange_counts
 
-__all__ = ["Plan", "plan", "padded_plan", "apply_capacity", "capacity", "combine", "alltoall_dispatch", "Dispatched"]
+__all__ = ["Plan", "plan", "gather_rows", "padded_plan", "apply_capacity", "capacity", "combine", "alltoall_dispatch", "Dispatched"]
 
 
 @dataclass
@@ -35,6 +36,37 @@ class Plan:
     """``[N]`` flat index ``t * k + j`` of each row's (token, choice); None for padded plans (see ``weight``)."""
     weight: torch.Tensor | None = None
     """``[N]`` float32 routing weight of each row, for padded plans (padding rows weigh 0)."""
+    inverse: torch.Tensor | None = None
+    """For complete plans (every choice of every token is a row): the row of each slot, ``slot[inverse] = arange``."""
+
+
+class _RowGather(torch.autograd.Function):
+    """``x.index_select(0, index)`` where ``inverse`` undoes it; backward gathers by the inverse (no scattered
+    accumulation). With ``fold`` > 1, ``index`` picks each row of ``x`` ``fold`` times (a token's k choices) and the
+    backward adds the ``fold`` copies of each row."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fold: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.fold = fold
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        back = g.index_select(0, inverse)
+        if ctx.fold > 1:
+            back = back.view(-1, ctx.fold, g.shape[-1]).sum(1)
+        return back, None, None, None
+
+
+def gather_rows(tokens: torch.Tensor, p: Plan) -> torch.Tensor:
+    """The permuted input ``tokens[p.token]`` ``[N, hidden]``."""
+    if p.inverse is None:
+        return tokens[p.token]
+    assert p.slot is not None
+    k = p.slot.shape[0] // tokens.shape[0]
+    return _RowGather.apply(tokens, p.token, p.inverse, k)
 
 
 def capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
@@ -87,7 +119,10 @@ def plan(indices: torch.Tensor, num_experts: int, first: int = 0, complete: bool
     order = torch.argsort(key, stable=True)
     if not complete:
         order = order[: int(counts.sum())]  # rows of other ranks' experts and dropped choices sort last
-    return Plan(order // k, counts, order)
+        return Plan(order // k, counts, order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device)
+    return Plan(order // k, counts, order, inverse=inverse)
 
 
 def padded_plan(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, cap: int, policy: str) -> Plan:
@@ -112,7 +147,10 @@ def combine(y: torch.Tensor, p: Plan, probs: torch.Tensor, tokens: int) -> torch
         out = torch.zeros(tokens, h, dtype=acc, device=y.device)
         return out.index_add(0, p.token, y.to(acc) * p.weight[:, None].to(acc)).to(y.dtype)
     k = probs.shape[1]
-    buf = torch.zeros(tokens * k, h, dtype=y.dtype, device=y.device).index_copy(0, p.slot, y)
+    if p.inverse is not None:  # a permutation: gather back into slot order
+        buf = _RowGather.apply(y, p.inverse, p.slot, 1)
+    else:
+        buf = torch.zeros(tokens * k, h, dtype=y.dtype, device=y.device).index_copy(0, p.slot, y)
     return (buf.view(tokens, k, h).to(acc) * probs[..., None].to(acc)).sum(1).to(y.dtype)
 
 

@@ -30,6 +30,7 @@ from mcore_models.moe.dispatch import (
     apply_capacity,
     capacity,
     combine,
+    gather_rows,
     padded_plan,
     plan,
 )
@@ -230,7 +231,7 @@ class MoELayer(nn.Module):
             p = padded_plan(indices, probs, e, cap, moe.token_drop_policy)
         else:
             p = plan(indices, e, complete=cap is None)
-        rows = tokens[p.token]
+        rows = gather_rows(tokens, p)
         if ep.size == 1:
             y = self.experts(rows, p.counts)
         else:
