@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +70,24 @@ for _name, (_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save) in _RUNS.
         "checkpoint": {**_PRETRAINING["checkpoint"], "save_interval": _save},
     }
 EXPECTED["llama3-8b"]["parallel"] = {"tp": 2, "pp": 1, "sequence_parallel": True}
+EXPECTED["moe-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
+_MOE_RUNS = {
+    "moe-8x4k": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
+    "moe-32x1k": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
+    "mixtral-8x7b": ((4096, 3e-4, 2000, 1, 256, 100000, 2000, 500), {"pp": 4, "ep": 8}),
+    "qwen3-moe-30b-a3b": ((4096, 3e-4, 2000, 1, 256, 100000, 2000, 500), {"ep": 8}),
+    "deepseek-v3": ((4096, 2.2e-4, 2000, 1, 2048, 100000, 2000, 500),
+                    {"pp": 16, "ep": 64, "first_stage_layers": 3, "last_stage_layers": 2}),
+}  # fmt: skip
+for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parallel) in _MOE_RUNS.items():
+    EXPECTED[_name] = {
+        "data": {**_PRETRAINING["data"], "seq_length": _seq},
+        "optimizer": {**_PRETRAINING["optimizer"], "lr": _lr},
+        "scheduler": {**_PRETRAINING["scheduler"], "warmup_iters": _warmup, "min_lr": _lr / 10},
+        "training": dict(micro_batch_size=_micro, global_batch_size=_global, train_iters=_iters, eval_interval=_eval),
+        "checkpoint": {**_PRETRAINING["checkpoint"], "save_interval": _save},
+        "parallel": _parallel,
+    }
 
 
 def test_the_recipes_are_the_ones_there_were() -> None:
@@ -76,7 +95,9 @@ def test_the_recipes_are_the_ones_there_were() -> None:
     for name, sections in EXPECTED.items():
         cfg = load_config(recipe=name)
         tree = cfg.to_dict()
-        if name != "tiny":
+        if name == "moe-tiny":
+            assert cfg.model == preset(name, vocab_size=259), name  # float32, the byte tokenizer's vocabulary
+        elif name != "tiny":
             assert cfg.model == preset(name, params_dtype="bfloat16"), name
         for section, keys in sections.items():
             for key, value in keys.items():
@@ -90,7 +111,9 @@ def test_every_recipe_is_a_typed_config_that_validates(name: str, tmp_path: Path
     loaded = load_config(recipe=name)
     assert loaded.recipe == name and loaded.to_dict() == {**built.to_dict(), "recipe": name}
     runnable = load_config(recipe=name, overrides=["data.mock=true", f"data.tokenizer_model={tmp_path / 't.json'}"])
-    runnable.check_layout(runnable.parallel.tp * runnable.parallel.pp)  # fits its smallest world
+    par = runnable.parallel  # fits its smallest world: the expert layout needs ep x expert_tp ranks per stage
+    per_stage = par.tp * par.ep if par.expert_tp_size == par.tp else math.lcm(par.tp, par.ep * par.expert_tp_size)
+    runnable.check_layout(par.pp * per_stage)
 
 
 def test_a_recipes_changes_survive_a_preset_override() -> None:

@@ -54,8 +54,8 @@ def _union(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     if value is None and type(None) in args:
         return None
     inner = [a for a in args if a is not type(None)]
-    if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal:
-        return convert(value, inner[0], path, errors)
+    if len(inner) == 1 and (typing.get_origin(inner[0]) is typing.Literal or dataclasses.is_dataclass(inner[0])):
+        return convert(value, inner[0], path, errors)  # its own messages (choices, unknown keys), not "is not X"
     for a in inner:
         out = convert(value, a, path, [])
         if out is not _MISSING:

@@ -28,6 +28,7 @@ import yaml
 
 from mcore_models import PRESETS, TransformerConfig, preset
 from mcore_models.errors import ConfigError as ModelConfigError
+from mcore_models.moe_config import MoEConfig
 from mcore_parallel.optim import OptimizerConfig
 from mcore_train._typed import build, convert, suggest, to_plain
 from mcore_train.errors import ConfigError
@@ -84,7 +85,8 @@ class TrainConfig:
 
     def layout_problems(self, world_size: int) -> list[str]:
         """What :meth:`check_layout` reports, as a list (empty when the run can start)."""
-        return [*self._batch_problems(world_size), *self._model_problems(), *self._run_problems()]
+        return [*self._batch_problems(world_size), *self._model_problems(), *self._moe_problems(),
+                *self._run_problems()]  # fmt: skip
 
     def _batch_problems(self, world_size: int) -> list[str]:
         """The rank layout, and how the global batch splits into micro-batches over it."""
@@ -144,6 +146,42 @@ class TrainConfig:
                 f"data.seq_length={seq} exceeds model.max_position_embeddings={model.max_position_embeddings} "
                 "(learned positions)"
             )
+        return problems
+
+    def _moe_problems(self) -> list[str]:
+        """Expert parallelism against the model: ``parallel.ep`` and ``parallel.expert_tp`` need MoE layers whose
+        experts and widths they divide."""
+        par, moe = self.parallel, self.model.moe
+        if moe is None:
+            if par.ep > 1:
+                return [
+                    f"parallel.ep={par.ep} splits the experts of MoE layers, but the model is dense (model.moe is "
+                    "not set): set parallel.ep=1, or configure model.moe (e.g. model.preset=moe-tiny)"
+                ]
+            return []
+        problems = []
+        etp, tp = par.expert_tp_size, par.tp
+        if moe.num_experts % par.ep:
+            problems.append(
+                f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={par.ep}; choose an ep "
+                f"that divides {moe.num_experts}"
+            )
+        if etp not in (1, tp):
+            problems.append(
+                f"parallel.expert_tp={etp} must be 1 (whole experts per rank) or parallel.tp={tp} (experts split "
+                "over the tensor-parallel ranks)"
+            )
+        elif tp > 1 and etp == 1 and not par.sequence_parallel:
+            problems.append(
+                f"MoE with parallel.tp={tp} and parallel.expert_tp=1 needs parallel.sequence_parallel=true (each "
+                f"tensor-parallel rank routes its share of the sequence); set it, or set parallel.expert_tp={tp}"
+            )
+        ffn = moe.expert_ffn(self.model.ffn_size)
+        if etp > 1 and ffn % etp:
+            problems.append(f"the experts' ffn width {ffn} (model.moe.ffn_hidden_size) is not divisible by "
+                            f"parallel.expert_tp={etp}")  # fmt: skip
+        if moe.pad_expert_input_to_capacity and moe.token_dispatcher != "alltoall":
+            problems.append("model.moe.pad_expert_input_to_capacity needs model.moe.token_dispatcher=alltoall")
         return problems
 
     def _run_problems(self) -> list[str]:
@@ -270,6 +308,9 @@ def _build_model(data: Mapping[str, Any], errors: list[str]) -> TransformerConfi
         if k == "rope_scaling" and isinstance(v, Mapping):
             values[k] = dict(v)
             continue
+        if k == "moe" and isinstance(v, Mapping):
+            values[k] = _build_moe(v, name, errors)
+            continue
         converted = convert(v, hints[k], f"model.{k}", errors)
         if converted is not None or v is None:
             values[k] = converted
@@ -284,6 +325,26 @@ def _build_model(data: Mapping[str, Any], errors: list[str]) -> TransformerConfi
     except TypeError as e:
         errors.append(f"model: {e}")
     return None
+
+
+def _build_moe(data: Mapping[str, Any], preset_name: Any, errors: list[str]) -> MoEConfig | None:
+    """``model.moe`` from a mapping: its keys checked and converted, over the preset's MoE settings when the model
+    names a preset that has them (so ``model.moe.num_experts=4`` changes only that)."""
+    hints = typing.get_type_hints(MoEConfig)
+    fields = [f.name for f in dataclasses.fields(MoEConfig)]
+    base = PRESETS.get(str(preset_name), {}).get("moe") if preset_name is not None else None
+    values: dict[str, Any] = dict(base) if isinstance(base, Mapping) else {}
+    ok = True
+    for k, v in data.items():
+        if k not in fields:
+            errors.append(f"model.moe.{k}: unknown key{suggest(k, fields)}")
+            ok = False
+            continue
+        before = len(errors)
+        converted = convert(v, hints[k], f"model.moe.{k}", errors)
+        ok = ok and len(errors) == before
+        values[k] = converted
+    return MoEConfig(**values) if ok else None
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from mcore_models import training_flops_per_token
 from mcore_train.errors import TrainingDiverged
-from mcore_train.metrics import MetricsWindow, MetricsWriter, peak_tflops_for
+from mcore_train.metrics import MetricsWindow, MetricsWriter, moe_window_metrics, peak_tflops_for
 from mcore_train.profiling import StepProfiler
 from mcore_train.step import StepClock, StepOutcome, deferred_reads, eval_loss, train_step
 from mcore_train.trainer import Run, rank_state
@@ -220,6 +220,8 @@ def train(run: Run) -> TrainResult:
             logged = (run.step + 1) % run.config.logging.log_interval == 0 or run.step + 1 == run.train_iters
             books.profiler.before_step(run.step + 1)
             step = train_step(run, iterators, logged=logged, stop_vote=stop.wanted)
+            if logged:  # every rank, the same steps: one all-reduce (and for MoE models a host read) per window
+                step.moe = moe_window_metrics(run.chunks, run.model_config, run.state)
             books.profiler.after_step(run.step)
             reserved = _checkpoint_upkeep(run, reserved)
             # the previous step's bookkeeping runs while the GPU works on this one
@@ -275,6 +277,11 @@ def _log_line(run: Run, step: int, r: dict[str, Any]) -> None:
         parts.append(f"grad norm {r['grad_norm']:.3f}")
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:g}")
+    if "moe_aux_loss" in r:
+        parts.append(f"aux loss {r['moe_aux_loss']:.4f}")
+        parts.append(f"load max {r['moe_load_max']:.2f}")
+        if "moe_dropped" in r:
+            parts.append(f"dropped {r['moe_dropped']:.1%}")
     parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     parts.append(f"{r['samples_per_s']:.1f} samples/s")
     parts.append(f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU")

@@ -12,12 +12,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mcore_models import TransformerConfig
+from mcore_models.moe import moe_layers, moe_metrics
+from mcore_models.moe.layer import STAT_FIELDS
+from mcore_parallel import ParallelState
+from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.p2p import symmetric_bytes
 
 if TYPE_CHECKING:
     from mcore_train.step import StepOutcome
 
-__all__ = ["MetricsWindow", "MetricsWriter", "peak_tflops_for", "memory_stats"]
+__all__ = ["MetricsWindow", "MetricsWriter", "peak_tflops_for", "memory_stats", "moe_window_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,59 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             stats["mem_symmetric_gib"] = symmetric / 2**30
         return stats
     return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def moe_window_metrics(chunks: list[Any], model: TransformerConfig, state: ParallelState) -> dict[str, float]:
+    """The routing of an MoE model's layers since the last call (the log window): per layer
+    (``moe/layer<i>/aux_loss``, ``z_loss``, ``dropped``, ``load_min``, ``load_max``, from
+    :func:`~mcore_models.moe.moe_metrics`) and over the layers (``moe_aux_loss``: the mean load-balancing loss,
+    ``moe_load_max`` / ``moe_load_min``: the most and least loaded expert of any layer relative to an even split, and
+    with a capacity ``moe_dropped``, with a z-loss ``moe_z_loss``: means). Every rank calls it at the same steps (one
+    all-reduce over the world, then a host read); empty for a dense model."""
+    if model.moe is None:
+        return {}
+    sp_size = state.tp.size if state.sequence_parallel else 1
+    if next(moe_layers(chunks), None) is None:
+        per_layer = _metrics_without_moe_layers(model, state, sp_size)
+    else:
+        per_layer = moe_metrics(chunks, model.num_layers, state.world, sp_size)
+    if not per_layer:
+        return {}
+
+    def values(name: str) -> list[float]:
+        return [v for k, v in per_layer.items() if k.endswith(f"/{name}")]
+
+    out = {"moe_aux_loss": sum(values("aux_loss")) / len(values("aux_loss")),
+           "moe_load_max": max(values("load_max")), "moe_load_min": min(values("load_min"))}  # fmt: skip
+    if model.moe.z_loss_coeff:
+        out["moe_z_loss"] = sum(values("z_loss")) / len(values("z_loss"))
+    if model.moe.capacity_factor is not None:
+        out["moe_dropped"] = sum(values("dropped")) / len(values("dropped"))
+    return {**out, **per_layer}
+
+
+def _metrics_without_moe_layers(model: TransformerConfig, state: ParallelState, sp_size: int) -> dict[str, float]:
+    """:func:`~mcore_models.moe.moe_metrics` on a rank whose pipeline stage has no MoE layer (``moe.layer_freq``):
+    it returns there without its all-reduce, which the other ranks wait in; this joins it with an empty table and
+    reads the layers of the other stages from the result, with the same formulas."""
+    assert model.moe is not None
+    n = len(STAT_FIELDS)
+    table = torch.zeros(model.num_layers, n + model.moe.num_experts, device=state.device)
+    table = _comm.all_reduce(table, state.world).cpu()
+    out: dict[str, float] = {}
+    for i in range(model.num_layers):
+        aux, z, dropped, forwards = (float(v) for v in table[i, :n])
+        if forwards == 0:
+            continue
+        counts = table[i, n:]
+        choices = float(counts.sum())
+        even = choices / counts.numel()
+        out[f"moe/layer{i}/aux_loss"] = aux * sp_size / forwards
+        out[f"moe/layer{i}/z_loss"] = z * sp_size / forwards
+        out[f"moe/layer{i}/dropped"] = dropped / choices if choices else 0.0
+        out[f"moe/layer{i}/load_min"] = float(counts.min()) / even if even else 0.0
+        out[f"moe/layer{i}/load_max"] = float(counts.max()) / even if even else 0.0
+    return out
 
 
 class _Clock(Protocol):
@@ -104,6 +162,7 @@ class MetricsWindow:
             "consumed_tokens": last.tokens_after,
             "skipped_steps": skipped_steps,
             **memory_stats(self.device),
+            **last.moe,
         }
         if self.profiled:
             record["profiled"] = True  # its throughput includes the profiler's overhead: not a measurement

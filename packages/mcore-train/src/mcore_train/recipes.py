@@ -78,11 +78,61 @@ def llama3_8b() -> TrainConfig:
                         parallel=ParallelSection(tp=2, pp=1, sequence_parallel=True))  # fmt: skip
 
 
+def moe_tiny() -> TrainConfig:
+    """``tiny``'s run (byte tokens, CPU in minutes) with the ``moe-tiny`` model: 2 layers, 8 experts of width 64, top-2
+    routing with a small load-balancing loss; ``parallel.ep=2`` over two processes splits the experts."""
+    run = tiny()
+    run.model = preset("moe-tiny", vocab_size=259)  # the byte tokenizer's 256 bytes and its special tokens
+    return run
+
+
+def moe_8x4k() -> TrainConfig:
+    """llama-1b's attention with 8 experts of width 4096 (top-2), llama-1b's run; one H200 holds it, add
+    ``parallel.ep=N`` on N GPUs."""
+    return _pretraining("moe-8x4k", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
+                        eval_interval=2000, save_interval=1000)  # fmt: skip
+
+
+def moe_32x1k() -> TrainConfig:
+    """As ``moe-8x4k`` with 32 experts of width 1024 (top-8): the same active FLOPs, finer experts."""
+    return _pretraining("moe-32x1k", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
+                        eval_interval=2000, save_interval=1000)  # fmt: skip
+
+
+def mixtral_8x7b() -> TrainConfig:
+    """Mixtral 8x7B (47 B parameters, 13 B active): 4 pipeline stages, the 8 experts over 8 ranks (32 GPUs)."""
+    return _pretraining("mixtral-8x7b", seq=4096, lr=3e-4, warmup=2000, micro_batch=1, global_batch=256,
+                        iters=100000, eval_interval=2000, save_interval=500,
+                        parallel=ParallelSection(pp=4, ep=8))  # fmt: skip
+
+
+def qwen3_moe_30b_a3b() -> TrainConfig:
+    """Qwen3-30B-A3B (128 experts, top-8): the experts over the 8 GPUs of one node."""
+    return _pretraining("qwen3-moe-30b-a3b", seq=4096, lr=3e-4, warmup=2000, micro_batch=1, global_batch=256,
+                        iters=100000, eval_interval=2000, save_interval=500,
+                        parallel=ParallelSection(ep=8))  # fmt: skip
+
+
+def deepseek_v3() -> TrainConfig:
+    """DeepSeek-V3's sizes (671 B parameters; see the preset for what is modelled): 16 pipeline stages (the 3 dense
+    layers first, 2 layers on the last stage beside the output layer, 4 on each other), the 256 experts over 64
+    ranks (1024 GPUs)."""
+    return _pretraining("deepseek-v3", seq=4096, lr=2.2e-4, warmup=2000, micro_batch=1, global_batch=2048,
+                        iters=100000, eval_interval=2000, save_interval=500,
+                        parallel=ParallelSection(pp=16, ep=64, first_stage_layers=3, last_stage_layers=2))  # fmt: skip
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "gpt2-124m": gpt2_124m,
     "llama-1b": llama_1b,
     "llama3-8b": llama3_8b,
+    "moe-tiny": moe_tiny,
+    "moe-8x4k": moe_8x4k,
+    "moe-32x1k": moe_32x1k,
+    "mixtral-8x7b": mixtral_8x7b,
+    "qwen3-moe-30b-a3b": qwen3_moe_30b_a3b,
+    "deepseek-v3": deepseek_v3,
 }
 
 

@@ -40,7 +40,9 @@ class ParallelSection(ParallelConfig):
     ``order``, ``sequence_parallel``), which builds the :class:`~mcore_parallel.ParallelState`, and holds the run's
     :class:`~mcore_parallel.ddp.DDPConfig` as ``ddp``, whose fields are keys of this section too
     (``parallel.bucket_size``); the trainer fills in the DDP config's ``use_distributed_optimizer`` (from
-    ``optimizer.use_distributed_optimizer``) and ``exchange`` (from ``dp_comm``).
+    ``optimizer.use_distributed_optimizer``) and ``exchange`` (from ``dp_comm``). ``ep`` and ``expert_tp`` apply to
+    the MoE layers of a model with ``model.moe``; their checks against the model are
+    :meth:`~mcore_train.config.TrainConfig.check_layout`'s.
     """
 
     first_stage_layers: int | None = None
@@ -98,10 +100,6 @@ class ParallelSection(ParallelConfig):
             )
         if self.cp != 1:
             problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
-        if self.ep != 1:
-            problems.append(
-                f"ep={self.ep}: expert parallelism needs MoE models, which are not implemented yet; use ep=1"
-            )
         _raise(problems)
 
 

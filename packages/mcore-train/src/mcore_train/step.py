@@ -1,7 +1,8 @@
 """One training step: :func:`train_step` runs a whole optimizer step and returns its :class:`StepOutcome`.
 
 A step is the learning rate from the schedule, the forward and backward passes over the step's micro-batches
-(through the pipeline schedule, the gradient reduction overlapped with backward), one small all-reduce in which the
+(through the pipeline schedule, the gradient reduction overlapped with backward; MoE layers' auxiliary losses scaled
+like the main loss, and their expert biases moved after the backward), one small all-reduce in which the
 ranks agree on the loss and on whether to stop, then clipping and the update. When the optimizer can drop a
 non-finite step on the device (AdamW's fused kernel without fp16 loss scaling, the default on GPUs) nothing in it
 waits for the device: the loss, stop votes, skip flag, gradient norm and zero count are copied to pinned host memory
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_models.moe import set_aux_loss_scale, update_expert_biases
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import StepResult
 from mcore_parallel.pipeline import forward_backward
@@ -173,6 +175,9 @@ class StepOutcome:
     """Data-parallel ranks the loss sum is over (each context-parallel rank reports its part)."""
     cp_size: int = 1
     """Context-parallel ranks."""
+    moe: dict[str, float] = field(default_factory=dict)
+    """MoE models, on logged steps: the routing metrics of the log window
+    (:func:`~mcore_train.metrics.moe_window_metrics`, filled in by the loop)."""
 
     @functools.cached_property
     def _host(self) -> tuple[float, bool, bool, float, float]:
@@ -246,6 +251,14 @@ def _step_now(run: Run, t: torch.Tensor, logged: bool) -> tuple[StepResult | Non
                                  nan if zeros is None else zeros], dtype=torch.float64)  # fmt: skip
 
 
+def _set_aux_loss_scale(run: Run, num_micro: int) -> None:
+    """The MoE layers' auxiliary losses get the gradient the schedule gives the main loss: it backpropagates
+    ``loss / num_micro`` times the fp16 loss scale (``optimizer.scale_loss``), so the same factor (a host value: no
+    sync)."""
+    scaler = run.optimizer.scaler
+    set_aux_loss_scale(run.chunks, (1.0 if scaler is None else float(scaler.scale)) / num_micro)
+
+
 def train_step(
     run: Run, iterators: list[Any], *, logged: bool = True, stop_vote: Callable[[], bool] | None = None
 ) -> StepOutcome:
@@ -262,7 +275,12 @@ def train_step(
     num_micro = gb // (cfg.training.micro_batch_size * st.dp_size)
     lr = run.scheduler.apply(run.optimizer, run.step)
     run.optimizer.zero_grad()
+    moe = run.model_config.moe is not None
+    if moe:
+        _set_aux_loss_scale(run, num_micro)
     local_loss = _schedule_loss(run, iterators, num_micro, False)
+    if moe:  # aux-loss-free balancing: the step's tokens per expert move the expert biases (no-op without them)
+        update_expert_biases(run.chunks, st.tp_dp_cp)
     t = _agree_start(run, local_loss, stop_vote is not None and stop_vote())
     update: StepResult | None
     if deferred_reads(run):

@@ -103,6 +103,9 @@ def build_model_chunks(
                 layers=layers,
                 rng_tracker=tracker,
                 device=state.device,
+                ep=state.ep,
+                expert_tp=state.expert_tp,
+                balance=state.tp_dp_cp,
             )
         )
     if config.training.compile == "layers":
@@ -196,10 +199,23 @@ def _with_tp_exchange(config: TrainConfig, state: ParallelState) -> ParallelStat
     return dataclasses.replace(state, tp=tp)
 
 
+def _check_expert_groups(config: TrainConfig, state: ParallelState) -> None:
+    """Expert tensor parallelism runs over the tensor-parallel ranks themselves, which depends on the rank order."""
+    if config.model.moe is None or state.expert_tp.size == 1 or state.expert_tp.ranks == state.tp.ranks:
+        return
+    raise ConfigError([
+        f"parallel.expert_tp={state.expert_tp.size} puts ranks {list(state.expert_tp.ranks)} in one expert "
+        f"tensor-parallel group, but this rank's tensor-parallel group is {list(state.tp.ranks)}: with "
+        f"parallel.order={config.parallel.order!r} they differ; put tp first in parallel.order (e.g. "
+        "tp-cp-ep-dp-pp) or set parallel.expert_tp=1"
+    ])  # fmt: skip
+
+
 def setup(config: TrainConfig) -> Run:
     """Everything a run needs, resumed from a checkpoint when one is configured or found."""
     state = ParallelState.initialize(config.parallel, backend=config.parallel.backend, device=config.training.device)
     config.check_layout(state.world_size)
+    _check_expert_groups(config, state)
     state = _with_tp_exchange(config, state)
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
@@ -233,14 +249,9 @@ def _resume(run: Run, path: Path) -> None:
     meta = read_metadata(path)
     saved_model = meta.get("model")
     if saved_model is not None:
-        saved = TransformerConfig.from_dict(saved_model)
-        diffs = [f.name for f in dataclasses.fields(saved) if f.name not in ("recompute", "recompute_num_layers",
-                 "cross_entropy_fusion", "attention_backend", "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout", "hidden_dropout", "seed")
-                 and getattr(saved, f.name) != getattr(run.model_config, f.name)]  # fmt: skip
+        diffs = _model_diffs(TransformerConfig.from_dict(saved_model), run.model_config)
         if diffs:
-            raise ConfigError([f"model.{d}: checkpoint has {getattr(saved, d)!r}, config has "
-                               f"{getattr(run.model_config, d)!r}" for d in diffs],
-                              header=f"the model in {path} differs from the configured one")  # fmt: skip
+            raise ConfigError(diffs, header=f"the model in {path} differs from the configured one")
     choice = run.config.checkpoint.verify
     verify: Verify = "sample" if choice == "sample" else choice not in ("off", False)
     manager = run.checkpoints or CheckpointManager(path.parent, run.state)
@@ -263,6 +274,29 @@ def _resume(run: Run, path: Path) -> None:
     if run.config.checkpoint.dir is not None and path.parent.resolve() == Path(run.config.checkpoint.dir).resolve():
         run.last_saved_step = run.step  # resuming in place: this step's checkpoint exists already
     logger.info("resumed from %s at step %d (%d samples consumed)", path, run.step, run.consumed_samples)
+
+
+# settings that change how the model runs, not what its weights are: a resumed run may change them
+_RUNTIME_FIELDS = ("recompute", "recompute_num_layers", "cross_entropy_fusion", "attention_backend",
+                   "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout",
+                   "hidden_dropout", "seed")  # fmt: skip
+_RUNTIME_MOE_FIELDS = ("token_dispatcher",)
+
+
+def _model_diffs(saved: TransformerConfig, configured: TransformerConfig) -> list[str]:
+    """``model.<field>: checkpoint has X, config has Y`` for every architecture field that differs."""
+    out: list[str] = []
+    for f in dataclasses.fields(saved):
+        a, b = getattr(saved, f.name), getattr(configured, f.name)
+        if f.name in _RUNTIME_FIELDS or a == b:
+            continue
+        if f.name == "moe" and a is not None and b is not None:
+            out.extend(f"model.moe.{g.name}: checkpoint has {getattr(a, g.name)!r}, config has "
+                       f"{getattr(b, g.name)!r}" for g in dataclasses.fields(a)
+                       if g.name not in _RUNTIME_MOE_FIELDS and getattr(a, g.name) != getattr(b, g.name))  # fmt: skip
+            continue
+        out.append(f"model.{f.name}: checkpoint has {a!r}, config has {b!r}")
+    return out
 
 
 def _reseed_master(run: Run) -> None:
