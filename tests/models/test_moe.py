@@ -234,7 +234,7 @@ def test_moe_metrics_report_per_layer_values_and_reset() -> None:
     model(tokens, labels=tokens)
     model(tokens, labels=tokens)
     want = model.decoder.layers["1"].mlp.stats[0].item() / 2
-    m = moe_metrics([model], 2, Group.single())
+    m = moe_metrics([model], 2, 4, Group.single())
     assert m["moe/layer1/aux_loss"] == pytest.approx(want)
     assert m["moe/layer0/load_max"] >= 1.0 >= m["moe/layer0/load_min"]
     assert model.decoder.layers["0"].mlp.stats.abs().sum() == 0

@@ -104,15 +104,8 @@ def test_expert_biases_and_the_sequence_loss_train_like_one_process(tmp_path: Pa
     assert_same(four, one, "tp2-sp-ep2, expert bias")
 
 
-# the graph break at the experts' row counts makes the layer's output an input of the next compiled graph, and
-# AOTAutograd replays an output that aliases an input outside the custom autograd.Function that attaches the
-# auxiliary losses (mcore_models.moe.layer._AttachAux returns its input unchanged): their gradient is dropped
-AUX_UNDER_COMPILE = pytest.mark.xfail(strict=True, reason="training.compile=layers drops the MoE aux/z-loss gradient "
-                                      "(_AttachAux.forward returns its input; fix in mcore-models)")  # fmt: skip
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("losses", ["no-aux", pytest.param("aux", marks=AUX_UNDER_COMPILE)])
+@pytest.mark.parametrize("losses", ["no-aux", "aux"])
 def test_compiled_moe_layers_train_like_eager(losses: str, tmp_path: Path) -> None:
     overrides = ["training.train_iters=2"]
     if losses == "no-aux":

@@ -128,6 +128,8 @@ class MoEConfig:
             p.append(f"moe.capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
         if self.pad_expert_input_to_capacity and self.capacity_factor is None:
             p.append("moe.pad_expert_input_to_capacity needs moe.capacity_factor")
+        if self.pad_expert_input_to_capacity and self.token_dispatcher == "allgather":
+            p.append("moe.pad_expert_input_to_capacity needs moe.token_dispatcher='alltoall'")
         for name, allowed in (
             ("router_score_function", ("softmax", "sigmoid")),
             ("load_balancing_type", ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")),

@@ -166,8 +166,10 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     fields = dict(PRESETS[name], **overrides)
-    if isinstance(fields.get("moe"), dict) and isinstance(overrides.get("moe"), dict):
-        fields["moe"] = dict(PRESETS[name]["moe"], **overrides["moe"])  # a partial moe override keeps the rest
+    if isinstance(overrides.get("moe"), dict):
+        fields["moe"] = dict(
+            PRESETS[name].get("moe") or {}, **overrides["moe"]
+        )  # a partial moe override keeps the rest
     if isinstance(fields.get("rope_scaling"), dict):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     extra = {"preset": name, **(fields.pop("extra", None) or {})}

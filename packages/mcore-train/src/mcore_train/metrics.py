@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mcore_models import TransformerConfig
-from mcore_models.moe import moe_layers, moe_metrics
-from mcore_models.moe.layer import STAT_FIELDS
+from mcore_models.moe import moe_metrics
 from mcore_parallel import ParallelState
-from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.p2p import symmetric_bytes
 
 if TYPE_CHECKING:
@@ -64,10 +62,7 @@ def moe_window_metrics(chunks: list[Any], model: TransformerConfig, state: Paral
     if model.moe is None:
         return {}
     sp_size = state.tp.size if state.sequence_parallel else 1
-    if next(moe_layers(chunks), None) is None:
-        per_layer = _metrics_without_moe_layers(model, state, sp_size)
-    else:
-        per_layer = moe_metrics(chunks, model.num_layers, state.world, sp_size)
+    per_layer = moe_metrics(chunks, model.num_layers, model.moe.num_experts, state.world, sp_size)
     if not per_layer:
         return {}
 
@@ -81,30 +76,6 @@ def moe_window_metrics(chunks: list[Any], model: TransformerConfig, state: Paral
     if model.moe.capacity_factor is not None:
         out["moe_dropped"] = sum(values("dropped")) / len(values("dropped"))
     return {**out, **per_layer}
-
-
-def _metrics_without_moe_layers(model: TransformerConfig, state: ParallelState, sp_size: int) -> dict[str, float]:
-    """:func:`~mcore_models.moe.moe_metrics` on a rank whose pipeline stage has no MoE layer (``moe.layer_freq``):
-    it returns there without its all-reduce, which the other ranks wait in; this joins it with an empty table and
-    reads the layers of the other stages from the result, with the same formulas."""
-    assert model.moe is not None
-    n = len(STAT_FIELDS)
-    table = torch.zeros(model.num_layers, n + model.moe.num_experts, device=state.device)
-    table = _comm.all_reduce(table, state.world).cpu()
-    out: dict[str, float] = {}
-    for i in range(model.num_layers):
-        aux, z, dropped, forwards = (float(v) for v in table[i, :n])
-        if forwards == 0:
-            continue
-        counts = table[i, n:]
-        choices = float(counts.sum())
-        even = choices / counts.numel()
-        out[f"moe/layer{i}/aux_loss"] = aux * sp_size / forwards
-        out[f"moe/layer{i}/z_loss"] = z * sp_size / forwards
-        out[f"moe/layer{i}/dropped"] = dropped / choices if choices else 0.0
-        out[f"moe/layer{i}/load_min"] = float(counts.min()) / even if even else 0.0
-        out[f"moe/layer{i}/load_max"] = float(counts.max()) / even if even else 0.0
-    return out
 
 
 class _Clock(Protocol):

@@ -21,7 +21,17 @@ import torch
 from mcore_parallel import Group
 from mcore_parallel.tensor.all_to_all import all_to_all, exchange_counts
 
-__all__ = ["Plan", "plan", "gather_rows", "padded_plan", "apply_capacity", "capacity", "combine", "alltoall_dispatch", "Dispatched"]
+__all__ = [
+    "Plan",
+    "plan",
+    "gather_rows",
+    "padded_plan",
+    "apply_capacity",
+    "capacity",
+    "combine",
+    "alltoall_dispatch",
+    "Dispatched",
+]
 
 
 @dataclass

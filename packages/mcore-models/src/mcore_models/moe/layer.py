@@ -58,12 +58,13 @@ STAT_FIELDS = ("aux_loss", "z_loss", "dropped", "forwards")
 
 
 class _AttachAux(torch.autograd.Function):
-    """Identity on ``out``; in backward the auxiliary loss gets the gradient ``scale``."""
+    """``out`` (a copy); in backward the auxiliary loss gets the gradient ``scale``. The copy matters under
+    ``torch.compile``: an output aliasing an input is replayed outside the function and would lose the loss."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(scale)
-        return out
+        return out.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

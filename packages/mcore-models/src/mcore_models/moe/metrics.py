@@ -43,17 +43,18 @@ def update_expert_biases(modules: Iterable[nn.Module], balance: Group) -> None:
 
 
 @torch.no_grad()
-def moe_metrics(modules: Iterable[nn.Module], num_layers: int, world: Group, sp_size: int = 1) -> dict[str, float]:
+def moe_metrics(
+    modules: Iterable[nn.Module], num_layers: int, num_experts: int, world: Group, sp_size: int = 1
+) -> dict[str, float]:
     """Per MoE layer since the last call: the load-balancing and z losses (mean per micro-batch), the fraction of
     choices dropped over capacity, and the least and most loaded expert's tokens relative to an even split; the
-    accumulators are then reset. Every rank must call (one all-reduce over ``world``). ``sp_size`` is the
-    tensor-parallel size under sequence parallelism (each rank's losses are then its share of the micro-batch's),
-    else 1."""
+    accumulators are then reset. Every rank must call (one all-reduce over ``world``), also one whose pipeline stage
+    holds no MoE layer (it reports the other stages' layers). ``sp_size`` is the tensor-parallel size under sequence
+    parallelism (each rank's losses are then its share of the micro-batch's), else 1."""
+    modules = list(modules)
     layers = dict(moe_layers(modules))
-    if not layers:
-        return {}
-    first = next(iter(layers.values())).stats
-    table = torch.zeros(num_layers, first.shape[0], device=first.device)
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+    table = torch.zeros(num_layers, len(STAT_FIELDS) + num_experts, device=device)
     for i, layer in layers.items():
         table[i] = layer.stats
         layer.stats.zero_()
