@@ -184,3 +184,11 @@ def test_a_checkpoint_saved_at_ep4_resumes_exactly_and_at_ep1(tmp_path: Path) ->
     assert experts and all(read_region(saved / a).shape[0] == 8 for a in experts), experts
     bias = [a for a in arrays(saved) if str(a).endswith("expert_bias")]
     assert len(bias) == 2 and all(read_region(saved / a).abs().sum() > 0 for a in bias), bias
+
+
+def test_interleaved_pipeline_with_expert_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    """Four layers as two virtual stages on each of two pipeline ranks (interleaved 1F1B), experts over ep2."""
+    layers = ["model.num_layers=4"]
+    one = _records(layers, str(tmp_path / "one"))
+    four = _in(4, [*layers, "parallel.pp=2", "parallel.vpp=2", "parallel.ep=2"], tmp_path / "four")
+    assert_same(four, one, "pp2-vpp2-ep2")
