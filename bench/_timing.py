@@ -22,3 +22,20 @@ def cuda_seconds(fn: Callable[[], Any], iters: int, warmup: int = 3, before: Cal
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters
+
+
+def bf16_matmul_tflops() -> float:
+    """The bf16 matmul rate of the current GPU (8192^3 products, a 20-product burst after 3 warm-ups): the MFU
+    denominator of the training benchmarks."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _timing import bf16_matmul_tflops
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -58,18 +59,6 @@ class SDPAttention(MegatronModule):
         gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
-
-
-def matmul_tflops() -> float:
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
 
 
 def _args() -> argparse.Namespace:
@@ -178,7 +167,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
-    peak = matmul_tflops() if cuda else float("nan")
+    peak = bf16_matmul_tflops() if cuda else float("nan")
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     # without CUDA the training RNG tracker cannot hold states: the inference one (no-op forks) stands in
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)

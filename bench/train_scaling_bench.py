@@ -128,19 +128,9 @@ def run_case(label: str, case: Case, extra: list[str], args: argparse.Namespace,
     }
 
 
-MATMUL = r"""
-import time, torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    a @ b
-torch.cuda.synchronize()
-t = time.perf_counter()
-for _ in range(20):
-    a @ b
-torch.cuda.synchronize()
-print(2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12)
-"""
+MATMUL = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); " + (
+    "from _timing import bf16_matmul_tflops; print(bf16_matmul_tflops())"
+)
 
 
 def measured_peak_tflops() -> float:

@@ -118,6 +118,30 @@ def llama_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
     return out
 
 
+def rope_body_from_hf(hf: dict[str, Any], rotary_base: float) -> dict[str, Any]:
+    """The TransformerConfig fields every RoPE + RMSNorm + SwiGLU HF decoder (Llama, Mixtral, Qwen) states the same
+    way: sizes, heads, norm epsilon, positions, vocabulary, tied embeddings, init."""
+    heads = hf["num_attention_heads"]
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        activation="swiglu",
+        normalization="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        add_bias_linear=False,
+        position_embedding="rope",
+        rotary_base=rotary_base,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        vocab_size=hf["vocab_size"],
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=hf.get("initializer_range", 0.02),
+    )
+
+
 def llama_config_from_hf(hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) Llama models are supported")
@@ -138,25 +162,9 @@ def llama_config_from_hf(hf: dict[str, Any], **overrides: Any) -> TransformerCon
             original_max_position_embeddings=scaling["original_max_position_embeddings"],
         )
     theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    heads = hf["num_attention_heads"]
     fields: dict[str, Any] = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        activation="swiglu",
-        normalization="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        add_bias_linear=False,
-        position_embedding="rope",
-        rotary_base=float(theta),
+        rope_body_from_hf(hf, float(theta)),
         rope_scaling=rope,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        vocab_size=hf["vocab_size"],
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=hf.get("initializer_range", 0.02),
         extra={"hf_architecture": "LlamaForCausalLM"},
     )
     fields.update(overrides)

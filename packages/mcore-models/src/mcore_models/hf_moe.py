@@ -246,26 +246,10 @@ def moe_config_from_hf(hf: dict[str, Any], **overrides: Any) -> TransformerConfi
         raise ConversionError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) experts are supported")
     if arch == QWEN3 and hf.get("attention_bias"):
         raise ConversionError("attention_bias=True is not supported (mcore biases q/k/v only, not o_proj)")
-    heads = hf["num_attention_heads"]
     fields: dict[str, Any] = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        activation="swiglu",
-        normalization="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        add_bias_linear=False,
+        _hf.rope_body_from_hf(hf, _rope_theta(hf, 1e6 if arch == MIXTRAL else 10000.0)),
         add_qkv_bias=arch == QWEN2 and bool(hf.get("qkv_bias", True)),
         qk_layernorm=arch == QWEN3,
-        position_embedding="rope",
-        rotary_base=_rope_theta(hf, 1e6 if arch == MIXTRAL else 10000.0),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        vocab_size=hf["vocab_size"],
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=hf.get("initializer_range", 0.02),
         moe=_moe_from_hf(arch, hf, hf["num_hidden_layers"]),
         extra={"hf_architecture": arch},
     )

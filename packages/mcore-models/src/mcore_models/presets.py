@@ -42,18 +42,7 @@ _LLAMA_1B_BODY = dict(
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": dict(_GPT2, num_layers=12, hidden_size=768, num_attention_heads=12),
     "gpt2-350m": dict(_GPT2, num_layers=24, hidden_size=1024, num_attention_heads=16),
-    "llama-1b": dict(
-        _LLAMA,
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=8192,
-        vocab_size=32768,
-        max_position_embeddings=4096,
-        rotary_base=500000.0,
-        share_embeddings_and_output_weights=False,
-    ),
+    "llama-1b": _LLAMA_1B_BODY,
     "llama3-8b": dict(
         _LLAMA,
         num_layers=32,
