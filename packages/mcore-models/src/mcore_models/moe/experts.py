@@ -64,6 +64,14 @@ def _mark(p: nn.Parameter, global_shape: tuple[int, ...], ep: Group, etp: Group,
         p.partition_stride = stride  # type: ignore[attr-defined]
 
 
+class _Weight(nn.Module):
+    """A module holding one parameter (so the names read ``linear_fc1.weight`` like the dense MLP's)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
 class GroupedExperts(nn.Module):
     """This rank's routed experts (see the module docstring)."""
 
@@ -80,10 +88,8 @@ class GroupedExperts(nn.Module):
         self.num_local, self.first = e // ep.size, ep.rank * (e // ep.size)
         fc1_out = 2 * f if config.gated else f
         kw = dict(dtype=config.dtype, device=ctx.device)
-        self.linear_fc1 = nn.Module()
-        self.linear_fc2 = nn.Module()
-        self.linear_fc1.weight = nn.Parameter(torch.empty(self.num_local, fc1_out // etp.size, h, **kw))  # type: ignore[arg-type]
-        self.linear_fc2.weight = nn.Parameter(torch.empty(self.num_local, h, f // etp.size, **kw))  # type: ignore[arg-type]
+        self.linear_fc1 = _Weight(nn.Parameter(torch.empty(self.num_local, fc1_out // etp.size, h, **kw)))  # type: ignore[arg-type]
+        self.linear_fc2 = _Weight(nn.Parameter(torch.empty(self.num_local, h, f // etp.size, **kw)))  # type: ignore[arg-type]
         stride = 2 if config.gated else 1
         _mark(self.linear_fc1.weight, (e, fc1_out, h), ep, etp, 1, stride)
         _mark(self.linear_fc2.weight, (e, h, f), ep, etp, 2, 1)

@@ -34,7 +34,7 @@ from mcore_models.moe.dispatch import (
     padded_plan,
     plan,
 )
-from mcore_models.moe.experts import GroupedExperts
+from mcore_models.moe.experts import GroupedExperts, _Weight
 from mcore_models.moe.router import TopKRouter, expert_counts, switch_aux_loss, z_loss
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.mlp import MLP
@@ -79,10 +79,9 @@ class SharedExpertMLP(MLP):
         moe = config.moe
         assert moe is not None and moe.shared_expert_ffn_hidden_size is not None
         super().__init__(config.replace(ffn_hidden_size=moe.shared_expert_ffn_hidden_size), ctx, spec, prefix)
-        self.gate: nn.Module | None = None
+        self.gate: _Weight | None = None
         if moe.shared_expert_gate:
-            self.gate = nn.Module()
-            self.gate.weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.dtype, device=ctx.device))
+            self.gate = _Weight(nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.dtype, device=ctx.device)))
             init_sharded_(self.gate.weight, (1, config.hidden_size), 0, 0, 1, normal_init(config.init_method_std),
                           ctx.seed_for(f"{prefix}.gate.weight"))  # fmt: skip
             if ctx.sequence_parallel:
@@ -97,6 +96,10 @@ class SharedExpertMLP(MLP):
 
 class MoELayer(nn.Module):
     """Routed experts (and shared experts) in place of a layer's MLP; see the module docstring."""
+
+    stats: torch.Tensor
+    aux_loss_scale: torch.Tensor
+    bias_counts: torch.Tensor
 
     def __init__(self, config: TransformerConfig, ctx: ModelContext, spec: LayerSpec, prefix: str) -> None:
         super().__init__()
