@@ -11,6 +11,14 @@ Order of operations on one row of logits (float32):
    (nucleus, on the distribution left by top-k) and min-p (tokens below ``min_p`` times the top probability) are
    masked, and a token is drawn. A request with a ``seed`` draws from its own generator, so its output does not
    depend on what else is in the batch.
+
+Numerical safety: no valid parameter can make a row invalid for ``torch.multinomial`` (which raises on the CPU and
+kills the CUDA context with a device-side assert). A temperature below :data:`TEMPERATURE_FLOOR` (1e-5) is greedy
+(float32 division by it would overflow); the most likely token always survives top-k, top-p and min-p (a tiny
+``top_p`` is greedy); the repetition penalty is clamped to :data:`PENALTY_RANGE` and penalised logits to finite
+values (``-inf`` stays, NaN becomes ``-inf``); a row left with no usable distribution (every logit ``-inf``, or an
+overflow) takes the argmax of its logits instead of a draw. These checks are tensor ops (``torch.where``), never
+host reads of device values, so the step keeps its single synchronisation.
 """
 
 from __future__ import annotations
@@ -22,7 +30,12 @@ import torch
 
 from mcore_infer.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "Sampler", "SampleResult"]
+__all__ = ["SamplingParams", "Sampler", "SampleResult", "TEMPERATURE_FLOOR", "PENALTY_RANGE"]
+
+TEMPERATURE_FLOOR = 1e-5
+"""Temperatures below this are greedy: the limit of sampling as the temperature goes to 0, without the overflow."""
+PENALTY_RANGE = (1e-6, 1e6)
+"""The repetition penalty is clamped into this range before it scales logits (float32 keeps the result finite)."""
 
 
 @dataclass
@@ -32,7 +45,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to the model's context length."""
     temperature: float = 1.0
-    """0 is greedy; higher flattens the distribution."""
+    """0 (or anything below TEMPERATURE_FLOOR) is greedy; higher flattens the distribution."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 or -1: off)."""
     top_p: float = 1.0
@@ -97,7 +110,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < TEMPERATURE_FLOOR
 
     @property
     def needs_penalties(self) -> bool:
@@ -201,43 +214,50 @@ class Sampler:
             return Drawn(logits.argmax(-1), rows, None)
         x = logits.float().clone()
         self._penalise(x, rows)
+        x = _finite(x)
         for i, r in enumerate(rows):
             if r.banned:
                 x[i, r.banned] = float("-inf")
-        logp = torch.log_softmax(x, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        logp = None
+        if any(r.params.logprobs is not None for r in rows):  # a row of only -inf gives NaN: report -inf
+            logp = torch.log_softmax(x, dim=-1).nan_to_num(nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
         # which rows are greedy is known on the host: no device round trip
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not drawn:
-            tokens = x.argmax(-1)
+            tokens = _argmax(x, logits)
         elif not greedy:
-            tokens = self._draw(x, rows)
+            tokens = self._draw(x, rows, _argmax(x, logits))
         else:
             tokens = torch.empty(n, dtype=torch.long, device=x.device)
             g_idx = torch.tensor(greedy, device=x.device)
             d_idx = torch.tensor(drawn, device=x.device)
-            tokens[g_idx] = x[g_idx].argmax(-1)
-            tokens[d_idx] = self._draw(x[d_idx], [rows[i] for i in drawn])
+            tokens[g_idx] = _argmax(x[g_idx], logits[g_idx])
+            x_d = x[d_idx]
+            tokens[d_idx] = self._draw(x_d, [rows[i] for i in drawn], _argmax(x_d, logits[d_idx]))
         return Drawn(tokens, rows, logp)
 
     # ---------------------------------------------------------------------------------------------------------
     def _penalise(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
         vocab = x.shape[1]
+        lo, hi = PENALTY_RANGE
         for i, r in enumerate(rows):
             p = r.params
             if not p.needs_penalties:
                 continue
             if p.repetition_penalty != 1.0:
+                penalty = min(max(p.repetition_penalty, lo), hi)
                 seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
-                seen = seen[seen < vocab]
+                seen = seen[(seen >= 0) & (seen < vocab)]
                 vals = x[i, seen]
-                x[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                x[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
             if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
                 out = torch.tensor(r.output_ids, dtype=torch.long, device=x.device)
                 counts = torch.zeros(vocab, device=x.device).scatter_add_(0, out, torch.ones_like(out, dtype=x.dtype))
                 x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
-    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, rows: list[SampleRow], fallback: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row of (penalised) ``x``; rows left without a valid distribution take ``fallback``."""
         dev = x.device
         temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
         x = x / temp
@@ -247,14 +267,18 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
         sorted_x, order = x.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
-        sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
+        rest = rank > 0  # the most likely token survives every truncation
+        sorted_x = sorted_x.masked_fill((rank >= top_k[:, None]) & rest, float("-inf"))
         probs = sorted_x.softmax(-1)
         # nucleus: keep a token while the mass of the tokens before it is below top_p (the first always stays)
         before = probs.cumsum(-1) - probs
-        sorted_x = sorted_x.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+        sorted_x = sorted_x.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0) & rest, float("-inf"))
         probs = sorted_x.softmax(-1)
-        sorted_x = sorted_x.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+        sorted_x = sorted_x.masked_fill((probs < min_p[:, None] * probs[:, :1]) & rest, float("-inf"))
         probs = sorted_x.softmax(-1)
+        # an overflow (or a row of -inf) leaves NaN: draw from a one-hot there and take the fallback instead
+        ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+        probs = torch.where(ok[:, None], probs, (rank == 0).to(probs.dtype))
         picked = torch.empty(len(rows), dtype=torch.long, device=dev)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
@@ -262,7 +286,17 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 picked[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-        return order.gather(1, picked[:, None])[:, 0]
+        return torch.where(ok, order.gather(1, picked[:, None])[:, 0], fallback)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN as ``-inf`` and ``+inf`` as the largest float (``-inf`` stays: masked tokens)."""
+    return x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+
+
+def _argmax(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Per row the argmax of ``x``, or of the raw logits where every entry of ``x`` is ``-inf``."""
+    return torch.where((x > float("-inf")).any(-1), x.argmax(-1), raw.argmax(-1))
 
 
 def merge_banned(params: SamplingParams, n_out: int, eod: int | None) -> list[int] | None:
