@@ -266,7 +266,10 @@ def test_serving_context_checks_and_token_cache() -> None:
     tokenizer = SimpleNamespace(decode=lambda ids: decoded.append(ids) or VOCAB[ids[0]])
     ctx = ServingContext(engine, tokenizer, "tiny")  # type: ignore[arg-type]
     assert [ctx.tok_str(2), ctx.tok_str(2)] == ["ccc", "ccc"] and decoded == [[2]]  # decoded once
-    ctx.check_model({}), ctx.check_model({"model": "tiny"})
+    ctx.check_model({"model": "tiny"})
+    with pytest.raises(InvalidRequestError) as e400:  # OpenAI requires a model name
+        ctx.check_model({})
+    assert e400.value.param == "model"
     with pytest.raises(HTTPError) as e:
         ctx.check_model({"model": "gpt-4"})
     assert e.value.status == 404 and e.value.body["error"]["code"] == "model_not_found"

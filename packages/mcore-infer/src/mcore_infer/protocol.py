@@ -14,7 +14,7 @@ from typing import Any
 from mcore_infer.errors import InvalidRequestError
 from mcore_infer.sampling import SamplingParams
 
-__all__ = ["CHAT_STOP", "apply_chat_template", "sampling_from_request"]
+__all__ = ["CHAT_STOP", "INT64_MAX", "apply_chat_template", "error_body", "sampling_from_request", "stream_usage"]
 
 CHAT_STOP = ["<|user|>", "<|system|>"]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -43,18 +43,46 @@ def apply_chat_template(messages: Any) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+INT64_MAX = 2**63 - 1
+"""Integers in requests must fit a signed 64-bit integer (as in OpenAI's schema; torch takes no more)."""
+
+
 def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
     v = body.get(name, default)
     if v is None:
         return default
-    if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
     if isinstance(v, bool) and kind is not bool:
         raise InvalidRequestError(f"{name} must be of type {getattr(kind, '__name__', kind)}", param=name)
+    if isinstance(v, int) and not isinstance(v, bool) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+        raise InvalidRequestError(f"{name} is out of range (a signed 64-bit integer)", param=name)
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
     if not isinstance(v, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise InvalidRequestError(f"{name} must be of type {names} (got {type(v).__name__})", param=name)
     return v
+
+
+def stream_usage(body: dict[str, Any], stream: bool) -> bool:
+    """``stream_options.include_usage``: an object (or null) that only a streamed request may send."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise InvalidRequestError("stream_options must be an object", param="stream_options")
+    if not stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    return bool(_get(opts, "include_usage", bool, False))
+
+
+def _check_openai_ranges(params: SamplingParams) -> None:
+    """OpenAI's limits where they are narrower than the engine's (which :meth:`SamplingParams.validate` checks)."""
+    if not 0.0 <= params.temperature <= 2.0:
+        raise InvalidRequestError(f"temperature must be in [0, 2] (got {params.temperature})", param="temperature")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
+        )
 
 
 def sampling_from_request(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, int, bool]:
@@ -69,6 +97,7 @@ def sampling_from_request(body: dict[str, Any], chat: bool) -> tuple[SamplingPar
     if best_of != n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     stream = _get(body, "stream", bool, False)
+    stream_usage(body, stream)
     max_tokens = _get(body, "max_tokens", int, 16 if not chat else None)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _get(body, "max_completion_tokens", int, None)
@@ -89,7 +118,7 @@ def sampling_from_request(body: dict[str, Any], chat: bool) -> tuple[SamplingPar
         logprobs = _get(body, "logprobs", int, None)
         echo = _get(body, "echo", bool, False)
     stop_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+    if not (isinstance(stop_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
         raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -108,6 +137,7 @@ def sampling_from_request(body: dict[str, Any], chat: bool) -> tuple[SamplingPar
         echo=echo,
         min_tokens=_get(body, "min_tokens", int, 0),
     )
+    _check_openai_ranges(params)
     return params, n, stream
 
 

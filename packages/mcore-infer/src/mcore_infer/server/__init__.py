@@ -1,13 +1,16 @@
 """The HTTP server: a thin FastAPI layer over :class:`~mcore_infer.async_engine.AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI schemas, ``stream`` as server-sent events,
-``n``, ``logprobs``, ``usage``), ``GET /v1/models``, ``GET /health`` and Megatron's ``PUT /api``. Errors carry an
-OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters and prompts over the
-context length, 404 for an unknown model, 413 for an oversized body, 503 when overloaded or shutting down.
+``n``, ``logprobs``, ``usage``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``
+(Prometheus) and Megatron's ``PUT /api``. Every error carries an OpenAI-style body ``{"error": {"message", "type",
+"param", "code"}}``: 400 for bad parameters, bodies and prompts over the context length, 404 for an unknown model or
+route, 405 for a wrong method, 413 for an oversized body, 500 for a bug, 503 when the engine is not running,
+overloaded or shutting down.
 
 One module per route family (``completions``, ``chat``, ``models``, ``megatron``), each listing its ``ROUTES``;
 ``errors`` holds the HTTP error type and the exception handlers, ``streaming`` the shared helpers (body reading,
-fan-out and merging of ``n`` > 1 streams, SSE framing, usage, logprobs shapes), ``context`` the
+fan-out and merging of ``n`` > 1 streams, SSE framing, usage, logprobs shapes), ``stops`` the stop strings of
+streams, ``protocols`` uvicorn's HTTP protocol with JSON answers to unparsable requests, ``context`` the
 :class:`~mcore_infer.server.context.ServingContext` that every handler reads from ``request.app.state.serving``.
 
 fastapi and uvicorn are imported only when the app is built or served (``pip install mcore-infer[server]``):
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
 
     from mcore_infer.async_engine import AsyncEngine
 
-__all__ = ["build_app", "serve"]
+__all__ = ["build_app", "serve", "server_config"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,18 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_tim
     return app
 
 
+def server_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Any:
+    """The ``uvicorn.Config`` that :func:`serve` runs: uvicorn's own HTTP protocol, except that requests it cannot
+    parse (a bad ``Content-Length``) get a JSON error body too (:mod:`mcore_infer.server.protocols`)."""
+    uvicorn = _require("uvicorn")
+    from mcore_infer.server.protocols import JSONErrorHTTPProtocol
+
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30, http=JSONErrorHTTPProtocol
+    )
+
+
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Run ``app`` with uvicorn until SIGINT/SIGTERM (then in-flight requests drain; see ``build_app``)."""
     uvicorn = _require("uvicorn")
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
-    uvicorn.Server(config).run()
+    uvicorn.Server(server_config(app, host, port, log_level)).run()

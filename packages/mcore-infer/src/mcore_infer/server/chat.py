@@ -42,6 +42,7 @@ def _stream(
 # POST /v1/chat/completions (no docstring: FastAPI would publish it in the OpenAPI schema)
 async def chat(request: Request) -> Any:
     ctx = serving(request)
+    ctx.check_alive()
     body = await streaming.read_json(request, ctx.max_body_bytes)
     ctx.check_model(body)
     params, n, stream = sampling_from_request(body, chat=True)

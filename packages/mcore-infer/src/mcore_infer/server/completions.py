@@ -6,7 +6,7 @@
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -53,7 +53,8 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> tuple[list[str | None
 
 @dataclass
 class _Completion:
-    """One parsed request: what its choices are built from."""
+    """One parsed request: what its choices are built from. ``score_only`` (``echo`` with ``max_tokens: 0``): the
+    engine generates one token, which no choice shows; each choice is its prompt with the prompt's logprobs."""
 
     ctx: ServingContext
     params: SamplingParams
@@ -62,6 +63,7 @@ class _Completion:
     prompts: list[list[int]]
     id: str
     created: int
+    score_only: bool = False
 
     def prompt_text(self, pi: int) -> str:
         t = self.texts[pi]
@@ -70,57 +72,77 @@ class _Completion:
     def header(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
 
-    def choice(self, idx: int, out: RequestOutput, text: str, echo: bool) -> dict[str, Any]:
-        """Choice ``idx``: ``text`` after the prompt when ``echo``, the logprobs of the prompt when ``echo``."""
+    def completion_tokens(self, results: list[RequestOutput] | int) -> int:
+        if self.score_only:
+            return 0
+        return results if isinstance(results, int) else sum(o.num_output_tokens for o in results)
+
+    def choice(self, idx: int, out: RequestOutput, text: str, echo: bool, offset0: int = 0) -> dict[str, Any]:
+        """Choice ``idx``: ``text`` after the prompt when ``echo``, the logprobs of the prompt when ``echo``; text
+        offsets counted from ``offset0`` (where this part of a streamed choice starts)."""
         pi = idx // self.n
+        if self.score_only:
+            text, out = "", replace(out, new_token_ids=[], new_logprobs=[], new_top_logprobs=[])
         lp = None
         if self.params.logprobs is not None:
-            lp = streaming.completion_logprobs(out, self.prompts[pi] if echo else None, self.ctx.tok_str)
+            lp = streaming.completion_logprobs(out, self.prompts[pi] if echo else None, self.ctx.tok_str, offset0)
         if echo:
             text = self.prompt_text(pi) + text
         choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
-        if out.finished and out.stop_reason is not None:
+        if out.finished and out.stop_reason is not None and not self.score_only:
             choice["stop_reason"] = out.stop_reason
         return choice
 
     def stream_chunk(self) -> Callable[[int, RequestOutput], dict[str, Any]]:
-        """The event of one streamed output; each choice's first one carries the echoed prompt."""
-        started: set[int] = set()
+        """The event of one streamed output; each choice's first one carries the echoed prompt, and its text offsets
+        continue where the choice's previous event's ended (as in one non-streamed choice)."""
+        offsets: dict[int, int] = {}
 
         def chunk(idx: int, out: RequestOutput) -> dict[str, Any]:
-            echo = self.params.echo and idx not in started
-            started.add(idx)
-            return {**self.header(), "choices": [self.choice(idx, out, out.new_text, echo)]}
+            echo = self.params.echo and idx not in offsets
+            c = self.choice(idx, out, out.new_text, echo, offsets.get(idx, 0))
+            lp = c["logprobs"]
+            offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else offsets.get(idx, 0)
+            return {**self.header(), "choices": [c]}
 
         return chunk
+
+
+def _parse(request: Request, body: dict[str, Any]) -> _Completion:
+    ctx = serving(request)
+    ctx.check_model(body)
+    params, n, _ = sampling_from_request(body, chat=False)
+    score_only = params.echo and params.max_tokens == 0
+    if score_only:  # the engine generates at least one token: it is dropped from every choice
+        params.max_tokens = 1
+    texts, prompts = parse_prompts(body, ctx.tokenizer)
+    ctx.check_capacity(prompts, params, n, "prompt")
+    return _Completion(ctx, params, n, texts, prompts, f"cmpl-{uuid.uuid4().hex}", int(time.time()), score_only)
 
 
 # POST /v1/completions (no docstring: FastAPI would publish it in the OpenAPI schema)
 async def completions(request: Request) -> Any:
     ctx = serving(request)
+    ctx.check_alive()
     body = await streaming.read_json(request, ctx.max_body_bytes)
-    ctx.check_model(body)
-    params, n, stream = sampling_from_request(body, chat=False)
-    texts, prompts = parse_prompts(body, ctx.tokenizer)
-    ctx.check_capacity(prompts, params, n, "prompt")
-    jobs = streaming.fan_out(prompts, params, n)
-    req = _Completion(ctx, params, n, texts, prompts, f"cmpl-{uuid.uuid4().hex}", int(time.time()))
-    prompt_tokens = sum(len(p) for p in prompts)
+    req = _parse(request, body)
+    jobs = streaming.fan_out(req.prompts, req.params, req.n)
+    prompt_tokens = sum(len(p) for p in req.prompts)
 
-    if stream:
+    if body.get("stream"):
         tail = None
         if streaming.include_usage(body):
 
             def tail(completion_tokens: int) -> dict[str, Any]:
-                return {**req.header(), "choices": [], "usage": streaming.usage(prompt_tokens, completion_tokens)}
+                usage = streaming.usage(prompt_tokens, req.completion_tokens(completion_tokens))
+                return {**req.header(), "choices": [], "usage": usage}
 
         events = streaming.event_stream(ctx.engine, jobs, req.stream_chunk(), tail=tail)
         return StreamingResponse(events, media_type="text/event-stream")
 
     results = await streaming.run_all(request, ctx.engine, jobs)
-    choices = [req.choice(idx, out, out.text, params.echo) for (idx, _, _), out in zip(jobs, results)]
-    completion_tokens = sum(o.num_output_tokens for o in results)
-    return {**req.header(), "choices": choices, "usage": streaming.usage(prompt_tokens, completion_tokens)}
+    choices = [req.choice(idx, out, out.text, req.params.echo) for (idx, _, _), out in zip(jobs, results)]
+    return {**req.header(), "choices": choices, "usage": streaming.usage(prompt_tokens, req.completion_tokens(results))}
 
 
 ROUTES: list[Route] = [("/v1/completions", completions, "POST")]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_infer.async_engine import AsyncEngine
-from mcore_infer.errors import ContextLengthError, OverloadedError
+from mcore_infer.errors import ContextLengthError, EngineDeadError, InvalidRequestError, OverloadedError
 from mcore_infer.sampling import SamplingParams
 from mcore_infer.server.errors import HTTPError
 
@@ -52,9 +52,11 @@ class ServingContext:
         return s
 
     def check_model(self, body: dict[str, Any]) -> None:
-        """404 unless the body names no model or this one."""
+        """400 without a model name (OpenAI requires one), 404 for a name other than this server's."""
         name = body.get("model")
-        if name is not None and name != self.model_name:
+        if name is None or name == "":
+            raise InvalidRequestError("you must provide a model parameter", param="model")
+        if name != self.model_name:
             raise HTTPError(
                 404,
                 f"The model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -62,6 +64,11 @@ class ServingContext:
                 "model",
                 "model_not_found",
             )
+
+    def check_alive(self) -> None:
+        """503 (``engine_unavailable``) unless the engine loop is running."""
+        if not self.engine.healthy:
+            raise EngineDeadError("the engine is not running")
 
     def check_capacity(self, prompts: list[list[int]], params: SamplingParams, n: int, param: str) -> None:
         """Every prompt fits the context (413 when far over, as the payload itself is then too large) and the queue

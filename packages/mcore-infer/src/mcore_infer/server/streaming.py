@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,6 +16,7 @@ from mcore_infer.engine import RequestOutput
 from mcore_infer.protocol import error_body
 from mcore_infer.sampling import SamplingParams
 from mcore_infer.server.errors import ClientGone, HTTPError
+from mcore_infer.server.stops import stream_with_stops
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -59,24 +61,55 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def include_usage(body: dict[str, Any]) -> bool:
-    """Whether a streamed request asked for a last event with the usage (``stream_options.include_usage``)."""
-    return bool((body.get("stream_options") or {}).get("include_usage"))
+    """Whether a streamed request asked for a last event with the usage (``stream_options.include_usage``; a
+    ``stream_options`` that is not an object is refused when the request is parsed)."""
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _body_size(request: Request) -> int | None:
+    size = request.headers.get("content-length")
+    if size is None:
+        return None
+    try:
+        return int(size)
+    except ValueError:
+        raise HTTPError(400, f"invalid Content-Length header {size!r}", "invalid_request_error") from None
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object: 413 over ``limit`` bytes (by its header or its length), 400 when not an object."""
-    size = request.headers.get("content-length")
-    if size is not None and int(size) > limit:
+    """The body as a JSON object: 413 over ``limit`` bytes (by its header or its length), 400 when not UTF-8, not
+    JSON (``NaN`` and ``Infinity`` included), not an object, or holding a lone UTF-16 surrogate (``"\\ud800"``, which
+    no UTF-8 text can hold)."""
+    size = _body_size(request)
+    if size is not None and size > limit:
         raise HTTPError(413, f"request body over {limit} bytes", "invalid_request_error")
     raw = await request.body()
     if len(raw) > limit:
         raise HTTPError(413, f"request body over {limit} bytes", "invalid_request_error")
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HTTPError(400, f"the body is not valid UTF-8: {e}", "invalid_request_error") from e
+    try:
+        body = json.loads(text, parse_constant=_no_constants)
+    except ValueError as e:  # JSONDecodeError, or a NaN / Infinity constant
         raise HTTPError(400, f"the body is not valid JSON: {e}", "invalid_request_error") from e
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object", "invalid_request_error")
+    try:
+        if _SURROGATE_ESCAPE.search(text):  # rare: only then is the parsed body walked
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = "the body holds a lone UTF-16 surrogate escape, which is not valid Unicode text"
+        raise HTTPError(400, msg, "invalid_request_error") from e
     return body
 
 
@@ -125,17 +158,18 @@ async def run_all(request: Request, engine: AsyncEngine, jobs: Sequence[Job]) ->
 async def merged(engine: AsyncEngine, jobs: Sequence[Job]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Every job's streamed outputs, in batches of what arrived since the last one (one client write each), each
     job's outputs in a batch combined into one (one event per choice, however many tokens it carries), the jobs in
-    the order their first output in the batch arrived. A job's failure is raised; closing this stops every job."""
+    the order their first output in the batch arrived. Stop strings are applied here (``stops``: text streams as soon
+    as it cannot start one). A job's failure is raised; closing this stops every job."""
     if len(jobs) == 1:  # the usual n=1 request: straight from the engine, no extra task and queue
         idx, ids, p = jobs[0]
-        async for outs in engine.generate_batches(ids, p, stream=True):
+        async for outs in stream_with_stops(engine, ids, p):
             yield [(idx, RequestOutput.combine(outs))]
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
     async def pump(idx: int, ids: list[int], p: SamplingParams) -> None:
         try:
-            async for outs in engine.generate_batches(ids, p, stream=True):
+            async for outs in stream_with_stops(engine, ids, p):
                 for o in outs:
                     q.put_nowait((idx, o))
         except Exception as e:
