@@ -65,12 +65,13 @@ async def on_routing_error(request: Request, e: StarletteHTTPException) -> Respo
 
 
 async def on_unexpected(request: Request, e: Exception) -> Response:
-    """Anything else a handler raised: a bug, answered with 500 (Starlette re-raises it after the response is sent,
-    so uvicorn logs it with its traceback). An mcore-infer error's message is shown (one request failed inside
-    the engine); any other exception's only by its type."""
+    """Anything else a handler raised: a bug, answered with 500. Starlette re-raises it after the response is sent,
+    so uvicorn logs it with its traceback and closes the connection: the response says so (``Connection: close``),
+    so that no client sends its next request down a connection about to close. An mcore-infer error's message is
+    shown (one request failed inside the engine); any other exception's only by its type."""
     message = str(e) if isinstance(e, InferError) else f"internal server error ({type(e).__name__})"
     body = error_body(message, "server_error", None, "internal_error")
-    return error_response(500, body)
+    return error_response(500, body, headers={"connection": "close"})
 
 
 def exception_handlers() -> dict[int | type[Exception], Handler]:
