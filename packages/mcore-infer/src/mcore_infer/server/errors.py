@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mcore_infer.errors import EngineDeadError, InferError, InvalidRequestError, OverloadedError
 from mcore_infer.protocol import error_body
@@ -56,8 +55,9 @@ async def on_client_gone(_: Request, e: ClientGone) -> Response:
 _ROUTING_CODES = {404: "unknown_url", 405: "method_not_allowed"}
 
 
-async def on_routing_error(request: Request, e: StarletteHTTPException) -> Response:
-    """Starlette's own errors (an unknown route: 404; a wrong method: 405, with its ``Allow`` header)."""
+async def on_routing_error(request: Request, e: Any) -> Response:
+    """The router's errors, Starlette ``HTTPException`` s: an unknown route (404), a wrong method (405, with its
+    ``Allow`` header)."""
     where = f"{request.method} {request.url.path}"
     message = f"Invalid URL ({where})" if e.status_code == 404 else f"{e.detail} ({where})"
     body = error_body(message, "invalid_request_error", None, _ROUTING_CODES.get(e.status_code))
@@ -82,6 +82,6 @@ def exception_handlers() -> dict[int | type[Exception], Handler]:
         OverloadedError: on_overloaded,
         EngineDeadError: on_engine_dead,
         ClientGone: on_client_gone,
-        StarletteHTTPException: on_routing_error,
+        **{status: on_routing_error for status in _ROUTING_CODES},
         Exception: on_unexpected,
     }
