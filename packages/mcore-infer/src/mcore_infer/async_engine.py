@@ -4,6 +4,12 @@ Many HTTP handlers share the one :class:`~mcore_infer.engine.LLMEngine` with no 
 ``generate`` queues a request (validation errors are raised in the caller) and yields the outputs the loop thread
 hands over through the caller's event loop. When the caller stops iterating (a client disconnected, the handler
 was cancelled) the request is aborted and its KV blocks are freed at the next step.
+
+A request that failed inside the engine (an output with ``error`` set) reaches its caller as
+:class:`~mcore_infer.errors.RequestFailed`, raised from ``generate``/``generate_batches`` after the outputs that came
+before it; the loop and every other request go on. Should ``step`` itself raise, every request the engine holds is
+failed that way and the loop keeps serving new ones; only a ``BaseException`` that is no ``Exception`` stops it (the
+waiters then get :class:`~mcore_infer.errors.EngineDeadError`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 
 from mcore_infer.engine import LLMEngine, RequestOutput
-from mcore_infer.errors import EngineDeadError, OverloadedError
+from mcore_infer.errors import EngineDeadError, OverloadedError, RequestFailed
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["AsyncEngine"]
@@ -23,7 +29,10 @@ __all__ = ["AsyncEngine"]
 log = logging.getLogger(__name__)
 
 
-def _deliver(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
+Item = RequestOutput | BaseException
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
@@ -31,7 +40,7 @@ def _deliver(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], Req
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Item]]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -74,23 +83,30 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
-            except BaseException as e:  # an internal fault: fail every waiter, stop
-                log.exception("engine step failed")
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # step handles its own faults; this is a bug there: fail everyone, go on
+                    log.exception("engine step raised; failing every request and serving on")
+                    outputs = self.engine.fail_all(e)
+            except BaseException as e:  # an internal fault that cannot be handled: fail every waiter, stop
+                log.exception("engine loop stopped")
                 self._error = e
                 for loop, q in list(self._queues.values()):
                     loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine stopped: {e!r}"))
                 return
-            # one hand-over per event loop and step (not one per request: each wakes the loop through a pipe write)
-            by_loop: dict[
-                asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]
-            ] = {}
-            for out in outputs:
-                entry = self._queues.get(out.request_id)
-                if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], out))
-            for loop, items in by_loop.items():
-                loop.call_soon_threadsafe(_deliver, items)
+            self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """One hand-over per event loop and step (not one per request: each wakes the loop through a pipe write);
+        a failed request's output becomes a :class:`RequestFailed` for its caller."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
+        for out in outputs:
+            entry = self._queues.get(out.request_id)
+            if entry is not None:
+                item: Item = out if out.error is None else RequestFailed(out.request_id, out.error)
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     # -------------------------------------------------------------------------------------------- requests
     async def generate(
@@ -113,7 +129,7 @@ class AsyncEngine:
                 else OverloadedError("the server is shutting down")
             )
         rid = request_id or self.engine.new_request_id()
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
         finished = False
         try:
@@ -134,6 +150,7 @@ class AsyncEngine:
                 if outs:
                     yield outs  # what came before a failure still reaches the caller, in order
                 if error is not None:
+                    finished = isinstance(error, RequestFailed)  # the engine has let it go already
                     raise error
                 if finished:
                     return

@@ -4,6 +4,12 @@
 prefill), runs the model runner, samples, detokenizes incrementally, applies stop conditions and frees the KV
 blocks of finished requests. :meth:`~LLMEngine.add_request` and :meth:`~LLMEngine.abort` may be called from any
 thread: they validate at once (raising on bad requests) and leave a command that the next step picks up.
+
+No request can stop the engine: when something raises for one request (its sampling, prompt log-probabilities,
+detokenization, stop strings, its output), only that request ends, with ``finish_reason="error"`` and the message
+in :attr:`RequestOutput.error`, and its KV blocks are freed. A batched draw that raises is retried row by row to find
+the culprit. A fault that names no request (the model forward, the scheduler) fails the requests of that step (or
+every request, when the plan itself is unknown) and the next step runs only for the others and new ones.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    """Why the request failed inside the engine (with ``finish_reason="error"``); None otherwise."""
 
     @staticmethod
     def combine(outs: list[RequestOutput]) -> RequestOutput:
@@ -93,6 +101,7 @@ class LLMEngine:
         self.num_lookahead_steps = 0
         self.num_steps = 0
         self.num_aborted = 0
+        self.num_failed = 0
 
     # ---------------------------------------------------------------------------------------------- requests
     def new_request_id(self) -> str:
@@ -179,66 +188,150 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain(outputs)
-        if self._ahead is not None:  # launched during the previous step, its input ids taken on the device
-            plan, logits = self._ahead
-            self._ahead = None
-        else:
-            plan, batch = self.scheduler.schedule()
-            if not plan:
-                return outputs
-            logits = self.runner.execute(batch)
-        self.num_steps += 1
+        plan: list[Scheduled] | None = None
+        try:
+            if self._ahead is not None:  # launched during the previous step, its input ids taken on the device
+                plan, logits = self._ahead
+                self._ahead = None
+            else:
+                plan, batch = self.scheduler.schedule()
+                if not plan:
+                    return outputs
+                logits = self.runner.execute(batch)
+            self.num_steps += 1
+            self._process(plan, logits, outputs)
+        except Exception as e:  # no request to blame (the forward, the scheduler, waiting for the tokens)
+            self._fail_step(plan, e, outputs)
+        return outputs
+
+    def _process(self, plan: list[Scheduled], logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         row = 0
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for item in plan:
             seq = item.seq
+            n_rows = item.num_tokens if item.logits == "all" else int(item.logits == "last")
             if seq.finished:  # a lookahead row (one "last" row) of a request that ended or was aborted meanwhile
-                row += 1
+                row += n_rows
                 continue
             if item.logits == "all":
-                self._prompt_logprobs(item, logits[row : row + item.num_tokens])
-                row += item.num_tokens
-                last = row - 1
-            elif item.logits == "last":
-                last = row
-                row += 1
+                try:
+                    self._prompt_logprobs(item, logits[row : row + n_rows])
+                except Exception as e:
+                    self._fail(seq, e, outputs)
+                    row += n_rows
+                    continue
+            row += n_rows
             seq.num_computed += item.num_tokens
             if seq.num_computed == seq.length:
-                sample_rows.append(last)
+                sample_rows.append(row - 1)
                 sample_seqs.append(seq)
         if sample_seqs:
-            sel = (
-                logits
-                if len(sample_rows) == logits.shape[0]
-                else logits[torch.tensor(sample_rows, device=logits.device)]
-            )
-            rows = [
-                SampleRow(
-                    s.params,
-                    s.prompt_ids,
-                    s.output_ids,
-                    s.generator,
-                    merge_banned(s.params, len(s.output_ids), self.eod),
-                )
-                for s in sample_seqs
-            ]
+            self._sample(plan, logits, sample_rows, sample_seqs, outputs)
+
+    def _sample(
+        self,
+        plan: list[Scheduled],
+        logits: torch.Tensor,
+        sample_rows: list[int],
+        sample_seqs: list[Sequence],
+        outputs: list[RequestOutput],
+    ) -> None:
+        sel = logits if len(sample_rows) == logits.shape[0] else logits[torch.tensor(sample_rows, device=logits.device)]
+        rows = [
+            SampleRow(s.params, s.prompt_ids, s.output_ids, s.generator, merge_banned(s.params, len(s.output_ids), self.eod))
+            for s in sample_seqs
+        ]  # fmt: skip
+        try:
             drawn = self.sampler.draw(sel, rows)
+        except Exception:
+            log.warning("sampling a batch of %d failed; drawing its rows one by one", len(rows), exc_info=True)
+            picks = self._sample_each(sel, rows, sample_seqs, outputs)
+        else:
             if self.lookahead:
                 self._ahead = self._launch_ahead(plan, sample_seqs, drawn.tokens)
             result = drawn.result()  # the host waits for this step's tokens here
-            now = time.perf_counter()
-            for i, seq in enumerate(sample_seqs):
-                self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], now)
-                if seq.finished:
-                    seq.finish_time = now
-                    self.scheduler.remove(seq)
-                    self._seqs.pop(seq.request_id, None)
-                    outputs.append(self._output(seq))
-                elif seq.stream:
-                    out = self._output(seq)
-                    if out.new_token_ids or out.new_text:
-                        outputs.append(out)
+            picks = [(s, result.tokens[i], result.logprobs[i], result.top[i]) for i, s in enumerate(sample_seqs)]
+        now = time.perf_counter()
+        for seq, tok, lp, top in picks:
+            try:
+                self._advance(seq, tok, lp, top, now, outputs)
+            except Exception as e:
+                self._fail(seq, e, outputs)
+
+    def _sample_each(
+        self, sel: torch.Tensor, rows: list[SampleRow], seqs: list[Sequence], outputs: list[RequestOutput]
+    ) -> list[tuple[Sequence, int, float | None, TopLogprobs | None]]:
+        """Draw row by row (after a batched draw raised): the rows that raise fail their requests alone."""
+        picks = []
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            try:
+                r = self.sampler.draw(sel[i : i + 1], [row]).result()
+            except Exception as e:
+                self._fail(seq, e, outputs)
+            else:
+                picks.append((seq, r.tokens[0], r.logprobs[0], r.top[0]))
+        return picks
+
+    def _advance(
+        self, seq: Sequence, tok: int, lp: float | None, top: TopLogprobs | None, now: float, out: list[RequestOutput]
+    ) -> None:
+        """Append the sampled token; emit the request's output (and release it when it finished)."""
+        self._append(seq, tok, lp, top, now)
+        if seq.finished:
+            seq.finish_time = now
+            final = self._output(seq)
+            self._release(seq)
+            out.append(final)
+        elif seq.stream:
+            delta = self._output(seq)
+            if delta.new_token_ids or delta.new_text:
+                out.append(delta)
+
+    def _release(self, seq: Sequence) -> None:
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
+        self.scheduler.remove(seq)  # frees its blocks (a second call frees nothing)
+
+    # ---------------------------------------------------------------------------------------------- failures
+    def _fail(self, seq: Sequence, error: BaseException, outputs: list[RequestOutput], trace: bool = True) -> None:
+        """End ``seq`` with ``finish_reason="error"`` and free its blocks; the engine goes on without it."""
+        rid, message = seq.request_id, f"{type(error).__name__}: {error}"
+        log.error("request %s failed: %s", rid, message, exc_info=error if trace else None)
+        seq.finish_reason, seq.stop_reason = "error", None
+        seq.finish_time = time.perf_counter()
+        self._release(seq)
+        self.num_failed += 1
+        outputs.append(
+            RequestOutput(
+                rid, [], "", None, None, True, "error", None, len(seq.prompt_ids), len(seq.output_ids),
+                prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids), error=message,
+            )
+        )  # fmt: skip
+
+    def _fail_step(self, plan: list[Scheduled] | None, error: Exception, outputs: list[RequestOutput]) -> None:
+        """A step failed with no request to blame: fail its requests (all of them when the plan is unknown)."""
+        seqs = list(self._seqs.values()) if plan is None else [item.seq for item in plan]
+        log.error("engine step failed; failing its %d requests", len(seqs), exc_info=error)
+        self._ahead = None
+        for seq in seqs:
+            if self._seqs.get(seq.request_id) is seq:
+                self._fail(seq, error, outputs, trace=False)
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """Fail every request the engine holds or has queued (after a fault outside :meth:`step`'s own handling)."""
+        outputs: list[RequestOutput] = []
+        self._ahead = None
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._pending -= 1
+                self._seqs[arg.request_id] = arg
+        for seq in list(self._seqs.values()):
+            self._fail(seq, error, outputs, trace=False)
         return outputs
 
     def _launch_ahead(

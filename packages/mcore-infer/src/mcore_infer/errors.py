@@ -8,6 +8,7 @@ __all__ = [
     "ContextLengthError",
     "OverloadedError",
     "EngineDeadError",
+    "RequestFailed",
     "MissingDependencyError",
 ]
 
@@ -37,6 +38,14 @@ class OverloadedError(InferError):
 
 class EngineDeadError(InferError):
     """The engine loop stopped (after an internal fault or at shutdown)."""
+
+
+class RequestFailed(InferError):
+    """One request failed inside the engine (an internal fault, HTTP 500); the engine itself keeps serving."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id, self.message = request_id, message
 
 
 class MissingDependencyError(InferError, ImportError):
