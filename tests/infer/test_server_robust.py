@@ -23,9 +23,8 @@ from mcore_infer.async_engine import AsyncEngine
 from mcore_infer.protocol import CHAT_STOP, apply_chat_template
 from mcore_infer.server import build_app, server_config
 from mcore_infer.server.protocols import bad_request_bytes
-from mcore_infer.server.stops import StopFilter, held_back
+from mcore_infer.stop_strings import held_back
 from tests.infer._tiny import tiny_model
-from tests.infer.test_server_helpers import out
 
 CFG = dict(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=128)
 GREEDY = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -224,19 +223,10 @@ def test_echo_with_max_tokens_0_scores_the_prompt(srv: Server) -> None:
     assert srv.idle()
 
 
-def test_stop_filter_holds_back_only_a_possible_stop_prefix() -> None:
+def test_streams_hold_back_only_a_possible_stop_prefix() -> None:
     assert held_back("abc<|us", ["<|user|>"]) == 4 and held_back("abc<", ["<|user|>", "<x"]) == 1
     assert held_back("abc", ["<|user|>"]) == 0 and held_back("", ["ab"]) == 0 and held_back("aab", ["aab"]) == 0
-    f = StopFilter(["<|user|>", "STOP"])
-    assert f.apply(out("r", [1], "Hello <")).new_text == "Hello "
-    assert f.apply(out("r", [2], "|x")).new_text == "<|x"  # not a stop after all: sent
-    hit = f.apply(out("r", [3], " ST"))
-    assert (hit.new_text, hit.finished) == (" ", False)
-    hit = f.apply(out("r", [4], "OP more"))
-    assert (hit.new_text, hit.finished, hit.finish_reason, hit.stop_reason) == ("", True, "stop", "STOP")
-    f = StopFilter(["STOP"])
-    f.apply(out("r", [1], "ab S"))
-    assert f.apply(out("r", [2], "T", finished=True, finish_reason="length")).new_text == "ST"  # flushed at the end
+    assert held_back("a ST", ["STOP", "TOPS"]) == 2 and held_back("xTO", ["STOP", "TOPS"]) == 2
 
 
 def test_chat_stream_sends_text_before_the_end_and_stops_like_the_engine(srv: Server) -> None:
@@ -262,7 +252,7 @@ def test_chat_stream_sends_text_before_the_end_and_stops_like_the_engine(srv: Se
     assert "".join(c["text"] for e in events for c in e["choices"]) == want.text
     assert [c.get("stop_reason") for e in events for c in e["choices"]][-1] == stop
     assert events[-1]["usage"]["completion_tokens"] == want.num_output_tokens
-    assert srv.idle()  # the engine's request was aborted at the stop string: its blocks are back
+    assert srv.idle()  # the request ended at the stop string: its blocks are back
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
@@ -306,3 +296,38 @@ def test_health_and_metrics_report_load_and_kv_blocks(srv: Server) -> None:
         busy = parse_prometheus(srv.http.get("/metrics").text)
         assert busy["mcore_infer_kv_blocks_used"] > 0 and busy["mcore_infer_requests_running"] == 1
     assert srv.idle() and parse_prometheus(srv.http.get("/metrics").text)["mcore_infer_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-45}, {"top_p": 5e-324, "temperature": 1.0},
+                                     {"repetition_penalty": 1e-300, "temperature": 1.0}])  # fmt: skip
+def test_extreme_sampling_values_are_served_and_the_engine_lives_on(srv: Server, extreme: dict[str, float]) -> None:
+    """Values that once became 0 or inf in float32 and stopped the engine thread: a 200 with tokens, then /health
+    is still healthy and a normal request gets its usual text."""
+    r = srv.http.post("/v1/completions", json={**GREEDY, **extreme, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert srv.http.get("/health").status_code == 200
+    srv.still_serves()
+    assert srv.idle()
+
+
+def test_a_request_that_fails_in_the_engine_gets_an_openai_500_and_the_others_are_served(
+    srv: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = srv.llm.engine
+    real = engine._append
+
+    def append(seq: Any, *args: Any, **kw: Any) -> Any:
+        if seq.params.presence_penalty == 0.125:  # the marked request
+            raise RuntimeError("injected failure")
+        return real(seq, *args, **kw)
+
+    monkeypatch.setattr(engine, "_append", append)
+    r = srv.http.post("/v1/completions", json={**GREEDY, "presence_penalty": 0.125})
+    assert r.status_code == 500 and set(r.json()["error"]) >= {"message", "type", "code"}
+    assert "injected failure" in r.json()["error"]["message"]
+    r = srv.http.post("/v1/completions", json={**GREEDY, "presence_penalty": 0.125, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events and "error" in events[-1] and r.text.rstrip().endswith("data: [DONE]")
+    srv.still_serves()
+    assert srv.idle()

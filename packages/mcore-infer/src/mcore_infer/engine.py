@@ -28,6 +28,7 @@ from mcore_infer.kv_cache import blocks_for
 from mcore_infer.runner import ModelRunner
 from mcore_infer.sampling import Sampler, SampleRow, SamplingParams, merge_banned
 from mcore_infer.scheduler import Scheduled, Scheduler, Sequence
+from mcore_infer.stop_strings import held_back
 
 __all__ = ["LLMEngine", "RequestOutput"]
 
@@ -425,8 +426,8 @@ class LLMEngine:
         want_lp = seq.params.logprobs is not None
         new_ids = seq.output_ids[seq.emitted_tokens :]
         visible = len(seq.text)
-        if not seq.finished and seq.params.stop:
-            visible = max(seq.emitted_chars, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+        if not seq.finished and seq.params.stop:  # only what could still start a stop string waits
+            visible = max(seq.emitted_chars, len(seq.text) - held_back(seq.text, seq.params.stop))
         new_text = seq.text[seq.emitted_chars : visible]
         out = RequestOutput(
             request_id=seq.request_id,

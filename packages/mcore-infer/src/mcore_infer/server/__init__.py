@@ -9,8 +9,7 @@ overloaded or shutting down.
 
 One module per route family (``completions``, ``chat``, ``models``, ``megatron``), each listing its ``ROUTES``;
 ``errors`` holds the HTTP error type and the exception handlers, ``streaming`` the shared helpers (body reading,
-fan-out and merging of ``n`` > 1 streams, SSE framing, usage, logprobs shapes), ``stops`` the stop strings of
-streams, ``protocols`` uvicorn's HTTP protocol with JSON answers to unparsable requests, ``context`` the
+fan-out and merging of ``n`` > 1 streams, SSE framing, usage, logprobs shapes), ``protocols`` uvicorn's HTTP protocol with JSON answers to unparsable requests, ``context`` the
 :class:`~mcore_infer.server.context.ServingContext` that every handler reads from ``request.app.state.serving``.
 
 fastapi and uvicorn are imported only when the app is built or served (``pip install mcore-infer[server]``):

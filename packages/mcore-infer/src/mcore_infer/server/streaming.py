@@ -16,7 +16,6 @@ from mcore_infer.engine import RequestOutput
 from mcore_infer.protocol import error_body
 from mcore_infer.sampling import SamplingParams
 from mcore_infer.server.errors import ClientGone, HTTPError
-from mcore_infer.server.stops import stream_with_stops
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -158,18 +157,17 @@ async def run_all(request: Request, engine: AsyncEngine, jobs: Sequence[Job]) ->
 async def merged(engine: AsyncEngine, jobs: Sequence[Job]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Every job's streamed outputs, in batches of what arrived since the last one (one client write each), each
     job's outputs in a batch combined into one (one event per choice, however many tokens it carries), the jobs in
-    the order their first output in the batch arrived. Stop strings are applied here (``stops``: text streams as soon
-    as it cannot start one). A job's failure is raised; closing this stops every job."""
+    the order their first output in the batch arrived. A job's failure is raised; closing this stops every job."""
     if len(jobs) == 1:  # the usual n=1 request: straight from the engine, no extra task and queue
         idx, ids, p = jobs[0]
-        async for outs in stream_with_stops(engine, ids, p):
+        async for outs in engine.generate_batches(ids, p, stream=True):
             yield [(idx, RequestOutput.combine(outs))]
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
     async def pump(idx: int, ids: list[int], p: SamplingParams) -> None:
         try:
-            async for outs in stream_with_stops(engine, ids, p):
+            async for outs in engine.generate_batches(ids, p, stream=True):
                 for o in outs:
                     q.put_nowait((idx, o))
         except Exception as e:
