@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get at exit")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in its own process and the HTTP front end in this one (opt-in, --tp 1 only; "
+                   "the default stays in-process until it is measured on a GPU). If the engine process dies, the "
+                   "front end answers 503 (also on /health) until it is restarted")  # fmt: skip
     g = sub.add_parser("generate", help="complete prompts and print the results")
     _engine_args(g)
     g.add_argument("prompts", nargs="+")
@@ -131,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from mcore_infer.api import LLM
 
+    if args.command == "serve" and args.engine_process:
+        return _serve_engine_process(args)
     llm = _build_llm(args, getattr(args, "model_name", None))
     assert isinstance(llm, LLM)
     if not llm.is_driver:
@@ -149,6 +155,22 @@ def _run(args: argparse.Namespace) -> int:
 
     app = build_app(AsyncEngine(llm.engine), llm.tokenizer, llm.name, args.shutdown_timeout)
     serve(app, args.host, args.port)
+    return 0
+
+
+def _serve_engine_process(args: argparse.Namespace) -> int:
+    """``serve --engine-process``: the engine process builds the LLM with :func:`_build_llm` from these arguments."""
+    from mcore_infer.engine_process import EngineClient, EngineSpec
+    from mcore_infer.server import build_app, serve
+
+    if args.tp != 1:
+        raise InvalidRequestError("--engine-process supports --tp 1 only for now; drop one of the two")
+    client = EngineClient(EngineSpec(_build_llm, (args, args.model_name))).launch()
+    try:
+        app = build_app(client, client.tokenizer, client.model_name, args.shutdown_timeout)  # type: ignore[arg-type]
+        serve(app, args.host, args.port)
+    finally:
+        client.shutdown(0.0)  # a no-op after the app's own shutdown; stops the engine process on any error
     return 0
 
 

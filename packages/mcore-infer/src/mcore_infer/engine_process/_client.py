@@ -1,0 +1,305 @@
+"""The front end's side of the engine process: :class:`EngineClient`, a drop-in for
+:class:`~mcore_infer.async_engine.AsyncEngine` whose engine runs in another process.
+
+A sender thread writes the commands the event loop queues (batched: everything queued since its last write in one
+message); a reader thread takes the engine's one message per step and hands each event loop its requests' outputs
+in one ``call_soon_threadsafe``. ``client.engine`` is a read-only view with the engine's limits, its last reported
+load and its request checks (what the server's handlers, ``/health`` and ``/metrics`` read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mcore_infer.engine import LLMEngine, RequestOutput
+from mcore_infer.engine_process._worker import EngineSpec, decode_error, run_engine
+from mcore_infer.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailed
+from mcore_infer.sampling import SamplingParams
+
+__all__ = ["EngineClient"]
+
+log = logging.getLogger(__name__)
+
+Item = RequestOutput | BaseException
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class _Blocks:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.num_free = capacity, capacity
+
+
+class _Runner:
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.vocab_size: int = info["vocab_size"]
+        self.block_size: int = info["block_size"]
+        self.blocks = _Blocks(info["kv_blocks_total"])
+
+
+class EngineView:
+    """What the front end knows of the remote engine: its limits, its load as of its last step message (plus the
+    requests sent since) and :meth:`check_request` (the engine's own checks, run in the front end)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.max_model_len: int = info["max_model_len"]
+        self.max_queue: int = info["max_queue"]
+        self.runner = _Runner(info)
+        self.num_running = self.num_steps = self.num_aborted = 0
+        self._waiting = 0
+        self.unacked = 0
+        self.update(info["stats"], 0)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> int:
+        """The engine's own checks (they read only ``max_model_len`` and ``runner.{vocab_size,block_size,blocks}``)."""
+        return LLMEngine.check_request(self, prompt_ids, params, param)  # type: ignore[arg-type]
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting + self.unacked
+
+    def update(self, stats: tuple[int, int, int, int, int], added: int) -> None:
+        self.num_running, self._waiting, self.runner.blocks.num_free, self.num_steps, self.num_aborted = stats
+        self.unacked = max(0, self.unacked - added)
+
+
+class EngineClient:
+    """The :class:`~mcore_infer.async_engine.AsyncEngine` interface (``start``, ``healthy``, ``shutdown``,
+    ``generate``, ``generate_batches``, ``engine``) over an engine process built from ``spec``.
+
+    :meth:`launch` starts the process and waits until its engine is built (``tokenizer`` and ``model_name`` are set
+    then). Should the process die, every waiting request gets :class:`EngineDeadError`, ``healthy`` turns false and
+    new requests are refused with that error (the server answers 503); the front end keeps running.
+    """
+
+    def __init__(self, spec: EngineSpec, start_timeout: float = 1800.0) -> None:
+        self.spec, self.start_timeout = spec, start_timeout
+        self.engine: EngineView | None = None
+        self.tokenizer: Any = None
+        self.model_name = ""
+        self._proc: Any = None
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Item]]] = {}
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._stopping = False
+        self._dead: EngineDeadError | None = None
+
+    # --------------------------------------------------------------------------------------------- lifecycle
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def launch(self) -> EngineClient:
+        """Start the engine process and wait for its engine (a failure to build it is raised here)."""
+        if self._proc is not None:
+            return self
+        ctx = mp.get_context("spawn")
+        cmd_r, self._cmd = ctx.Pipe(duplex=False)
+        self._out, out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine, args=(self.spec, cmd_r, out_w), name="mcore-infer-engine")
+        self._proc.start()
+        cmd_r.close()  # only the child holds these ends now: its exit shows as EOF here, ours as EOF there
+        out_w.close()
+        atexit.register(self._reap, True)
+        msg = self._first_message()
+        if msg[0] == "failed":
+            self._reap(True)
+            err = InvalidRequestError if msg[2] else EngineDeadError
+            raise err(f"the engine process could not start: {msg[1]}")
+        info = msg[1]
+        self.engine, self.tokenizer, self.model_name = EngineView(info), info["tokenizer"], info["name"]
+        for target, name in ((self._read, "mcore-infer-engine-reader"), (self._write, "mcore-infer-engine-writer")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("engine process %d ready (%s)", self._proc.pid, self.model_name)
+        return self
+
+    def _first_message(self) -> tuple[Any, ...]:
+        deadline = time.monotonic() + self.start_timeout
+        while not self._out.poll(0.1):
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                code = self._proc.exitcode
+                self._reap(True)
+                raise EngineDeadError(f"the engine process did not start (exit code {code})")
+        try:
+            msg: tuple[Any, ...] = self._out.recv()
+        except (EOFError, OSError) as e:
+            self._reap(True)
+            raise EngineDeadError(f"the engine process did not start (exit code {self._proc.exitcode})") from e
+        return msg
+
+    def start(self) -> None:
+        self.launch()
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._proc is not None and self._proc.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout`` s, abort the rest, stop the engine
+        process (joined; terminated if it does not exit)."""
+        if self._proc is None or (self._stopping and not self._proc.is_alive()):
+            return  # never started, or stopped already
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.healthy and self._queues and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rid in list(self._queues):
+            self._send(("abort", rid))
+        t_end = time.monotonic() + 5.0
+        while self.healthy and self._queues and time.monotonic() < t_end:
+            time.sleep(0.01)
+        self._stopping = True
+        self._send(("stop",))
+        self._outbox.put(None)
+        self._reap()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        atexit.unregister(self._reap)
+
+    def _reap(self, close_commands: bool = False) -> None:
+        """Make sure the engine process is gone: it exits on ``stop`` or when our pipe closes (``close_commands``:
+        close it now, as at exit without :meth:`shutdown`); else it is terminated."""
+        self._stopping = True
+        proc = self._proc
+        if close_commands:
+            self._cmd.close()
+        proc.join(timeout=10.0)
+        if proc.is_alive():
+            log.warning("engine process %d did not stop; terminating it", proc.pid)
+            proc.terminate()
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    # ------------------------------------------------------------------------------------------------ threads
+    def _send(self, cmd: tuple[Any, ...]) -> None:
+        self._outbox.put(cmd)
+
+    def _write(self) -> None:
+        while True:
+            cmds = [self._outbox.get()]
+            while True:
+                try:
+                    cmds.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            last = None in cmds
+            batch = [c for c in cmds if c is not None]
+            try:
+                if batch:
+                    self._cmd.send(batch)
+            except OSError:
+                return  # the engine process is gone; the reader reports it
+            if last:
+                self._cmd.close()
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._out.recv()
+                if msg[0] == "step":
+                    self._on_step(*msg[1:])
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("the engine process's reader failed")
+        finally:
+            self._on_exit()
+
+    def _on_step(self, outputs: list[RequestOutput], rejects: list[Any], added: int, stats: Any) -> None:
+        assert self.engine is not None
+        with self._lock:
+            self.engine.update(stats, added)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
+        items: list[tuple[str, Item]] = [(rid, decode_error(rid, enc)) for rid, enc in rejects]
+        for out in outputs:
+            items.append((out.request_id, out if out.error is None else RequestFailed(out.request_id, out.error)))
+        for rid, item in items:
+            entry = self._queues.get(rid)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there any more
+                loop.call_soon_threadsafe(_deliver, batch)
+
+    def _on_exit(self) -> None:
+        self._proc.join(timeout=2.0)
+        code = self._proc.exitcode
+        if not self._stopping:
+            log.error("the engine process %d exited (exit code %s); answering 503 from now on", self._proc.pid, code)
+        self._dead = EngineDeadError(f"the engine process exited (exit code {code})")
+        for loop, q in list(self._queues.values()):
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, self._dead)
+
+    # ---------------------------------------------------------------------------------------------- requests
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (deltas each step when ``stream``; always a last one with ``finished``)."""
+        async for batch in self.generate_batches(prompt_ids, params, request_id, stream):
+            for out in batch:
+                yield out
+
+    async def generate_batches(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Every output that arrived since the caller last asked, as :meth:`AsyncEngine.generate_batches`."""
+        if self.engine is None or self._dead is not None:
+            raise self._dead or EngineDeadError("the engine process is not running")
+        if not self._accepting:
+            raise OverloadedError("the server is shutting down")
+        self.engine.check_request(prompt_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        q: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            if self._dead is not None:  # died between the check above and registering: nobody would tell us
+                raise self._dead
+            with self._lock:
+                self.engine.unacked += 1
+            self._send(("add", rid, list(prompt_ids), params, stream))
+            while True:
+                batch = [await q.get()]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                outs: list[RequestOutput] = []
+                error: BaseException | None = None
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    outs.append(item)
+                finished = any(o.finished for o in outs)
+                if outs:
+                    yield outs  # what came before a failure still reaches the caller, in order
+                if error is not None:
+                    finished = True  # the engine has let it go already (failed, refused, or the process is gone)
+                    raise error
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self._dead is None:
+                self._send(("abort", rid))
