@@ -279,8 +279,12 @@ def test_serving_context_checks_and_token_cache() -> None:
         ctx.check_capacity([[0] * 41], SamplingParams(), 1, "prompt")  # far over: the payload is too large
     assert e.value.status == 413 and e.value.body["error"]["code"] == "context_length_exceeded"
     ctx.check_capacity([[0], [1]], SamplingParams(), 2, "prompt")
-    with pytest.raises(OverloadedError):
+    with pytest.raises(InvalidRequestError) as e400:  # more than the whole queue: never servable, so not a 503
         ctx.check_capacity([[0], [1]], SamplingParams(), 3, "prompt")
+    assert e400.value.code == "too_many_completions" and e400.value.param == "n"
+    engine.engine.num_waiting = 3
+    with pytest.raises(OverloadedError):  # fits the queue, not now: retry later
+        ctx.check_capacity([[0], [1]], SamplingParams(), 1, "prompt")
 
 
 def test_build_app_routes_and_state() -> None:

@@ -307,14 +307,6 @@ def test_a_stream_equals_the_whole_answer(srv: Server, b: dict[str, Any]) -> Non
     after(srv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a streamed completion with echo and logprobs (max_tokens > 0) has null logprobs for every prompt "
-    "token: the engine puts prompt_logprobs only on a request's finished output (engine.py, _output: "
-    "'out.prompt_logprobs = seq.prompt_logprobs' under 'if seq.finished'), but the server echoes the prompt in "
-    "each choice's first event (completions.py _Completion.stream_chunk), where streaming.completion_logprobs "
-    "falls back to '[None] * len(echo_ids)'",
-)
 def test_streamed_echo_has_the_prompt_logprobs(srv: Server) -> None:
     b = {"model": "tiny", "prompt": "hi there", "max_tokens": 3, "logprobs": 1, "echo": True, "temperature": 0}
     want = post(srv, "/v1/completions", json.dumps(b).encode(), count=False).json()["choices"][0]["logprobs"]
@@ -335,12 +327,6 @@ def merge_stream_lp(r: httpx.Response) -> dict[str, list[Any]]:
     return lp
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a deeply nested JSON body is a 500 (internal server error (RecursionError)), not a 400: "
-    "streaming.read_json catches only ValueError around json.loads (streaming.py, 'except ValueError as e:  # "
-    "JSONDecodeError, ...'), and json.loads raises RecursionError for nesting past the recursion limit",
-)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_deeply_nested_json_is_a_400(srv: Server, path: str) -> None:
     deep = b'{"model": "tiny", "max_tokens": 1, "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -349,12 +335,6 @@ def test_deeply_nested_json_is_a_400(srv: Server, path: str) -> None:
     after(srv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: one request of more choices (prompts x n) than the whole queue (EngineConfig.max_queue) can never "
-    "be served, yet it gets 503 'overloaded; try again later' (context.py ServingContext.check_capacity), which "
-    "OpenAI clients retry; it should be a 400 naming the limit",
-)
 def test_a_request_larger_than_the_queue_is_a_400(srv: Server) -> None:
     queue = srv.llm.engine.max_queue
     b = {"model": "tiny", "prompt": ["a"] * (queue // 16 + 1), "n": 16, "max_tokens": 1}

@@ -73,8 +73,11 @@ class RequestOutput:
             raise ValueError("combine() takes outputs of one request")
         lps = None if outs[-1].new_logprobs is None else [x for o in outs for x in o.new_logprobs or []]
         tops = None if outs[-1].new_top_logprobs is None else [x for o in outs for x in o.new_top_logprobs or []]
+        first = next((o for o in outs if o.prompt_logprobs is not None), outs[-1])
         return replace(
             outs[-1],
+            prompt_logprobs=first.prompt_logprobs,
+            prompt_top_logprobs=first.prompt_top_logprobs,
             new_token_ids=[t for o in outs for t in o.new_token_ids],
             new_text="".join(o.new_text for o in outs),
             new_logprobs=lps,
@@ -441,6 +444,9 @@ class LLMEngine:
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
         )
+        if seq.emitted_tokens == 0 and new_ids and seq.prompt_logprobs is not None:
+            # the prompt is prefilled once the first token exists: a stream's first event echoes the prompt with them
+            out.prompt_logprobs, out.prompt_top_logprobs = seq.prompt_logprobs, seq.prompt_top_logprobs
         seq.emitted_tokens, seq.emitted_chars = len(seq.output_ids), visible
         if seq.finished:
             if not (seq.stream or seq.params.stop):

@@ -81,6 +81,13 @@ class ServingContext:
                 if len(ids) > 4 * self.max_model_len:
                     raise HTTPError(413, e.message, "invalid_request_error", e.param, e.code) from e
                 raise
+        if n * len(prompts) > engine.max_queue:  # never fits, however long the client waits: not a 503
+            raise InvalidRequestError(
+                f"the request asks for {n * len(prompts)} completions (prompts x n); the server queues at most "
+                f"{engine.max_queue}",
+                "n",
+                "too_many_completions",
+            )
         if engine.num_waiting + n * len(prompts) > engine.max_queue:
             raise OverloadedError("the server is overloaded; try again later")
 

@@ -101,6 +101,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(text, parse_constant=_no_constants)
     except ValueError as e:  # JSONDecodeError, or a NaN / Infinity constant
         raise HTTPError(400, f"the body is not valid JSON: {e}", "invalid_request_error") from e
+    except RecursionError:
+        raise HTTPError(400, "the body is not valid JSON: nested too deeply", "invalid_request_error") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object", "invalid_request_error")
     try:
