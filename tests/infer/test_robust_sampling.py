@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcore_infer import SamplingParams
+from mcore_infer.errors import InvalidRequestError
 from mcore_infer.sampling import Sampler, SampleRow
 from tests.infer._tiny import prompts_of_lengths, tiny_llm, tiny_model
 
@@ -118,3 +119,9 @@ def test_random_parameters_never_raise(params: list[SamplingParams], scale: floa
         assert (lp is None) == (p.logprobs is None)
         assert lp is None or not math.isnan(lp)
         assert top is None or len(top) == p.logprobs
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "min_tokens", "top_k", "seed"])
+def test_integers_beyond_int64_are_refused_by_validate(field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: 2**63}).validate()

@@ -84,6 +84,10 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise InvalidRequestError(f"{name} {why} (got {getattr(self, name)!r})", param=name)
 
+        for name in ("max_tokens", "min_tokens", "top_k", "seed"):  # the engine's tensors hold int64
+            v = getattr(self, name, None)
+            if isinstance(v, int) and not -(2**63) <= v < 2**63:
+                bad(name, "must fit a 64-bit integer")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be a positive integer")
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
