@@ -24,7 +24,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from mcore_infer._triton_attention import triton_available
@@ -33,23 +32,12 @@ from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_models import GPTModel
-from mcore_models.moe import moe_layers
+from mcore_models.moe import grouped_mm_applies, moe_layers
 from mcore_parallel import Group
 
 __all__ = ["ModelRunner", "StepBatch", "graph_blockers"]
 
 log = logging.getLogger(__name__)
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _grouped_mm_runs(*weights: torch.Tensor) -> bool:
-    """Whether :func:`mcore_models.moe.grouped_linear` takes ``grouped_mm`` for expert weights ``[E, out, in]``:
-    CUDA, 16-bit floats, both widths multiples of 8 (its conditions, read from the weights)."""
-    return _GROUPED_MM is not None and all(
-        w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0
-        for w in weights
-    )
 
 
 def graph_blockers(model: nn.Module) -> list[str]:
@@ -67,7 +55,7 @@ def graph_blockers(model: nn.Module) -> list[str]:
         if moe.capacity_factor is not None:
             why.append(f"moe.capacity_factor={moe.capacity_factor}: the capacity follows the step's token count")
         w = experts.linear_fc1.weight
-        if not _grouped_mm_runs(w, experts.linear_fc2.weight):
+        if not (grouped_mm_applies(w) and grouped_mm_applies(experts.linear_fc2.weight)):
             why.append(
                 f"the experts' weights ({w.dtype} on {w.device.type}) run the per-expert loop, which reads the row "
                 "counts on the host (grouped_mm needs CUDA, bfloat16 or float16, widths that are multiples of 8)"

@@ -24,21 +24,26 @@ from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel import Group
 from mcore_parallel.tensor import init_sharded_, normal_init, scaled_normal_init
 
-__all__ = ["GroupedExperts", "grouped_linear"]
+__all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_applies"]
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """grouped_mm's conditions: CUDA, 16-bit floats, rows of 16-byte multiples."""
+def grouped_mm_applies(w: torch.Tensor) -> bool:
+    """Whether :func:`grouped_linear` runs expert weights ``w`` ``[E, out, in]`` through ``grouped_mm`` (CUDA,
+    16-bit floats, both widths multiples of 8: rows of 16-byte multiples); otherwise it loops over the experts, which
+    reads the row counts on the host (an engine cannot capture such a step in a CUDA graph)."""
     return (
         _grouped_mm is not None
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and w.dtype == x.dtype
-        and x.shape[-1] % 8 == 0
+        and w.is_cuda
+        and w.dtype in (torch.bfloat16, torch.float16)
         and w.shape[1] % 8 == 0
+        and w.shape[2] % 8 == 0
     )
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return grouped_mm_applies(w) and x.dtype == w.dtype and x.is_cuda and x.shape[-1] == w.shape[2]
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
