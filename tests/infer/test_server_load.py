@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from mcore_infer import LLM, EngineConfig, SamplingParams
-from mcore_infer.async_engine import AsyncEngine
+from mcore_infer import SamplingParams
 from mcore_infer.protocol import CHAT_STOP, apply_chat_template
-from mcore_infer.server import build_app, server_config
-from tests.infer._tiny import tiny_model
-from tests.infer.test_server_robust import parse_prometheus
+from tests.infer.test_server_robust import Server, parse_prometheus
 
 # 11 usable blocks of 16 tokens, up to 16 running: 64 requests of 1-3 blocks each queue and preempt each other
 CFG = dict(block_size=16, num_blocks=12, max_num_seqs=16, max_num_batched_tokens=128)
@@ -32,24 +25,11 @@ CLIENTS = 64
 FIXED = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-class LoadServer:
-    """The app under ``serve``'s uvicorn config, over a small cache, and a reference engine with the same model."""
+class LoadServer(Server):
+    """``Server`` (the app under ``serve``'s uvicorn config and a reference engine) over a small cache."""
 
     def __init__(self) -> None:
-        model = tiny_model(max_position_embeddings=256)
-        self.reference = LLM(model=model, config=EngineConfig(**CFG))
-        self.llm = LLM(model=model, config=EngineConfig(**CFG))
-        self.app = build_app(AsyncEngine(self.llm.engine), self.llm.tokenizer, "tiny", shutdown_timeout=2.0)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(server_config(self.app, "127.0.0.1", self.port, "critical"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        super().__init__(CFG)
 
     def fixed_text(self) -> str:
         r = self.http.post("/v1/completions", json=FIXED)
@@ -62,17 +42,7 @@ class LoadServer:
         return blocks.capacity - blocks.num_free
 
     def idle(self, timeout: float = 10.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.used_blocks() == 0 and not self.llm.engine.has_work():
-                return True
-            time.sleep(0.02)
-        return False
-
-    def close(self) -> None:
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        return super().idle(timeout)
 
 
 @pytest.fixture(scope="module")

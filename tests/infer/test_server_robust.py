@@ -33,10 +33,10 @@ GREEDY = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0,
 class Server:
     """The app under ``serve``'s uvicorn config (its HTTP protocol included), and a reference engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: dict[str, Any] = CFG) -> None:
         model = tiny_model(max_position_embeddings=256)
-        self.reference = LLM(model=model, config=EngineConfig(**CFG))
-        self.llm = LLM(model=model, config=EngineConfig(**CFG))
+        self.reference = LLM(model=model, config=EngineConfig(**cfg))
+        self.llm = LLM(model=model, config=EngineConfig(**cfg))
         self.app = build_app(AsyncEngine(self.llm.engine), self.llm.tokenizer, "tiny", shutdown_timeout=2.0)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

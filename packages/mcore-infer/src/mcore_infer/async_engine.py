@@ -15,10 +15,11 @@ waiters then get :class:`~mcore_infer.errors.EngineDeadError`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from mcore_infer.engine import LLMEngine, RequestOutput
 from mcore_infer.errors import EngineDeadError, OverloadedError, RequestFailed
@@ -30,11 +31,32 @@ log = logging.getLogger(__name__)
 
 
 Item = RequestOutput | BaseException
+"""What a request's queue carries: its outputs, or the exception that ends it."""
 
 
-def _deliver(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
+def deliver(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
+    """Put each item on its queue (called on the queues' event loop)."""
     for q, out in items:
         q.put_nowait(out)
+
+
+async def queue_batches(q: asyncio.Queue[Item]) -> AsyncGenerator[list[RequestOutput], None]:
+    """A request's outputs from its queue, each item every output that arrived since the last one; an exception on
+    the queue is raised after the outputs before it; ends with the batch holding the finished output."""
+    while True:
+        batch = [await q.get()]
+        while not q.empty():
+            batch.append(q.get_nowait())
+        outs: list[RequestOutput] = []
+        for item in batch:
+            if isinstance(item, BaseException):
+                if outs:
+                    yield outs  # what came before a failure still reaches the caller, in order
+                raise item
+            outs.append(item)
+        yield outs
+        if any(o.finished for o in outs):
+            return
 
 
 class AsyncEngine:
@@ -106,7 +128,7 @@ class AsyncEngine:
                 item: Item = out if out.error is None else RequestFailed(out.request_id, out.error)
                 by_loop.setdefault(entry[0], []).append((entry[1], item))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
 
     # -------------------------------------------------------------------------------------------- requests
     async def generate(
@@ -135,25 +157,13 @@ class AsyncEngine:
         try:
             self.engine.add_request(prompt_ids, params, request_id=rid, stream=stream)
             self._wake.set()
-            while True:
-                batch = [await q.get()]
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                outs: list[RequestOutput] = []
-                error: BaseException | None = None
-                for item in batch:
-                    if isinstance(item, BaseException):
-                        error = item
-                        break
-                    outs.append(item)
-                finished = any(o.finished for o in outs)
-                if outs:
-                    yield outs  # what came before a failure still reaches the caller, in order
-                if error is not None:
-                    finished = isinstance(error, RequestFailed)  # the engine has let it go already
-                    raise error
-                if finished:
-                    return
+            async with contextlib.aclosing(queue_batches(q)) as batches:
+                async for outs in batches:
+                    finished = any(o.finished for o in outs)
+                    yield outs
+        except RequestFailed:
+            finished = True  # the engine has let it go already
+            raise
         finally:
             self._queues.pop(rid, None)
             if not finished:

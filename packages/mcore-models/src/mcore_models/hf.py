@@ -84,14 +84,11 @@ def hf_architecture(config: TransformerConfig) -> str:
     )
 
 
-def llama_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
-    hf_architecture(config)
-    c = config
-    out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def rope_body_to_hf(c: TransformerConfig) -> dict[str, Any]:
+    """The ``config.json`` fields every RoPE + RMSNorm + SwiGLU HF decoder states the same way (the inverse of
+    :func:`rope_body_from_hf`)."""
+    return {
         "hidden_size": c.hidden_size,
-        "intermediate_size": c.ffn_size,
         "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.query_groups,
@@ -102,10 +99,21 @@ def llama_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "tie_word_embeddings": c.share_embeddings_and_output_weights,
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": c.attention_dropout,
         "initializer_range": c.init_method_std,
+    }
+
+
+def llama_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
+    hf_architecture(config)
+    c = config
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **rope_body_to_hf(c),
+        "intermediate_size": c.ffn_size,
+        "attention_bias": False,
+        "mlp_bias": False,
     }
     if c.rope_scaling is not None:
         out["rope_scaling"] = {

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mcore_infer.async_engine import Item, deliver, queue_batches
 from mcore_infer.engine import LLMEngine, RequestOutput
 from mcore_infer.engine_process._worker import EngineSpec, decode_error, run_engine
 from mcore_infer.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailed
@@ -29,13 +30,6 @@ from mcore_infer.sampling import SamplingParams
 __all__ = ["EngineClient"]
 
 log = logging.getLogger(__name__)
-
-Item = RequestOutput | BaseException
-
-
-def _deliver(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
 
 
 class _Blocks:
@@ -240,7 +234,7 @@ class EngineClient:
                 by_loop.setdefault(entry[0], []).append((entry[1], item))
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there any more
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
 
     def _on_exit(self) -> None:
         self._proc.join(timeout=2.0)
@@ -280,25 +274,13 @@ class EngineClient:
             with self._lock:
                 self.engine.unacked += 1
             self._send(("add", rid, list(prompt_ids), params, stream))
-            while True:
-                batch = [await q.get()]
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                outs: list[RequestOutput] = []
-                error: BaseException | None = None
-                for item in batch:
-                    if isinstance(item, BaseException):
-                        error = item
-                        break
-                    outs.append(item)
-                finished = any(o.finished for o in outs)
-                if outs:
-                    yield outs  # what came before a failure still reaches the caller, in order
-                if error is not None:
-                    finished = True  # the engine has let it go already (failed, refused, or the process is gone)
-                    raise error
-                if finished:
-                    return
+            async with contextlib.aclosing(queue_batches(q)) as batches:
+                async for outs in batches:
+                    finished = any(o.finished for o in outs)
+                    yield outs
+        except Exception:
+            finished = True  # the engine has let it go already (failed, refused, or the process is gone)
+            raise
         finally:
             self._queues.pop(rid, None)
             if not finished and self._dead is None:
