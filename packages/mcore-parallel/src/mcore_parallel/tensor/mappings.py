@@ -111,11 +111,29 @@ def fuses_wgrad(weight: torch.Tensor) -> bool:
     return bool(getattr(weight, "fuse_wgrad_accumulation", False)) and hasattr(weight, "main_grad")
 
 
+def _keep_owner(ctx: Any, weight: torch.Tensor, fuse: bool) -> None:
+    """Remember the parameter whose ``main_grad`` a fused weight gradient goes into.
+
+    The weight in ``ctx.saved_tensors`` is not always that parameter: under activation recompute
+    (``torch.utils.checkpoint``, non-reentrant) the backward unpacks the tensors saved by the re-run forward, which the
+    checkpoint stores detached, so they share the data but have none of the parameter's attributes (``main_grad``,
+    ``grad_added_to_main_grad``). The ctx of the first forward is the one backward sees, so the parameter is kept on it.
+    """
+    ctx.wgrad_owner = weight if fuse else None
+
+
+def _owner(ctx: Any, saved: torch.Tensor) -> torch.Tensor:
+    """The parameter kept by :func:`_keep_owner` (``saved`` when the gradient is not fused)."""
+    owner = ctx.wgrad_owner
+    return saved if owner is None else owner
+
+
 def weight_grad(weight: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, fuse: bool) -> torch.Tensor:
     """``g2ᵀ x2``, the gradient of ``weight`` in ``y = x Wᵀ`` (2-D views). With ``fuse`` it is added into
     ``weight.main_grad`` by the GEMM itself (float32 accumulation of bf16/fp16 inputs on CUDA) and an uninitialised
     placeholder is returned so that autograd's accumulation hooks still run; the DDP hook sees
-    ``grad_added_to_main_grad`` and drops it."""
+    ``grad_added_to_main_grad`` and drops it. With ``fuse``, ``weight`` must be the parameter itself (see
+    :func:`_keep_owner`), not a tensor saved for backward."""
     if not fuse:
         return g2.t().matmul(x2)
     main = weight.main_grad  # type: ignore[attr-defined]
@@ -137,6 +155,7 @@ class _LinearMainGrad(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        _keep_owner(ctx, weight, True)
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -144,7 +163,9 @@ class _LinearMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])
         grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(weight, g2, x.reshape(-1, x.shape[-1]), True) if ctx.needs_input_grad[1] else None
+        grad_w = (
+            weight_grad(_owner(ctx, weight), g2, x.reshape(-1, x.shape[-1]), True) if ctx.needs_input_grad[1] else None
+        )
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
@@ -187,6 +208,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
             gemm(f2[a:b], y2[a:b])
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.has_bias, ctx.fuse = group, bias is not None, fuse
+        _keep_owner(ctx, weight, fuse)
         return y
 
     @staticmethod
@@ -197,7 +219,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
             grad_x, handle = _comm.reduce_scatter_start(g.matmul(weight), ctx.group)
         g2 = g.reshape(-1, g.shape[-1])
         full2 = full.reshape(-1, full.shape[-1])
-        grad_w = weight_grad(weight, g2, full2, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(_owner(ctx, weight), g2, full2, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()
@@ -226,6 +248,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
             h.wait()
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.fuse = group, fuse
+        _keep_owner(ctx, weight, fuse)
         return parts[group.rank].view(x.shape[0] // group.size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -247,7 +270,11 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         if grad_x is not None:
             for a, b in _other_rows(lo, hi, f2.shape[0]):
                 torch.mm(f2[a:b], weight, out=gx2[a:b])
-        grad_w = weight_grad(weight, f2, x.reshape(-1, x.shape[-1]), ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_w = (
+            weight_grad(_owner(ctx, weight), f2, x.reshape(-1, x.shape[-1]), ctx.fuse)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         return grad_x, grad_w, None, None
 
 
@@ -350,6 +377,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
             y = y + bias
         ctx.save_for_backward(full, weight)
         ctx.ops, ctx.name, ctx.has_bias, ctx.x_shape, ctx.fuse = ops, name, bias is not None, x.shape, fuse
+        _keep_owner(ctx, weight, fuse)
         return y.view(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -360,7 +388,7 @@ class _SymmetricColumnLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = mm_scatter(g2, weight, "sum", 0, ctx.name).view(ctx.x_shape)
-        grad_w = weight_grad(weight, g2, full, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(_owner(ctx, weight), g2, full, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None
 
@@ -380,6 +408,7 @@ class _SymmetricRowLinear(torch.autograd.Function):
         y = mm_scatter(x2, weight.t(), "sum", 0, name)
         ctx.save_for_backward(x2, weight)
         ctx.ops, ctx.name, ctx.x_shape, ctx.fuse = ops, name, x.shape, fuse
+        _keep_owner(ctx, weight, fuse)
         return y.view(x.shape[0] // size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -389,7 +418,7 @@ class _SymmetricRowLinear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         full, (grad_x2,) = gather_mm(g2, [weight], 0, ctx.name, return_A=True)
         grad_x = grad_x2.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(weight, full, x2, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(_owner(ctx, weight), full, x2, ctx.fuse) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None, None
 
 
