@@ -146,12 +146,13 @@ def test_hf_tokenizer_files(ckpt_root: Path, tmp_path: Path) -> None:
     assert gen.eos_token_id == eos
 
 
-def test_byte_tokenizer_has_no_hf_form(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    ckpt = save(gpt2(), tmp_path / "ckpt", tokenizer={"kind": "byte", "path": None})
+def test_no_tokenizer_recorded_writes_no_tokenizer_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = save(gpt2(), tmp_path / "ckpt")  # the byte tokenizer's export: test_byte_tokenizer.py
     with caplog.at_level(logging.WARNING):
         out = export_hf(ckpt, tmp_path / "hf")
-    assert "no Hugging Face form" in caplog.text
+    assert "records no tokenizer" in caplog.text
     assert not any(p.name.startswith("tokenizer") for p in out.iterdir())
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] is None
 
 
 def _nothing_written(parent: Path, out: Path) -> None:
@@ -219,3 +220,5 @@ def test_sentencepiece_tokenizer_becomes_llama_tokenizer(tmp_path: Path) -> None
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("hello world", add_special_tokens=False)["input_ids"] == sp.encode("hello world")
     assert tok.eos_token_id == sp.eos_id()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == sp.eos_id()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == sp.eos_id()
