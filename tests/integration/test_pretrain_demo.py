@@ -26,11 +26,11 @@ def test_demo_pretrain_end_to_end(tmp_path: Path) -> None:
                "logging.log_interval=10", "training.generate_at_end=20", cwd=tmp_path)  # fmt: skip
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, losses  # the loss visibly falls
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses  # steps 1, 2, 4, 8, 10, ..., 40: the loss falls
     assert any("valid_loss" in r for r in records)
     meta = read_metadata(latest_checkpoint(tmp_path / "run"))
     assert meta["step"] == 40 and meta["model"]["num_layers"] == 4 and meta["tokenizer"]["kind"] == "byte"
-    assert "sample (greedy, " in out and "resolved configuration" in out
+    assert "sample (temperature " in out and "resolved configuration" in out
     # the trained checkpoint through the serving CLI (its engine flags parsed into an EngineConfig on the way)
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     gen = subprocess.run([sys.executable, "-m", "mcore_infer.cli", "generate", "--checkpoint", str(tmp_path / "run"),

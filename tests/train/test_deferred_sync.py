@@ -99,7 +99,8 @@ def test_logged_throughput_is_timed_between_step_ends_on_the_device(
     pretrain(config("training.train_iters=6", "logging.log_interval=2", f"logging.dir={tmp_path}", *FUSED, *extra))
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    assert rates == pytest.approx([8 * 16 / 2.0] * 3)  # global batch 8 x seq 16 tokens per 2 s step, each window
+    assert rates == pytest.approx([8 * 16 / 2.0] * 4)  # global batch 8 x seq 16 tokens per 2 s step, each window
+    assert [r["step"] for r in records if "tokens_per_s" in r] == [1, 2, 4, 6]  # step 1 too: the first interval
 
 
 def test_deferred_reads_change_no_number(monkeypatch: pytest.MonkeyPatch) -> None:

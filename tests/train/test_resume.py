@@ -169,7 +169,7 @@ def test_zeros_are_counted_only_on_logged_steps(tmp_path: Path, monkeypatch, fus
     monkeypatch.setattr(optimizer_module, "count_zeros_tensor", spy)
     extra = ["optimizer.fused=true", "training.device=cpu"] if fused else []
     pretrain(config("training.train_iters=6", "logging.log_interval=3", f"logging.dir={tmp_path}", *extra))
-    assert len(calls) == 2  # steps 3 and 6
+    assert len(calls) == 4  # steps 1 and 2 (the first interval's), 3 and 6
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "num_zeros" in r]
-    assert len(logged) == 2 and all(isinstance(r["num_zeros"], int) for r in logged)
+    assert len(logged) == 4 and all(isinstance(r["num_zeros"], int) for r in logged)

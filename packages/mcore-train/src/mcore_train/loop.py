@@ -1,6 +1,10 @@
 """The training loop: :func:`train` drives :func:`~mcore_train.step.train_step` until an exit condition, with the
 progress bar, logging, evaluation and checkpoints around it.
 
+Log lines: every ``logging.log_interval`` steps, and in the first interval of a run also after its steps 1, 2, 4, 8, ...
+(so a slow machine shows the loss, the speed and an ETA within a step or two, not only at step 10). Each line has the
+mean loss of the steps since the previous line and an ETA from the mean time per step since the run's first step.
+
 Exit conditions: ``train_iters`` (or ``train_tokens``) reached, the wall-clock limit, SIGTERM/SIGINT (the step in
 progress finishes, a checkpoint is saved, and the run returns normally so the process exits 0), and a nan/inf loss
 (stop with a message naming the step, or skip that step's update when ``training.on_nan=skip``). Ranks agree on
@@ -35,10 +39,13 @@ logger = logging.getLogger(__name__)
 class TrainResult:
     steps: int
     final_loss: float | None
+    """The loss of the last step (one global batch)."""
     exit_reason: str
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     generated: str | None = None
+    logged_loss: tuple[int, int, float] | None = None
+    """The last log line's loss: (first step, last step, mean loss of those steps)."""
 
 
 class _StopFlag:
@@ -119,6 +126,25 @@ def _every(step: int, interval: int | None) -> bool:
     return interval is not None and interval > 0 and step % interval == 0
 
 
+def _logs(step: int, first: int, train_iters: int, interval: int) -> bool:
+    """Whether step ``step`` of a run that started after step ``first - 1`` gets a log line: every ``interval`` steps,
+    the last step, and within the run's first interval its 1st, 2nd, 4th, 8th, ... step."""
+    n = step - first + 1
+    return step % interval == 0 or step == train_iters or (n < interval and n & (n - 1) == 0)
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``2h05m``, ``3d04h``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def _checkpoint_upkeep(run: Run, reserved: bool) -> bool:
     """After a step: with interval saves, the host staging buffer is reserved (in the background) once the optimizer
     state exists, so the first async save finds it allocated; finished background saves are collected. Returns
@@ -149,6 +175,8 @@ class _Bookkeeping:
         flops = training_flops_per_token(run.model_config, cfg.data.seq_length, tp_size=st.tp.size)
         self.window = MetricsWindow(StepClock(st.device), flops_per_token=flops, world_size=st.world_size,
                                     peak_tflops=peak_tflops_for(st.device, lg.peak_tflops), device=st.device)  # fmt: skip
+        self.window_first = run.step + 1  # the first step of the open log window
+        self.eta_origin: tuple[int, float] | None = None  # (step, time) once the run's first step is done
 
     def settle(self, step: StepOutcome) -> bool:
         """The host's part of a step whose work is enqueued: nan check, skip count, progress, log; True to stop."""
@@ -170,8 +198,16 @@ class _Bookkeeping:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{step.lr:.2e}")
+        now = time.monotonic()
+        if self.eta_origin is None:  # ETAs count from the end of the first step, whose warm-up is not typical
+            self.eta_origin = (step.step, now)
         if step.logged:
             record = self.window.close(step, self.run.skipped_steps)
+            self.result.logged_loss = (self.window_first, step.step, record["loss"])
+            self.window_first = step.step + 1
+            first, t0 = self.eta_origin
+            if step.step > first:
+                record["eta_s"] = (now - t0) / (step.step - first) * (self.run.train_iters - step.step)
             if self.is_logger:
                 self.writer.write(step.step, record)
                 _log_line(self.run, step.step, record)
@@ -211,13 +247,14 @@ def train(run: Run) -> TrainResult:
     books = _Bookkeeping(run, result)
     iterators = run.train_iterators()
     deferred = deferred_reads(run)
+    first, interval = run.step + 1, run.config.logging.log_interval
     pending: StepOutcome | None = None  # a step whose values the host has not read yet
     evaluations, reserved = 0, False
     stop = _StopFlag(tr.exit_duration_minutes)
     stop.install()
     try:
         while run.step < run.train_iters:
-            logged = (run.step + 1) % run.config.logging.log_interval == 0 or run.step + 1 == run.train_iters
+            logged = _logs(run.step + 1, first, run.train_iters, interval)
             books.profiler.before_step(run.step + 1)
             step = train_step(run, iterators, logged=logged, stop_vote=stop.wanted)
             if logged:  # every rank, the same steps: one all-reduce (and for MoE models a host read) per window
@@ -284,10 +321,15 @@ def _log_line(run: Run, step: int, r: dict[str, Any]) -> None:
             parts.append(f"dropped {r['moe_dropped']:.1%}")
     parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     parts.append(f"{r['samples_per_s']:.1f} samples/s")
-    parts.append(f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU")
+    if run.state.device.type == "cuda":
+        parts.append(f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU")
+    else:  # a CPU's model FLOP/s in TFLOP/s with one decimal would read 0.0 or 0.1
+        parts.append(f"{r['tflops_per_gpu'] * 1e3:.1f} GFLOP/s/rank")
     if "mfu" in r:
         parts.append(f"MFU {r['mfu']:.1%}")
     mem = r.get("mem_peak_gib", r.get("mem_rss_peak_gib"))
     if mem is not None:
         parts.append(f"mem {mem:.2f} GiB")
+    if "eta_s" in r:
+        parts.append(f"ETA {format_duration(r['eta_s'])}")
     logger.info(" | ".join(parts))
