@@ -86,7 +86,7 @@ def test_compile_keeps_parameter_names() -> None:
 
 
 def test_compile_choice_is_checked() -> None:
-    with pytest.raises(ValueError, match="training.compile='all' must be one of none, layers"):
+    with pytest.raises(ValueError, match="training.compile='all' must be one of auto, none, layers"):
         config("training.compile=all")
 
 

@@ -66,7 +66,7 @@ def _losses_and_fused_calls(overrides: list[str]) -> tuple[list[float], int]:
 )
 def test_training_is_unchanged(extra: list[str]) -> None:
     base = ["training.train_iters=4", *extra]
-    plain, none = _losses_and_fused_calls(base)
+    plain, none = _losses_and_fused_calls([*base, "parallel.gradient_accumulation_fusion=false"])
     fused, calls = _losses_and_fused_calls([*base, "parallel.gradient_accumulation_fusion=true"])
     assert none == 0 and calls > 0
     assert fused == pytest.approx(plain, abs=1e-6)

@@ -132,7 +132,7 @@ def test_bad_choices_are_all_reported_by_the_loader() -> None:
         "data.tokenizer='gpt' must be one of byte, sentencepiece, hf",
         "data.ordering='random' must be one of fast, megatron",
         "scheduler.wsd_decay_style='exp' must be one of linear, cosine, sqrt",
-        "training.compile='all' must be one of none, layers",
+        "training.compile='all' must be one of auto, none, layers",
         "training.compile_mode='fast' must be one of default, max-autotune-no-cudagraphs",
         "training.on_nan='explode' must be one of stop, skip",
         "parallel.dp_comm='ring' must be one of auto, nccl, p2p",
@@ -152,13 +152,20 @@ def test_literal_conversion() -> None:
     convert("c", Literal["a", "b"] | None, "s.k", errors)
     convert(True, Literal[1, 2], "s.n", errors)  # a bool is not the integer 1
     assert errors == ["s.k='c' must be one of a, b", "s.n=True must be one of 1, 2"]
+    switch = Literal["auto", True, False]  # a choice of booleans and a word, spelt as YAML spells them
+    assert convert("true", switch, "s.b", []) is True and convert(False, switch, "s.b", []) is False
+    assert convert("auto", switch, "s.b", []) == "auto"
+    errors = []
+    convert("maybe", switch, "s.b", errors)
+    assert errors == ["s.b='maybe' must be one of auto, true, false"]
 
 
 def test_the_parallel_section_is_the_parallel_config_and_holds_the_ddp_config() -> None:
     cfg = config("parallel.tp=2", "parallel.bucket_size=1000", "parallel.overlap_grad_reduce=false",
                  "parallel.gradient_accumulation_fusion=true")  # fmt: skip
     assert isinstance(cfg.parallel, ParallelConfig) and cfg.parallel.tp == 2
-    assert cfg.parallel.ddp == DDPConfig(bucket_size=1000, overlap_grad_reduce=False, gradient_accumulation_fusion=True)
+    assert cfg.parallel.ddp == DDPConfig(bucket_size=1000, overlap_grad_reduce=False)
+    assert cfg.parallel.gradient_accumulation_fusion is True  # the trainer puts it (auto resolved) into the DDP config
     flat = cfg.to_dict()["parallel"]
     assert flat["bucket_size"] == 1000 and flat["gradient_accumulation_fusion"] is True and "ddp" not in flat
     assert "exchange" not in flat and "use_distributed_optimizer" not in flat  # set by the trainer, not keys

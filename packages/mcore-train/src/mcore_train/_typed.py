@@ -64,12 +64,17 @@ def _union(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     return _MISSING
 
 
+def _spelt(choice: Any) -> str:
+    """A choice as it is written in YAML or on the command line (``true``, not ``True``)."""
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
 def _choice(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     choices = typing.get_args(tp)
     for c in choices:
-        if (type(value) is type(c) and value == c) or (isinstance(value, str) and value == str(c)):
+        if (type(value) is type(c) and value == c) or (isinstance(value, str) and value in (str(c), _spelt(c))):
             return c
-    errors.append(f"{path}={value!r} must be one of {', '.join(str(c) for c in choices)}")
+    errors.append(f"{path}={value!r} must be one of {', '.join(_spelt(c) for c in choices)}")
     return _MISSING
 
 

@@ -49,8 +49,15 @@ class ParallelSection(ParallelConfig):
     """Layers on the first pipeline stage (the rest split evenly)."""
     last_stage_layers: int | None = None
     """Layers on the last pipeline stage."""
-    ddp: DDPConfig = field(default_factory=DDPConfig, metadata=inline(("use_distributed_optimizer", "exchange")))
-    """Gradient buckets: ``bucket_size``, ``overlap_grad_reduce``, ``gradient_accumulation_fusion``."""
+    ddp: DDPConfig = field(
+        default_factory=DDPConfig,
+        metadata=inline(("use_distributed_optimizer", "exchange", "gradient_accumulation_fusion")),
+    )
+    """Gradient buckets: ``bucket_size``, ``overlap_grad_reduce``."""
+    gradient_accumulation_fusion: Literal["auto", True, False] = "auto"
+    """Linear layers add their weight gradients into the float32 ``main_grad`` from the weight-gradient GEMM itself
+    (the DDP config's ``gradient_accumulation_fusion``; weights the layers own, not a tied output layer's): true,
+    false, or auto (true on CUDA, except with ``tp_comm_in_graph``; false on CPU; see :mod:`mcore_train.speed`)."""
     backend: str | None = None
     """torch.distributed backend; default nccl with CUDA, else gloo."""
     tp_comm: Literal["auto", "nccl", "symmetric_memory", "p2p"] = "auto"
@@ -88,7 +95,7 @@ class ParallelSection(ParallelConfig):
             )
         if self.tp_comm_chunks < 1:
             problems.append(f"tp_comm_chunks={self.tp_comm_chunks} must be at least 1")
-        if self.tp_comm_in_graph and self.ddp.gradient_accumulation_fusion:
+        if self.tp_comm_in_graph and self.gradient_accumulation_fusion is True:
             problems.append(
                 "tp_comm_in_graph=true with gradient_accumulation_fusion=true: the traced linears cannot add into "
                 "main_grad in place; turn one of them off"
@@ -198,9 +205,10 @@ class TrainingSection:
     """Seed of initialisation and dropout."""
     device: str | None = None
     """Override the device (default: cuda with CUDA, else cpu)."""
-    compile: Literal["none", "layers"] = "none"
-    """``torch.compile``: none, or layers (each transformer layer compiled on its own: fuses norms, RoPE, SwiGLU and
-    residual adds; one compilation shared by all layers of the same shape)."""
+    compile: Literal["auto", "none", "layers"] = "auto"
+    """``torch.compile``: none, layers (each transformer layer compiled on its own: fuses norms, RoPE, SwiGLU and
+    residual adds; one compilation shared by all layers of the same shape), or auto (layers on CUDA, except for MoE
+    layers that train on auxiliary losses; none on CPU; see :mod:`mcore_train.speed`)."""
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
     """``torch.compile`` mode of the compiled layers: default, or max-autotune-no-cudagraphs (inductor benchmarks its
     Triton GEMM templates against cuBLAS per shape and can fuse elementwise epilogues into them; compiles for

@@ -34,6 +34,7 @@ from mcore_train.config import TrainConfig
 from mcore_train.data import MicroBatchIterator, RunData, build_run_data
 from mcore_train.errors import ConfigError
 from mcore_train.scheduler import LRScheduler
+from mcore_train.speed import SpeedChoices, describe, resolve_speed
 
 __all__ = ["Run", "setup", "build_model_chunks", "compile_layers", "rank_state", "restore_rank_state"]
 
@@ -60,6 +61,8 @@ class Run:
     skipped_steps: int = 0
     loaded_from: Path | None = None
     last_saved_step: int | None = None
+    speed: SpeedChoices | None = None
+    """The speed switches as resolved for this run's device (``training.compile``, the fusion)."""
 
     @property
     def items(self) -> dict[str, ShardedTensor]:
@@ -85,8 +88,16 @@ class Run:
 
 
 def build_model_chunks(
-    config: TrainConfig, model_config: TransformerConfig, state: ParallelState, tracker: RNGStatesTracker | None
+    config: TrainConfig,
+    model_config: TransformerConfig,
+    state: ParallelState,
+    tracker: RNGStatesTracker | None,
+    compile: str | None = None,
 ) -> list[GPTModel]:
+    """The model chunks of this rank; ``compile`` is ``training.compile`` resolved (default: resolved here for
+    ``state.device``, see :func:`~mcore_train.speed.resolve_speed`)."""
+    if compile is None:
+        compile = resolve_speed(config, state.device).compile
     par = config.parallel
     vpp = par.vpp or 1
     chunks = []
@@ -108,7 +119,7 @@ def build_model_chunks(
                 balance=state.tp_dp_cp,
             )
         )
-    if config.training.compile == "layers":
+    if compile == "layers":
         mode = config.training.compile_mode
         compile_layers(chunks, None if mode == "default" else mode)
     return chunks
@@ -220,11 +231,15 @@ def setup(config: TrainConfig) -> Run:
     model_config = config.model
     tracker = model_parallel_seed(config.training.seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank,
                                   device=state.device)  # fmt: skip
-    chunks = build_model_chunks(config, model_config, state, tracker)
+    speed = resolve_speed(config, state.device)
+    if state.rank == 0:
+        logger.info("%s", describe(speed))
+    chunks = build_model_chunks(config, model_config, state, tracker, compile=speed.compile)
     ddp_config = dataclasses.replace(
         config.parallel.ddp,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         exchange=resolve_dp_comm(config.parallel.dp_comm, state),
+        gradient_accumulation_fusion=speed.gradient_accumulation_fusion,
     )
     ddp = [DistributedDataParallel(c, state, ddp_config) for c in chunks]
     sync_shared_embedding_weights(ddp, state)
@@ -238,7 +253,7 @@ def setup(config: TrainConfig) -> Run:
         manager = CheckpointManager(config.checkpoint.dir, state, keep_last=config.checkpoint.keep_last,
                                     async_save=config.checkpoint.async_save)  # fmt: skip
     run = Run(config, state, model_config, chunks, ddp, optimizer, scheduler, tracker, data, batch_config, manager,
-              train_iters)  # fmt: skip
+              train_iters, speed=speed)  # fmt: skip
     path = _load_path(config)
     if path is not None:
         _resume(run, path)
