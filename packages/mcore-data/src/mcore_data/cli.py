@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text")
     p.add_argument("--max-docs", type=int)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (default: a bar on a terminal, else log lines with the rate and an ETA)")  # fmt: skip
 
     p = sub.add_parser("build-index", help="build and cache GPTDataset indices ahead of training")
     p.add_argument("--data-prefix", nargs="+", required=True, help="prefix, or 'weight prefix weight prefix ...'")
@@ -200,6 +202,7 @@ def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
             json_key=args.json_key,
             max_docs=args.max_docs,
             overwrite=args.overwrite,
+            progress=not args.no_progress,
         )
     else:
         path = train_sentencepiece(
@@ -210,6 +213,7 @@ def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
             json_key=args.json_key,
             max_docs=args.max_docs,
             overwrite=args.overwrite,
+            progress=not args.no_progress,
         )
     _out(f"wrote {path}")
     return 0
