@@ -78,3 +78,22 @@ def test_fused_wgrad_tp1(recompute: bool) -> None:
 @pytest.mark.parametrize("recompute", [False, True], ids=["eager", "recompute"])
 def test_fused_wgrad_tp2_sequence_parallel(exchange: Any, recompute: bool) -> None:
     run_distributed(_check, 2, 2, exchange, recompute)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_bf16_wgrad_under_recompute_on_cuda() -> None:
+    """The CUDA path: bf16 products accumulated into the float32 ``main_grad`` by the GEMM, under checkpoint."""
+    state = ParallelState.initialize(ParallelConfig(), device="cuda")
+    torch.manual_seed(0)
+    x, g = torch.randn(S, B, H, device="cuda"), torch.randn(S, B, H, device="cuda")
+    plain = [m.to("cuda") for m in _block(state, False)]
+    _run(*plain, x.clone().requires_grad_(), g, recompute=False)
+    fused = [m.to(device="cuda", dtype=torch.bfloat16) for m in _block(state, False)]
+    for m in fused:
+        m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)
+        m.weight.fuse_wgrad_accumulation = True
+    _run(*fused, x.bfloat16().requires_grad_(), g.bfloat16(), recompute=True)
+    for p, q in zip(plain, fused, strict=True):
+        assert q.weight.grad_added_to_main_grad and q.weight.main_grad.dtype == torch.float32
+        torch.testing.assert_close(q.weight.main_grad, p.weight.grad, rtol=3e-2, atol=3e-2)

@@ -52,7 +52,10 @@ def train(overrides: list[str], recipe: str = "tiny") -> dict[str, Any]:
     trainer.compile_layers = compile_layers  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory() as log_dir:
-            cfg = config(*overrides, f"logging.dir={log_dir}") if recipe == "tiny" else _moe(overrides, log_dir)
+            if recipe == "tiny":
+                cfg = config(*overrides, f"logging.dir={log_dir}")
+            else:
+                cfg = (_llama if recipe == "llama-1b" else _moe)(overrides, log_dir)
             result = pretrain(cfg)
             out: dict[str, Any] = dict(counts)
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -64,6 +67,30 @@ def train(overrides: list[str], recipe: str = "tiny") -> dict[str, Any]:
         mappings.weight_grad = real_wgrad  # type: ignore[assignment]
         ModelContext.recompute = real_recompute  # type: ignore[method-assign]
         trainer.compile_layers = real_compile  # type: ignore[assignment]
+
+
+LLAMA_1B_SHAPE = [
+    "data.mock=true",
+    "data.tokenizer=byte",
+    "data.seq_length=2048",
+    "model.num_layers=2",
+    "training.micro_batch_size=1",
+    "training.global_batch_size=2",
+    "training.train_iters=3",
+    "training.eval_iters=0",
+    "scheduler.warmup_iters=1",
+    "optimizer.lr=1e-3",
+    "checkpoint.async_save=false",
+    "logging.progress_bar=false",
+    "logging.log_interval=1",
+]
+"""llama-1b's layers (bf16, hidden 2048, its vocabulary) cut to 2 layers and 2 micro-batches of 2048 tokens."""
+
+
+def _llama(overrides: list[str], log_dir: str) -> Any:
+    from mcore_train import load_config
+
+    return load_config(recipe="llama-1b", overrides=[*LLAMA_1B_SHAPE, *overrides, f"logging.dir={log_dir}"])
 
 
 def _moe(overrides: list[str], log_dir: str) -> Any:
