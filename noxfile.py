@@ -5,23 +5,35 @@ Packages are discovered from ``packages/*/pyproject.toml``: adding a package mea
 Sessions:
 - ``lint``: ruff check and ruff format --check.
 - ``typecheck``: mypy over every package's source, with everything installed.
-- ``tests-<pkg>``: installs only that package, its declared sibling packages and its ``test`` extra (if any), then
+- ``tests(<pkg>)``: installs only that package, its declared sibling packages and its ``test`` extra (if any), then
   runs ``tests/<pkg>/``. An undeclared cross-package import fails here.
-- ``integration``: everything installed, runs ``tests/integration/``.
+- ``integration``: installs the packages with exactly the README's install line (the block after
+  ``<!-- install -->``), runs the README's and docs' runnable command blocks (``tests/integration/
+  test_readme_commands.py``) in that environment, then adds every ``test`` extra and runs the rest of
+  ``tests/integration/``.
 - ``demo``: the main job (see README).
 
-torch is pinned to the CPU build through ``.ci/constraints.txt`` (used only here and in CI).
+torch is pinned to the CPU build through ``.ci/constraints.txt`` (used only here and in CI). It is installed once,
+into ``.nox/_torch`` (about 1 GB), and every session's venv sees it through a ``.pth`` file instead of unpacking its
+own copy: the sessions' venvs hold only the mcore packages and their other dependencies (tens to a few hundred MB
+each). ``.nox/_torch`` is kept between runs while the pin and the Python version stay the same. Every other package a
+session installs is its own, so the per-package isolation of ``tests(<pkg>)`` is unchanged (all mcore packages but
+mcore-data need torch, and mcore-data's tests install it).
 
-Every session's venv holds its own torch (about 1 GB). With ``MCORE_NOX_DISCARD_VENVS=1`` (set by ``.ci/run``) each
-session deletes its venv when it ends, so the whole run needs the disk of one venv, not of nine.
+With ``MCORE_NOX_DISCARD_VENVS=1`` (set by ``.ci/run``) each session deletes its venv when it ends and
+``.nox/_torch`` is deleted when nox exits, so the whole run needs the disk of torch plus one session's venv.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +43,9 @@ import tomllib
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.2"]
+TORCH_BASE = ROOT / ".nox" / "_torch"
+README = ROOT / "README.md"
+INSTALL_MARKER = "<!-- install -->"
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
@@ -69,21 +84,94 @@ def _local_closure(name: str) -> list[str]:
     return order
 
 
-def _install(session: nox.Session, names: list[str], extras: dict[str, list[str]] | None = None) -> None:
+def _discard_venvs() -> bool:
+    return os.environ.get("MCORE_NOX_DISCARD_VENVS") == "1"
+
+
+def _purelib(python: Path) -> str:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _torch_pin() -> str:
+    pins = [line.strip() for line in CONSTRAINTS.read_text().splitlines() if line.strip().startswith("torch==")]
+    return pins[0] if pins else "torch"
+
+
+_torch_base_ready = False
+
+
+def _torch_base(session: nox.Session) -> str:
+    """Install the pinned torch once into ``.nox/_torch`` (reused while pin and Python match); its site-packages."""
+    global _torch_base_ready
+    python = TORCH_BASE / "bin" / "python"
+    stamp = TORCH_BASE / "mcore-torch-stamp.txt"
+    wanted = f"{sys.version}\n{CONSTRAINTS.read_text()}"
+    if not _torch_base_ready and not (python.exists() and stamp.exists() and stamp.read_text() == wanted):
+        shutil.rmtree(TORCH_BASE, ignore_errors=True)
+        session.log(
+            f"installing {_torch_pin()} into {TORCH_BASE.relative_to(ROOT)} once, for every session "
+            "(a ~200 MB wheel, ~1 GB unpacked; a minute or two)"
+        )
+        session.run_install(sys.executable, "-m", "venv", str(TORCH_BASE), external=True)
+        session.run_install(str(python), "-m", "pip", "install", "-c", str(CONSTRAINTS), "torch", external=True)
+        stamp.write_text(wanted)
+    if not _torch_base_ready and _discard_venvs():
+        atexit.register(shutil.rmtree, TORCH_BASE, ignore_errors=True)
+    _torch_base_ready = True
+    return _purelib(python)
+
+
+def _share_torch(session: nox.Session) -> None:
+    """Let this session's venv import (and pip see as installed) the torch of ``.nox/_torch``."""
+    if session.virtualenv.venv_backend == "none":  # nox --no-venv: use the interpreter's own torch
+        return
+    base = _torch_base(session)
+    venv_python = Path(session.virtualenv.bin) / "python"
+    Path(_purelib(venv_python), "_mcore_shared_torch.pth").write_text(base + "\n")
+
+
+def _install(
+    session: nox.Session,
+    names: list[str],
+    extras: dict[str, list[str]] | None = None,
+    *,
+    local: bool = True,
+) -> None:
     """Install local packages (siblings resolved from this checkout) and the requirements of chosen extras.
 
     Extras are installed as plain requirement strings in a second step: pip does not match a sibling's exact pin
     (``mcore-models==0.1.0``) to a local directory given with extras (``packages/mcore-models[test]``).
+    ``local=False`` installs only the extras (the packages are already there).
     """
-    session.install("-c", str(CONSTRAINTS), "hatchling>=1.18", *TEST_DEPS)
-    session.install("-c", str(CONSTRAINTS), "--no-build-isolation", *[str(PACKAGES[n]["dir"]) for n in names])
+    session.log(f"installing {', '.join(TEST_DEPS)} and hatchling")
+    session.install("-c", str(CONSTRAINTS), "hatchling>=1.18", *TEST_DEPS, silent=False)
+    if local:
+        session.log(f"installing {', '.join(names)} from this checkout, with their dependencies (torch shared)")
+        dirs = [str(PACKAGES[n]["dir"]) for n in names]
+        session.install("-c", str(CONSTRAINTS), "--no-build-isolation", *dirs, silent=False)
     wanted: list[str] = []
     for n in names:
         optional = PACKAGES[n]["project"].get("optional-dependencies", {})
         for extra in (extras or {}).get(n, []):
             wanted += [r for r in optional.get(extra, []) if _requirement_name(r) not in PACKAGES]
     if wanted:
-        session.install("-c", str(CONSTRAINTS), *sorted(set(wanted)))
+        session.log(f"installing the test extras: {', '.join(sorted(set(wanted)))}")
+        session.install("-c", str(CONSTRAINTS), *sorted(set(wanted)), silent=False)
+
+
+def readme_install_line() -> str:
+    """The README's install command: the fenced block right after ``<!-- install -->``, continuations joined."""
+    lines = README.read_text().splitlines()
+    start = lines.index(INSTALL_MARKER) + 1
+    if not lines[start].startswith("```"):
+        raise ValueError(f"README.md: {INSTALL_MARKER} must be followed by a fenced code block")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+    command = "\n".join(lines[start + 1 : end]).replace("\\\n", " ")
+    commands = [c for c in command.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+    if len(commands) != 1 or shlex.split(commands[0], comments=True)[:2] != ["pip", "install"]:
+        raise ValueError(f"README.md: the {INSTALL_MARKER} block must hold one `pip install ...` command")
+    return commands[0]
 
 
 @contextlib.contextmanager
@@ -93,7 +181,7 @@ def _venv_scope(session: nox.Session) -> Iterator[None]:
         yield
     finally:
         location = getattr(session.virtualenv, "location", None)
-        if os.environ.get("MCORE_NOX_DISCARD_VENVS") == "1" and location and Path(location).is_dir():
+        if _discard_venvs() and location and Path(location).is_dir():
             session.log(f"discarding venv {location} (MCORE_NOX_DISCARD_VENVS=1)")
             shutil.rmtree(location, ignore_errors=True)
 
@@ -105,7 +193,7 @@ def _short(name: str) -> str:
 @nox.session
 def lint(session: nox.Session) -> None:
     with _venv_scope(session):
-        session.install("ruff>=0.6")
+        session.install("ruff>=0.6", silent=False)
         session.run("ruff", "check", ".")
         session.run("ruff", "format", "--check", ".")
 
@@ -113,9 +201,10 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     with _venv_scope(session):
+        _share_torch(session)
         names = list(PACKAGES)
         _install(session, names, {n: ["test"] for n in names})
-        session.install("mypy>=1.10", "types-PyYAML")
+        session.install("mypy>=1.10", "types-PyYAML", silent=False)
         session.run("mypy", *[str(p["dir"] / "src") for p in PACKAGES.values()])
 
 
@@ -124,22 +213,36 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     with _venv_scope(session):
         name = f"mcore-{package}"
+        _share_torch(session)
         _install(session, _local_closure(name), {name: ["test"]})
         session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
+    """The README's install line alone, its runnable command blocks; then every test extra and the other tests."""
     with _venv_scope(session):
+        _share_torch(session)
+        session.log(f"installing {', '.join(TEST_DEPS)} (nothing else before the README's install line)")
+        session.install(*TEST_DEPS, silent=False)
+        line = readme_install_line()
+        session.log(f"the README's install line: {line}")
+        session.run_install("bash", "-c", line, external=True, env={"PIP_CONSTRAINT": str(CONSTRAINTS)})
+        env = {"OMP_NUM_THREADS": "1"}
+        readme_test = "tests/integration/test_readme_commands.py"
+        # exit code 5 (nothing selected) lets `nox -s integration -- -k X` pick tests from either run
+        session.run("pytest", readme_test, *session.posargs, env=env, success_codes=[0, 5])
         names = list(PACKAGES)
-        _install(session, names, {n: ["test"] for n in names})
-        session.run("pytest", "tests/integration", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+        _install(session, names, {n: ["test"] for n in names}, local=False)
+        args = ["tests/integration", f"--ignore={readme_test}", *session.posargs]
+        session.run("pytest", *args, env=env, success_codes=[0, 5])
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job (README quick start): prepare the demo corpus, pretrain the tiny recipe on CPU, sample text."""
     with _venv_scope(session):
+        _share_torch(session)
         _install(session, _local_closure("mcore-train"))
         run_dir = os.environ.get("MCORE_DEMO_DIR", "runs/demo")
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
