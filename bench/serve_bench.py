@@ -3,8 +3,11 @@
 Through the engine at each concurrency (all requests submitted at once, continuous batching): output tokens/s,
 time to first token (TTFT) and per-token latency (TPOT: (finish - first token) / (tokens - 1)), p50/p99 over
 requests; each concurrency runs ``--repeats`` times and the run of median throughput is reported (with every
-run's tokens/s). Once through the HTTP server (uvicorn in this process, streaming completions over httpx) at concurrency
-64. Optionally the Hugging Face ``generate`` baseline with a static cache + ``torch.compile`` (CUDA graphs) on the
+run's tokens/s). Through the HTTP server (streaming ``/v1/completions``, uvicorn with the server's own config) at each
+``--http-concurrency``, the clients spread over ``--client-processes`` processes, in two layouts (``--http-paths``):
+``inprocess``, uvicorn in the engine's process (``mcore-infer serve``), and ``process``, the engine in a process of its
+own and this process the front end (``mcore-infer serve --engine-process``; run first, in a subprocess, so that the
+GPU memory is its engine's). Optionally the Hugging Face ``generate`` baseline with a static cache + ``torch.compile`` (CUDA graphs) on the
 same model shape, in a subprocess (``--hf``).
 
 ``--decode-kernels`` picks ``EngineConfig.decode_kernels``: a preset (``auto``, the default, ``none``, ``attention``,
@@ -75,7 +78,7 @@ def build_llm(args: argparse.Namespace) -> Any:
     cfg = EngineConfig(
         block_size=args.block_size,
         max_model_len=1024,
-        max_num_seqs=max(args.concurrency),
+        max_num_seqs=args.max_seqs,
         max_num_batched_tokens=args.batched_tokens,
         memory_fraction=0.6,
         compile=args.compile,
@@ -110,53 +113,102 @@ def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
     return {**latency_row(conc, wall, ttft, tpot), "preemptions": llm.engine.scheduler.num_preemptions}
 
 
-def http_run(llm: Any, conc: int, clients: str = "process") -> dict[str, Any]:
-    """``conc`` streaming clients against uvicorn serving ``llm`` in this process; the clients run in another
-    process (``clients="process"``) or in this one (``"inprocess"``: their Python work then shares the server's
-    GIL)."""
-    import uvicorn
+def engine_stream_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
+    """As :func:`engine_run` with every request streamed (an output per request and step, as a server asks)."""
+    from mcore_infer import SamplingParams
 
-    from mcore_infer.async_engine import AsyncEngine
-    from mcore_infer.server import build_app
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    eng = llm.engine
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rids = [eng.add_request(p, params, stream=True) for p in prompts(conc, 32768, seed)]
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    while eng.has_work():
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                done[o.request_id] = now
+    wall = time.perf_counter() - t0
+    ttft = [(first[r] - t0) * 1e3 for r in rids]
+    tpot = [(done[r] - first[r]) * 1e3 / (GEN - 1) for r in rids]
+    return latency_row(conc, wall, ttft, tpot)
 
-    app = build_app(AsyncEngine(llm.engine), llm.tokenizer, "llama-1b")
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
-    ps = prompts(conc, 32768, 99)
-    if clients == "process":  # the clients' own Python work runs beside the server's, not under its GIL
-        import multiprocessing as mp
+        return int(s.getsockname()[1])
 
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_http_clients_process, args=(port, ps, queue))
-        proc.start()
-        wall, res = queue.get(timeout=900)
-        proc.join(timeout=60)
-    else:
-        wall, res = asyncio.run(_http_clients(port, ps))
-    server.should_exit = True
-    th.join(timeout=30)
+
+class HTTPServer:
+    """uvicorn serving ``engine`` (an ``AsyncEngine`` over an engine in this process, or an ``EngineClient`` over an
+    engine process) with the server's own ``server_config`` (httptools and uvloop when installed), in a thread."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        import uvicorn
+
+        from mcore_infer.server import build_app, server_config
+
+        self.port = free_port()
+        app = build_app(engine, tokenizer, "llama-1b")
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, "warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]:
+    """``conc`` streaming clients against the server on ``port``, spread over ``procs`` client processes (their
+    Python work is not the server's: real clients run elsewhere), started together after one warm-up request per
+    process."""
+    import multiprocessing as mp
+
+    ps = prompts(conc, 32768, seed)
+    procs = max(1, min(procs, conc))
+    ctx = mp.get_context("spawn")
+    queue, go = ctx.Queue(), ctx.Event()
+    parts = [ps[i::procs] for i in range(procs)]
+    workers = [ctx.Process(target=_http_clients_process, args=(port, part, go, queue)) for part in parts]
+    for w in workers:
+        w.start()
+    ready = [queue.get(timeout=600) for _ in workers]
+    assert all(r == "ready" for r in ready), ready
+    go.set()
+    res: list[tuple[float, float, float, int]] = []
+    for _ in workers:
+        got = queue.get(timeout=900)
+        if isinstance(got, str):
+            raise RuntimeError(f"an HTTP client process failed: {got}")
+        res += got
+    for w in workers:
+        w.join(timeout=60)
+    wall = max(e for _, _, e, _ in res) - min(s for s, _, _, _ in res)
     ttft = [(f - s) * 1e3 for s, f, _, _ in res]
     tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
-    via = "http (streaming /v1/completions), clients in " + (
-        "another process" if clients == "process" else "the server's"
-    )
-    return {**latency_row(conc, wall, ttft, tpot), "via": via}
+    events = sum(n for *_, n in res)
+    return {**latency_row(conc, wall, ttft, tpot), "client_processes": procs, "events_per_request": events / conc}
 
 
-def _http_clients_process(port: int, ps: list[list[int]], queue: Any) -> None:
-    queue.put(asyncio.run(_http_clients(port, ps)))
+def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any) -> None:
+    try:
+        queue.put(asyncio.run(_http_clients(port, ps, go, queue)))
+    except Exception as e:  # the parent reports it
+        queue.put(f"{type(e).__name__}: {e}")
 
 
-async def _http_clients(port: int, ps: list[list[int]]) -> tuple[float, list[tuple[float, float, float, int]]]:
-    """``len(ps)`` concurrent streaming completions (after one warm-up request): wall time and, per request, its
-    start, first-token and end times and the number of events."""
+async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> list[tuple[float, float, float, int]]:
+    """``len(ps)`` concurrent streaming completions once ``go`` is set (after one warm-up request, then "ready" on
+    ``queue``): per request its start, first-token and end times (``time.perf_counter``, one clock for every
+    process) and its number of events."""
     import httpx
 
     async def one(client: httpx.AsyncClient, p: list[int]) -> tuple[float, float, float, int]:
@@ -171,6 +223,8 @@ async def _http_clients(port: int, ps: list[list[int]]) -> tuple[float, list[tup
         t0 = time.perf_counter()
         first, n = None, 0
         async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     if first is None:
@@ -183,9 +237,9 @@ async def _http_clients(port: int, ps: list[list[int]]) -> tuple[float, list[tup
     limits = httpx.Limits(max_connections=len(ps) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one(client, ps[0])  # warm-up
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(client, p) for p in ps))
-        return time.perf_counter() - t0, list(res)
+        queue.put("ready")
+        await asyncio.to_thread(go.wait)
+        return list(await asyncio.gather(*(one(client, p) for p in ps)))
 
 
 # ------------------------------------------------------------------------------------------------ HF baseline
@@ -260,11 +314,23 @@ def profile_run(llm: Any, path: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,8,32,64,256")
-    ap.add_argument("--http-concurrency", type=int, default=64)
+    ap.add_argument("--http-concurrency", default="1,64,256", help="through HTTP (empty: no HTTP runs)")
+    ap.add_argument("--http-paths", default="inprocess,process",
+                    help="inprocess: uvicorn in the engine's process; process: the engine in its own process "
+                    "(serve --engine-process); process-h11: the same with uvicorn's h11/asyncio fallback")  # fmt: skip
+    ap.add_argument("--http-repeats", type=int, default=3, help="HTTP runs per concurrency; the median is reported")
+    ap.add_argument("--client-processes", type=int, default=8, help="processes the HTTP clients are spread over")
+    ap.add_argument("--engine-process-timeout", type=float, default=600.0)
+    ap.add_argument("--engine-process-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-stream", action="store_true", help="also the engine with every request streamed")
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="sample the engine and front-end processes with py-spy during the HTTP runs at 64 (raw "
+                    "collapsed stacks into DIR)")  # fmt: skip
+    ap.add_argument("--plain-http", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3, help="engine runs per concurrency; the median is reported")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--batched-tokens", type=int, default=8192)
-    ap.add_argument("--out", default="serve_bench.json")
+    ap.add_argument("--out", default="/tmp/serve_bench.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
@@ -278,12 +344,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-deadline", type=float, default=150.0)
-    ap.add_argument(
-        "--http-clients",
-        choices=["process", "inprocess"],
-        default="process",
-        help="run the HTTP clients in another process (default) or in the server's",
-    )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here")
     return ap
 
@@ -305,21 +365,129 @@ def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) 
         r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs]}
         print(json.dumps(r), flush=True)
         results["engine"].append(r)
+        if args.engine_stream:
+            runs = sorted((engine_stream_run(llm, c, 5 + c + 1000 * i) for i in range(args.repeats)),
+                          key=lambda x: x["output_tok_s"])  # fmt: skip
+            r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs]}
+            print("stream", json.dumps(r), flush=True)
+            results.setdefault("engine_stream", []).append(r)
         _dump(results, args.out)
 
 
-def http_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """Two HTTP runs at ``--http-concurrency`` into ``results``: ``http_cold`` against a fresh server (its prefill
-    shapes were not all seen by the engine runs, and their kernels compile during it), then ``http``."""
-    for key in ("http_cold", "http"):
+def py_spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> list[Any]:
+    """``py-spy record`` of each of ``pids`` for 4 s (``--py-spy``), started now."""
+    import shutil
+
+    exe = shutil.which("py-spy") or next((os.path.join(p, "..", "bin", "py-spy") for p in sys.path
+                                          if os.path.exists(os.path.join(p, "..", "bin", "py-spy"))), None)  # fmt: skip
+    if not args.py_spy or exe is None:
+        return []
+    os.makedirs(args.py_spy, exist_ok=True)
+    return [subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", "4", "--rate", "250", "--nonblocking",
+                              "--format", "raw", "-o", os.path.join(args.py_spy, f"{name}_{tag}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]  # fmt: skip
+
+
+def http_levels(
+    port: int, args: argparse.Namespace, levels: list[int], pids: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """At each concurrency of ``levels``: one run whose prefill shapes may still compile kernels (its tokens/s kept
+    as ``first_run_output_tok_s``), then the run of median throughput of ``--http-repeats``."""
+    rows = []
+    for c in levels:
+        first = http_run(port, c, args.client_processes, seed=50 + c)
+        spies = py_spy(args, pids or {}, f"c{c}") if c == 64 else []
+        runs = sorted((http_run(port, c, args.client_processes, seed=60 + c + 1000 * i)
+                       for i in range(args.http_repeats)), key=lambda x: x["output_tok_s"])  # fmt: skip
+        for sp in spies:
+            sp.wait(timeout=60)
+        r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs],
+             "first_run_output_tok_s": first["output_tok_s"]}  # fmt: skip
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    return rows
+
+
+def front_end_info() -> dict[str, Any]:
+    """Which HTTP parser and event loop uvicorn's ``auto`` picks here."""
+    import importlib.util
+
+    return {
+        "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+        "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+    }
+
+
+def http_inprocess(llm: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """``results["http_inprocess"]``: the server and the engine in this process (``mcore-infer serve``'s layout
+    without ``--engine-process``)."""
+    from mcore_infer.async_engine import AsyncEngine
+
+    try:
+        srv = HTTPServer(AsyncEngine(llm.engine), llm.tokenizer)
         try:
-            r = http_run(llm, args.http_concurrency, args.http_clients)
-            print(key, json.dumps(r), flush=True)
-        except Exception as e:  # keep the engine numbers if the HTTP stack is missing
-            r = {"error": repr(e), "cause": repr(e.__cause__)}
-            print("http failed:", repr(e), flush=True)
-        results[key] = r
-        _dump(results, args.out)
+            rows = http_levels(srv.port, args, args.http_concurrency, {"inprocess": os.getpid()})
+        finally:
+            srv.stop()
+        results["http_inprocess"] = {"front_end": front_end_info(), "rows": rows}
+    except Exception as e:  # keep the engine numbers if the HTTP stack is missing
+        results["http_inprocess"] = {"error": repr(e)}
+        print("http failed:", repr(e), flush=True)
+    _dump(results, args.out)
+
+
+def warm_llm(args: argparse.Namespace) -> Any:
+    """The engine process's LLM (``EngineSpec`` factory): built as in this process, then warmed up the same way."""
+    llm = build_llm(args)
+    for c in (1, 8, 64):
+        engine_run(llm, c, 1)
+    return llm
+
+
+def engine_process_only(args: argparse.Namespace) -> None:
+    """``--engine-process-only OUT``: the engine in a process of its own (``EngineClient``), this process the HTTP
+    front end, as ``mcore-infer serve --engine-process``; ``--plain-http`` hides httptools and uvloop so uvicorn
+    falls back to h11 and asyncio."""
+    if args.plain_http:
+        sys.modules["httptools"] = None  # type: ignore[assignment]
+        sys.modules["uvloop"] = None  # type: ignore[assignment]
+    from mcore_infer.engine_process import EngineClient, EngineSpec
+
+    out: dict[str, Any] = {"front_end": {"http": "h11", "loop": "asyncio"} if args.plain_http else front_end_info()}
+    try:
+        t0 = time.perf_counter()
+        client = EngineClient(EngineSpec(warm_llm, (args,))).launch()
+        out["engine_ready_s"] = time.perf_counter() - t0
+        srv = HTTPServer(client, client.tokenizer)
+        try:
+            pids = {"engine": client.pid or 0, "frontend": os.getpid()}
+            out["rows"] = http_levels(srv.port, args, args.http_concurrency, pids)
+        finally:
+            srv.stop()
+            client.shutdown(5.0)
+    except Exception as e:
+        out["error"] = repr(e)
+        print("engine-process http failed:", repr(e), flush=True)
+    with open(args.engine_process_only, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain: bool) -> None:
+    """The engine-process layout in a subprocess (before this process builds its engine: the GPU memory is the
+    other engine's then), into ``results["http_process"]`` (``"http_process_h11"`` with ``plain``)."""
+    key = "http_process_h11" if plain else "http_process"
+    path = f"{args.out}.{key}.json"
+    cmd = [sys.executable, __file__, "--engine-process-only", path, *sys.argv[1:]]
+    if plain:
+        cmd.append("--plain-http")
+    try:
+        subprocess.run(cmd, check=False, timeout=args.engine_process_timeout, env=os.environ.copy())
+        with open(path) as f:
+            results[key] = json.load(f)
+    except Exception as e:
+        results[key] = {"error": repr(e)}
+    _dump(results, args.out)
 
 
 def hf_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
@@ -352,8 +520,17 @@ def main() -> None:
             json.dump(res, f, indent=1)
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.http_concurrency = [int(c) for c in args.http_concurrency.split(",") if c.strip()]
+    args.max_seqs = max(args.concurrency + args.http_concurrency)
+    if args.engine_process_only:
+        engine_process_only(args)
+        return
+    paths = [p for p in args.http_paths.split(",") if p] if args.http_concurrency else []
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: dict[str, Any] = {"device": dev, "torch": torch.__version__, "engine": []}
+    for plain in (False, True):
+        if ("process-h11" if plain else "process") in paths:
+            http_engine_process(args, results, plain)
     llm = build_llm(args)
     plan = llm.runner.plan  # what --decode-kernels resolved to on this device and model
     results["decode_plan"] = plan.to_dict()
@@ -361,8 +538,8 @@ def main() -> None:
     engine_results(llm, args, results)
     if args.profile:
         profile_run(llm, args.profile)
-    if args.http_concurrency:
-        http_results(llm, args, results)
+    if "inprocess" in paths:
+        http_inprocess(llm, args, results)
     if args.hf:
         del llm  # the GPU memory goes to the baseline's process
         torch.cuda.empty_cache()

@@ -1,10 +1,13 @@
 """The front end's side of the engine process: :class:`EngineClient`, a drop-in for
 :class:`~mcore_infer.async_engine.AsyncEngine` whose engine runs in another process.
 
-A sender thread writes the commands the event loop queues (batched: everything queued since its last write in one
-message); a reader thread takes the engine's one message per step and hands each event loop its requests' outputs
-in one ``call_soon_threadsafe``. ``client.engine`` is a read-only view with the engine's limits, its last reported
-load and its request checks (what the server's handlers, ``/health`` and ``/metrics`` read).
+No thread of the front end stands between the engine and the event loop: the loop reads the engine's pipe itself
+(``add_reader`` on the loop the requests run on: every message waiting, as soon as the pipe is readable, each
+request's outputs put straight on its queue) and writes commands to the engine's pipe as the handlers make them. A
+reader thread would need the GIL the loop holds while it formats events, and wait up to the interpreter's switch
+interval (5 ms) for it per message: the engine's pipe would fill and the engine wait. ``client.engine`` is a
+read-only view with the engine's limits, its last reported load and its request checks (what the server's handlers,
+``/health`` and ``/metrics`` read).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,11 +25,26 @@ from typing import Any
 
 from mcore_infer.async_engine import Item, deliver, queue_batches
 from mcore_infer.engine import LLMEngine, RequestOutput
-from mcore_infer.engine_process._worker import EngineSpec, decode_error, run_engine
+from mcore_infer.engine_process._worker import (
+    EngineSpec,
+    FrameReader,
+    decode_error,
+    from_wire,
+    run_engine,
+    widen_pipe,
+)
 from mcore_infer.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailed
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["EngineClient"]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +103,11 @@ class EngineClient:
         self.model_name = ""
         self._proc: Any = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Item]]] = {}
-        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._exited = False
         self._accepting = True
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -106,6 +124,9 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
+        for conn in (self._cmd, self._out):
+            widen_pipe(conn)
+        self._frames = FrameReader(self._out)
         self._proc = ctx.Process(target=run_engine, args=(self.spec, cmd_r, out_w), name="mcore-infer-engine")
         self._proc.start()
         cmd_r.close()  # only the child holds these ends now: its exit shows as EOF here, ours as EOF there
@@ -118,26 +139,19 @@ class EngineClient:
             raise err(f"the engine process could not start: {msg[1]}")
         info = msg[1]
         self.engine, self.tokenizer, self.model_name = EngineView(info), info["tokenizer"], info["name"]
-        for target, name in ((self._read, "mcore-infer-engine-reader"), (self._write, "mcore-infer-engine-writer")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
         log.info("engine process %d ready (%s)", self._proc.pid, self.model_name)
         return self
 
     def _first_message(self) -> tuple[Any, ...]:
         deadline = time.monotonic() + self.start_timeout
-        while not self._out.poll(0.1):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
+        while True:
+            msg = self._frames.read_one(0.1)
+            if msg is not None:
+                return tuple(msg)
+            if self._frames.eof or not self._proc.is_alive() or time.monotonic() > deadline:
                 code = self._proc.exitcode
                 self._reap(True)
                 raise EngineDeadError(f"the engine process did not start (exit code {code})")
-        try:
-            msg: tuple[Any, ...] = self._out.recv()
-        except (EOFError, OSError) as e:
-            self._reap(True)
-            raise EngineDeadError(f"the engine process did not start (exit code {self._proc.exitcode})") from e
-        return msg
 
     def start(self) -> None:
         self.launch()
@@ -162,10 +176,12 @@ class EngineClient:
             time.sleep(0.01)
         self._stopping = True
         self._send(("stop",))
-        self._outbox.put(None)
+        with self._send_lock:
+            self._cmd.close()
         self._reap()
-        for t in self._threads:
-            t.join(timeout=5.0)
+        self._detach_reader()
+        if not self._exited:
+            self._on_exit()
         atexit.unregister(self._reap)
 
     def _reap(self, close_commands: bool = False) -> None:
@@ -174,7 +190,8 @@ class EngineClient:
         self._stopping = True
         proc = self._proc
         if close_commands:
-            self._cmd.close()
+            with self._send_lock:
+                self._cmd.close()
         proc.join(timeout=10.0)
         if proc.is_alive():
             log.warning("engine process %d did not stop; terminating it", proc.pid)
@@ -184,40 +201,49 @@ class EngineClient:
                 proc.kill()
                 proc.join()
 
-    # ------------------------------------------------------------------------------------------------ threads
+    # -------------------------------------------------------------------------------------------------- pipes
     def _send(self, cmd: tuple[Any, ...]) -> None:
-        self._outbox.put(cmd)
-
-    def _write(self) -> None:
-        while True:
-            cmds = [self._outbox.get()]
-            while True:
-                try:
-                    cmds.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            last = None in cmds
-            batch = [c for c in cmds if c is not None]
-            try:
-                if batch:
-                    self._cmd.send(batch)
-            except OSError:
-                return  # the engine process is gone; the reader reports it
-            if last:
-                self._cmd.close()
+        """Write one command to the engine (from any thread; the engine's pipe is wide, so this does not wait)."""
+        with self._send_lock:
+            if self._cmd.closed:
                 return
+            with contextlib.suppress(OSError):  # the engine process is gone; the reader reports it
+                self._cmd.send([cmd])
 
-    def _read(self) -> None:
+    def _attach_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's pipe on ``loop`` (the loop of the first request, again after that loop closed)."""
+        if self._reader_loop is loop or self._exited:
+            return
+        if self._reader_loop is not None and not self._reader_loop.is_closed():
+            return  # another live loop reads; this loop's requests get their outputs through call_soon_threadsafe
+        self._reader_loop = loop
+        loop.add_reader(self._out.fileno(), self._on_readable)
+
+    def _detach_reader(self) -> None:
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            if loop is _running_loop():
+                loop.remove_reader(self._out.fileno())
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, self._out.fileno())
+
+    def _on_readable(self) -> None:
+        """Every message waiting in the engine's pipe (called by the loop when it is readable)."""
         try:
-            while True:
-                msg = self._out.recv()
+            for msg in self._frames.read():
                 if msg[0] == "step":
                     self._on_step(*msg[1:])
-        except (EOFError, OSError):
-            pass
+            if self._frames.eof:
+                self._detach_reader()
+                self._on_exit()
+        except OSError:
+            self._detach_reader()
+            self._on_exit()
         except Exception:
-            log.exception("the engine process's reader failed")
-        finally:
+            log.exception("reading the engine process's output failed")
+            self._detach_reader()
             self._on_exit()
 
     def _on_step(self, outputs: list[RequestOutput], rejects: list[Any], added: int, stats: Any) -> None:
@@ -226,17 +252,25 @@ class EngineClient:
             self.engine.update(stats, added)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
         items: list[tuple[str, Item]] = [(rid, decode_error(rid, enc)) for rid, enc in rejects]
-        for out in outputs:
+        here = _running_loop()
+        for out in map(from_wire, outputs):
             items.append((out.request_id, out if out.error is None else RequestFailed(out.request_id, out.error)))
         for rid, item in items:
             entry = self._queues.get(rid)
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], item))
         for loop, batch in by_loop.items():
+            if loop is here:
+                deliver(batch)
+                continue
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there any more
                 loop.call_soon_threadsafe(deliver, batch)
 
     def _on_exit(self) -> None:
+        with self._lock:
+            if self._exited:
+                return
+            self._exited = True
         self._proc.join(timeout=2.0)
         code = self._proc.exitcode
         if not self._stopping:
@@ -266,7 +300,9 @@ class EngineClient:
         self.engine.check_request(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         q: asyncio.Queue[Item] = asyncio.Queue()
-        self._queues[rid] = (asyncio.get_running_loop(), q)
+        loop = asyncio.get_running_loop()
+        self._queues[rid] = (loop, q)
+        self._attach_reader(loop)
         finished = False
         try:
             if self._dead is not None:  # died between the check above and registering: nobody would tell us

@@ -1,21 +1,29 @@
 """The engine process: builds the LLM from an :class:`EngineSpec`, then steps its engine and answers over two pipes.
 
-Messages (pickled, each side sends lists or tuples of plain values):
+Messages (pickled, each side sends lists or tuples of plain values; engine -> front end in frames of
+:func:`send_frame`, read by :class:`FrameReader`):
 
 * front end -> engine, one list of commands per send: ``("add", request_id, prompt_ids, params, stream)``,
   ``("abort", request_id)``, ``("stop",)``.
 * engine -> front end: first ``("ready", info)`` (tokenizer, model name, limits) or ``("failed", message,
   user_error)``; then one ``("step", outputs, rejects, added, stats)`` per engine step that produced anything (every
-  request's new output of that step in one message), ``rejects`` the ``(request_id, error)`` of adds that the engine
-  refused (see :func:`encode_error`), ``added`` how many adds it took, ``stats`` its load (:func:`engine_stats`).
+  request's new output of that step in one message, each as :func:`to_wire` writes it), ``rejects`` the
+  ``(request_id, error)`` of adds that the engine refused (see :func:`encode_error`), ``added`` how many adds it took,
+  ``stats`` its load (:func:`engine_stats`).
 
-The loop ends at ``stop`` or when the front end's pipe closes (the front end exited or was killed): no orphan.
+The engine never waits for the front end: the pipes are made as large as the system allows (:func:`widen_pipe`, 1 MiB
+on Linux: hundreds of steps of output), and the front end reads them on its event loop as they fill. The loop ends at
+``stop`` or when the front end's pipe closes (the front end exited or was killed): no orphan.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import signal
+import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -31,7 +39,18 @@ from mcore_infer.errors import (
     RequestFailed,
 )
 
-__all__ = ["EngineSpec", "decode_error", "encode_error", "engine_stats", "run_engine"]
+__all__ = [
+    "EngineSpec",
+    "FrameReader",
+    "decode_error",
+    "encode_error",
+    "engine_stats",
+    "from_wire",
+    "run_engine",
+    "send_frame",
+    "to_wire",
+    "widen_pipe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +96,116 @@ def decode_error(request_id: str, enc: EncodedError) -> InferError:
     return RequestFailed(request_id, f"{kind}: {message}")
 
 
+# ---------------------------------------------------------------------------------------------- transport
+PIPE_BYTES = 1 << 20
+"""The pipe buffer :func:`widen_pipe` asks for (Linux's default ``/proc/sys/fs/pipe-max-size``)."""
+
+Wire = RequestOutput | tuple[str, list[int], str, int, int]
+
+
+def widen_pipe(conn: Connection, size: int = PIPE_BYTES) -> int:
+    """Grow the kernel buffer of the pipe under ``conn`` to ``size`` bytes where the system allows (Linux); its size
+    after (0 where it cannot be known)."""
+    try:
+        import fcntl
+
+        set_size, get_size = getattr(fcntl, "F_SETPIPE_SZ", 1031), getattr(fcntl, "F_GETPIPE_SZ", 1032)
+        try:
+            fcntl.fcntl(conn.fileno(), set_size, size)
+        except OSError:  # above pipe-max-size for this user: keep the default
+            log.debug("could not grow the pipe buffer to %d bytes", size)
+        return int(fcntl.fcntl(conn.fileno(), get_size))
+    except (ImportError, OSError, ValueError):
+        return 0
+
+
+_HEADER = struct.Struct("<Q")
+
+
+def send_frame(conn: Connection, msg: Any) -> None:
+    """Write ``msg`` pickled, behind its length (8 bytes, little-endian), to the pipe under ``conn`` (blocking)."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    fd = conn.fileno()
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class FrameReader:
+    """The messages of :func:`send_frame` from the read end of a pipe set non-blocking here: :meth:`read` takes
+    whatever the pipe holds and returns every whole message in it (an event loop calls it when the pipe is
+    readable); :meth:`read_one` blocks (with a poll timeout) for one message."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.fd = conn, conn.fileno()
+        os.set_blocking(self.fd, False)
+        self.buf = bytearray()
+        self.eof = False
+
+    def read(self) -> list[Any]:
+        """Every whole message now readable; sets ``eof`` once the writer has closed its end."""
+        while True:
+            try:
+                chunk = os.read(self.fd, PIPE_BYTES)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self.buf += chunk
+        msgs, pos, n = [], 0, len(self.buf)
+        while n - pos >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self.buf, pos)
+            if n - pos - _HEADER.size < size:
+                break
+            start = pos + _HEADER.size
+            msgs.append(pickle.loads(self.buf[start : start + size]))
+            pos = start + size
+        del self.buf[:pos]
+        return msgs
+
+    def read_one(self, timeout: float) -> Any | None:
+        """The next message, waiting up to ``timeout`` s for it (None if none came; ``eof`` tells a closed pipe)."""
+        deadline = time.monotonic() + timeout
+        pending: list[Any] = []
+        while not pending and not self.eof:
+            pending = self.read()
+            if pending or self.eof:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.conn.poll(min(left, 0.1))
+        if len(pending) > 1:
+            raise RuntimeError("read_one: more than one message arrived")  # only the first message is read so
+        return pending[0] if pending else None
+
+
+def to_wire(out: RequestOutput) -> Wire:
+    """An output as it crosses the pipe: the usual streamed delta (new tokens and text, nothing else set) as a plain
+    tuple ``(request_id, new_token_ids, new_text, num_prompt_tokens, num_output_tokens)``, five times cheaper to
+    pickle than the dataclass; any other output whole."""
+    if (
+        out.finished
+        or out.finish_reason is not None
+        or out.new_logprobs is not None
+        or out.prompt_logprobs is not None
+        or out.error is not None
+        or out.stop_reason is not None
+        or out.metrics
+    ):
+        return out
+    return out.request_id, out.new_token_ids, out.new_text, out.num_prompt_tokens, out.num_output_tokens
+
+
+def from_wire(w: Wire) -> RequestOutput:
+    """The output :func:`to_wire` sent."""
+    if isinstance(w, RequestOutput):
+        return w
+    rid, ids, text, n_prompt, n_out = w
+    return RequestOutput(rid, ids, text, None, None, False, num_prompt_tokens=n_prompt, num_output_tokens=n_out)
+
+
 # -------------------------------------------------------------------------------------------------- loop
 def engine_stats(engine: LLMEngine) -> tuple[int, int, int, int, int]:
     """``(running, waiting, kv_blocks_free, steps, aborted)``."""
@@ -116,9 +245,9 @@ def run_engine(spec: EngineSpec, commands: Connection, outputs: Connection) -> N
         info = _info(llm)
     except Exception as e:
         log.exception("the engine process could not build its engine")
-        outputs.send(("failed", f"{type(e).__name__}: {e}", _is_user_error(e)))
+        send_frame(outputs, ("failed", f"{type(e).__name__}: {e}", _is_user_error(e)))
         return
-    outputs.send(("ready", info))
+    send_frame(outputs, ("ready", info))
     try:
         _loop(llm.engine, commands, outputs)
     finally:
@@ -163,16 +292,31 @@ def _step(engine: LLMEngine) -> list[RequestOutput]:
 
 def _loop(engine: LLMEngine, commands: Connection, outputs: Connection) -> None:
     stats = engine_stats(engine)
-    while True:
-        rejects, added, stop = _take_commands(engine, commands, 0 if engine.has_work() else None)
-        if stop:
-            return
-        outs = _step(engine) if engine.has_work() else []
-        now = engine_stats(engine)
-        if outs or rejects or added or now != stats:
-            try:
-                outputs.send(("step", outs, rejects, added, now))
-            except (BrokenPipeError, OSError):
-                log.warning("the front end is gone; stopping")
+    clock = time.perf_counter
+    spent = {"commands": 0.0, "step": 0.0, "send": 0.0}
+    steps = 0
+    try:
+        while True:
+            t0 = clock()
+            rejects, added, stop = _take_commands(engine, commands, 0 if engine.has_work() else None)
+            t1 = clock()
+            if stop:
                 return
-            stats = now
+            outs = _step(engine) if engine.has_work() else []
+            t2 = clock()
+            now = engine_stats(engine)
+            if outs or rejects or added or now != stats:
+                try:
+                    send_frame(outputs, ("step", [to_wire(o) for o in outs], rejects, added, now))
+                except (BrokenPipeError, OSError):
+                    log.warning("the front end is gone; stopping")
+                    return
+                stats = now
+            steps += bool(outs)
+            if engine.has_work() or outs:  # (time blocked waiting for a first command is not counted)
+                spent["commands"] += t1 - t0
+            spent["step"] += t2 - t1
+            spent["send"] += clock() - t2
+    finally:
+        log.info("engine loop: %d steps with output; seconds in commands %.3f, steps %.3f, sending %.3f", steps,
+                 spent["commands"], spent["step"], spent["send"])  # fmt: skip
