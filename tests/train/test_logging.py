@@ -104,4 +104,4 @@ def test_end_of_run_sample_is_logged(caplog: pytest.LogCaptureFixture) -> None:
         result = pretrain(config("training.train_iters=2", "training.generate_at_end=8"))
     assert result.generated is not None and result.generated.startswith("def ")
     text = caplog.text
-    assert "sample (temperature 0.7, seed 1234, repetition penalty 1.2; " in text and "tokens after 'def '" in text
+    assert "sample (temperature 0.5, seed 1234, repetition penalty 1.2; " in text and "tokens after 'def '" in text

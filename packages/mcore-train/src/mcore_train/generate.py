@@ -37,7 +37,7 @@ class Sampling:
         return kind if self.repetition_penalty == 1.0 else f"{kind}, repetition penalty {self.repetition_penalty:g}"
 
 
-END_OF_RUN_SAMPLING = Sampling(temperature=0.7, repetition_penalty=1.2)
+END_OF_RUN_SAMPLING = Sampling(temperature=0.5, repetition_penalty=1.2)
 """What ``training.generate_at_end`` samples with (seeded with ``training.seed``): greedy decoding of a small model
 falls into loops (``def test_context_context_...``); a moderate temperature with a repetition penalty shows what the
 model has learned of the data's shape."""
