@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
+import importlib.metadata
 import os
 import re
 import shlex
@@ -107,15 +109,18 @@ def _torch_base(session: nox.Session) -> str:
     python = TORCH_BASE / "bin" / "python"
     stamp = TORCH_BASE / "mcore-torch-stamp.txt"
     wanted = f"{sys.version}\n{CONSTRAINTS.read_text()}"
-    if not _torch_base_ready and not (python.exists() and stamp.exists() and stamp.read_text() == wanted):
-        shutil.rmtree(TORCH_BASE, ignore_errors=True)
-        session.log(
-            f"installing {_torch_pin()} into {TORCH_BASE.relative_to(ROOT)} once, for every session "
-            "(a ~200 MB wheel, ~1 GB unpacked; a minute or two)"
-        )
-        session.run_install(sys.executable, "-m", "venv", str(TORCH_BASE), external=True)
-        session.run_install(str(python), "-m", "pip", "install", "-c", str(CONSTRAINTS), "torch", external=True)
-        stamp.write_text(wanted)
+    TORCH_BASE.parent.mkdir(parents=True, exist_ok=True)
+    with open(TORCH_BASE.parent / "_torch.lock", "w") as lock:  # two nox runs at once: one installs, one waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _torch_base_ready and not (python.exists() and stamp.exists() and stamp.read_text() == wanted):
+            shutil.rmtree(TORCH_BASE, ignore_errors=True)
+            session.log(
+                f"installing {_torch_pin()} into {TORCH_BASE.relative_to(ROOT)} once, for every session "
+                "(a ~200 MB wheel, ~1 GB unpacked; a minute or two)"
+            )
+            session.run_install(sys.executable, "-m", "venv", str(TORCH_BASE), external=True)
+            session.run_install(str(python), "-m", "pip", "install", "-c", str(CONSTRAINTS), "torch", external=True)
+            stamp.write_text(wanted)
     if not _torch_base_ready and _discard_venvs():
         atexit.register(shutil.rmtree, TORCH_BASE, ignore_errors=True)
     _torch_base_ready = True
@@ -127,8 +132,19 @@ def _share_torch(session: nox.Session) -> None:
     if session.virtualenv.venv_backend == "none":  # nox --no-venv: use the interpreter's own torch
         return
     base = _torch_base(session)
-    venv_python = Path(session.virtualenv.bin) / "python"
-    Path(_purelib(venv_python), "_mcore_shared_torch.pth").write_text(base + "\n")
+    bin_dir = Path(session.virtualenv.bin)
+    Path(_purelib(bin_dir / "python"), "_mcore_shared_torch.pth").write_text(base + "\n")
+    # the console scripts of the shared packages (torchrun, ...), run by this venv's python
+    for dist in importlib.metadata.distributions(path=[base]):
+        for ep in dist.entry_points.select(group="console_scripts"):
+            module, _, attr = ep.value.partition(":")
+            script = bin_dir / ep.name
+            if not script.exists():
+                script.write_text(
+                    f"#!{bin_dir / 'python'}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
+                    f"sys.exit({attr}())\n"
+                )
+                script.chmod(0o755)
 
 
 def _install(

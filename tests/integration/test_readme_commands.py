@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,7 @@ def _workdir(doc: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_block(block: Block, cwd: Path, timeout: float = BLOCK_TIMEOUT_S) -> tuple[int, str]:
     """Run a block with bash in its own process group; afterwards kill whatever it left running (a server)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a user's shell
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv, as if activated
     log = cwd / f".block-{block.line}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.text], cwd=cwd, env=env, stdout=out,
