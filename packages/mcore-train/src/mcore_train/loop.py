@@ -206,7 +206,7 @@ class _Bookkeeping:
             self.result.logged_loss = (self.window_first, step.step, record["loss"])
             self.window_first = step.step + 1
             first, t0 = self.eta_origin
-            if step.step > first:
+            if first < step.step < self.run.train_iters:
                 record["eta_s"] = (now - t0) / (step.step - first) * (self.run.train_iters - step.step)
             if self.is_logger:
                 self.writer.write(step.step, record)
