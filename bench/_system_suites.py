@@ -12,11 +12,12 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
     out = ctx.path("serve.json")
     conc, hf_batches = ("1,64", "1,64") if ctx.quick else ("1,8,32,64,256", "1,8,32,64")
     http = ctx.dry_run or ctx.importable("fastapi", "uvicorn", "httpx")
-    step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--lookahead", "--concurrency", conc,
-                    "--http-concurrency", "64" if http else "0", "--hf", "--hf-batches", hf_batches,
-                    "--hf-deadline", "140", "--out", out], timeout=720, out=out)  # fmt: skip
+    step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--lookahead", "--concurrency", conc, "--engine-stream",
+                    "--http-concurrency", "1,64,256" if http else "", "--http-paths", "process,inprocess", "--hf",
+                    "--hf-batches", hf_batches, "--hf-deadline", "140", "--out", out], timeout=720, out=out)  # fmt: skip
     d = step.data or {}
     hf = {r.get("batch"): r for r in d.get("hf_static_compile", []) if isinstance(r, dict)}
+    streamed = {r.get("concurrency"): r for r in d.get("engine_stream", [])}
     rows = []
     for c in (int(x) for x in conc.split(",")):
         r = next((e for e in d.get("engine", []) if e.get("concurrency") == c), {})
@@ -24,37 +25,47 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
         tok_s, hf_tok_s = r.get("output_tok_s"), h.get("output_tok_s")
         rows.append(ctx.row(step, measured=bool(r), concurrency=c, tok_s=tok_s, ttft_p50=r.get("ttft_ms_p50"),
                             ttft_p99=r.get("ttft_ms_p99"), tpot_p50=r.get("tpot_ms_p50"), tpot_p99=r.get("tpot_ms_p99"),
-                            hf_tok_s=hf_tok_s, hf_ms=h.get("ms_per_token"),
+                            stream_tok_s=streamed.get(c, {}).get("output_tok_s"), hf_tok_s=hf_tok_s,
+                            hf_ms=h.get("ms_per_token"),
                             vs_hf=tok_s / hf_tok_s if tok_s and hf_tok_s else None))  # fmt: skip
     cols = [("concurrency", "concurrent requests", "d"), ("tok_s", "output tok/s", ",.0f"),
             ("ttft_p50", "TTFT p50 ms", ".1f"), ("ttft_p99", "TTFT p99 ms", ".1f"),
             ("tpot_p50", "per-token p50 ms", ".3f"), ("tpot_p99", "per-token p99 ms", ".3f"),
-            ("hf_tok_s", "HF generate tok/s", ",.0f"), ("hf_ms", "HF ms/token", ".2f"), ("vs_hf", "vs HF", ".1f")]  # fmt: skip
+            ("stream_tok_s", "streamed tok/s", ",.0f"), ("hf_tok_s", "HF generate tok/s", ",.0f"),
+            ("hf_ms", "HF ms/token", ".2f"), ("vs_hf", "vs HF", ".1f")]  # fmt: skip
     notes = ["llama-1b, random weights, bf16, prompt 128 + 128 output tokens, greedy; the engine's GPU defaults "
              "(compiled layers, CUDA graphs, lookahead, the one-row decode kernels); median of 3 runs",
+             "streamed: every request streamed, its text left to the caller (as the engine process runs it)",
              "HF: transformers generate() with a static cache and torch.compile, same model shape, same call"]  # fmt: skip
     if d.get("decode_plan"):
         on = [k for k, v in d["decode_plan"].items() if v is True]
         notes.append(f"decode plan (--decode-kernels auto) resolved to: {', '.join(on)}")
-    elif d.get("row_kernels"):
-        notes.append(f"row kernels resolved to {d['row_kernels']}")
     tables = [table("the engine (mcore-infer), one GPU", cols, rows, notes)]
-    engine64 = next((e.get("output_tok_s") for e in d.get("engine", []) if e.get("concurrency") == 64), None)
+    engine = {e.get("concurrency"): e for e in d.get("engine", [])}
     http_rows = []
-    for key, label in (("http_cold", "first run against a fresh server"), ("http", "the run after it")):
-        r = d.get(key) or {}
-        http_rows.append(ctx.row(step, measured="output_tok_s" in r, name=label, tok_s=r.get("output_tok_s"),
-                                 ttft_p50=r.get("ttft_ms_p50"), tpot_p50=r.get("tpot_ms_p50"), engine=engine64))  # fmt: skip
-        if r.get("error"):
-            http_rows[-1]["error"] = r["error"]
-    http_notes = ["streaming /v1/completions through uvicorn in the engine's process, 64 clients in another process"]
+    for key, label in (("http_process", "engine process (default)"), ("http_inprocess", "engine in the server")):
+        part = d.get(key) or {}
+        for r in part.get("rows", []) or [{}]:
+            e = engine.get(r.get("concurrency"), {})
+            ratio = r["output_tok_s"] / e["output_tok_s"] if r.get("output_tok_s") and e.get("output_tok_s") else None
+            ttft = r["ttft_ms_p50"] / e["ttft_ms_p50"] if r.get("ttft_ms_p50") and e.get("ttft_ms_p50") else None
+            http_rows.append(ctx.row(step, measured="output_tok_s" in r, name=label, concurrency=r.get("concurrency"),
+                                     tok_s=r.get("output_tok_s"), ttft_p50=r.get("ttft_ms_p50"),
+                                     tpot_p50=r.get("tpot_ms_p50"), events=r.get("events_per_request"),
+                                     engine=e.get("output_tok_s"), ratio=ratio, ttft_ratio=ttft))  # fmt: skip
+            if part.get("error"):
+                http_rows[-1]["error"] = part["error"]
+    http_notes = ["streaming /v1/completions; the clients in 8 other processes; median of 3 runs after one more",
+                  "engine process: mcore-infer serve's layout (the engine in a process of its own, uvicorn and the "
+                  "detokenization in the front end); engine in the server: uvicorn in the engine's process"]  # fmt: skip
     if not http:
         http_notes.append("not run: fastapi, uvicorn or httpx is not importable (pip install 'mcore-infer[server]' "
                           "httpx, or carry their wheels: --wheels DIR)")  # fmt: skip
-    tables.append(table("through the HTTP server, concurrency 64", [
-        ("name", "run", ""), ("tok_s", "output tok/s", ",.0f"), ("ttft_p50", "TTFT p50 ms", ".0f"),
-        ("tpot_p50", "per-token p50 ms", ".2f"), ("engine", "engine alone, same call", ",.0f")], http_rows,
-        http_notes))  # fmt: skip
+    tables.append(table("through the HTTP server", [
+        ("name", "layout", ""), ("concurrency", "concurrent requests", "d"), ("tok_s", "output tok/s", ",.0f"),
+        ("ttft_p50", "TTFT p50 ms", ".1f"), ("tpot_p50", "per-token p50 ms", ".3f"),
+        ("events", "events per request", ".0f"), ("engine", "engine alone, same call", ",.0f"),
+        ("ratio", "vs engine", ".3f"), ("ttft_ratio", "TTFT vs engine", ".2f")], http_rows, http_notes))  # fmt: skip
     out = ctx.path("host.json")
     step = ctx.run([PY, "bench/engine_host_bench.py", "--requests", "64", "--out", out], timeout=300, out=out)
     host = [
@@ -225,7 +236,8 @@ def gpu_tests(ctx: Context) -> list[dict[str, Any]]:
 
 
 SYSTEM_SUITES = [
-    Suite("serve", "llama-1b serving on one GPU: the engine at 1 to 256 concurrent requests, the HTTP server at 64, "
+    Suite("serve", "llama-1b serving on one GPU: the engine at 1 to 256 concurrent requests, the HTTP server at 1, 64 "
+          "and 256 in both process layouts, "
           "the engine's host time per step", "Hugging Face generate() with a static cache and torch.compile, same "
           "call", 7, 1, serve),
     Suite("kernels", "attention backends, decode GEMVs, SwiGLU GEMM epilogues, the QKV/RoPE kernel, the matmul rate "

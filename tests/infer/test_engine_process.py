@@ -211,3 +211,13 @@ def test_cli_refuses_engine_process_with_tp(capsys: pytest.CaptureFixture[str]) 
 
     assert main(["serve", "--checkpoint", "nowhere", "--tp", "2", "--engine-process"]) == 2
     assert "--engine-process supports --tp 1 only" in capsys.readouterr().err
+
+
+def test_cli_serves_from_an_engine_process_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve`` at --tp 1 builds its engine in an engine process: a bad checkpoint is reported from there as a user
+    error (exit code 2, one line), not as a traceback."""
+    from mcore_infer.cli import main
+
+    assert main(["serve", "--checkpoint", "/nonexistent/run", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "the engine process could not start" in err and "/nonexistent/run" in err and "Traceback" not in err

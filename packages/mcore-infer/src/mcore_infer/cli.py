@@ -18,6 +18,8 @@ from mcore_infer.sampling import SamplingParams
 
 __all__ = ["main"]
 
+log = logging.getLogger(__name__)
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="mcore checkpoint (or run directory with a 'latest')")
@@ -117,10 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get at exit")
-    s.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process and the HTTP front end in this one (opt-in, --tp 1 only; "
-                   "the default stays in-process until it is measured on a GPU). If the engine process dies, the "
-                   "front end answers 503 (also on /health) until it is restarted")  # fmt: skip
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in its own process and the HTTP front end (with the detokenization of "
+                   "streams) in this one: the default with --tp 1, where it is measured faster (docs/infer.md); "
+                   "--no-engine-process serves from the engine's process, as --tp > 1 does. If the engine process "
+                   "dies, the front end answers 503 (also on /health) until it is restarted")  # fmt: skip
     g = sub.add_parser("generate", help="complete prompts and print the results")
     _engine_args(g)
     g.add_argument("prompts", nargs="+")
@@ -135,8 +138,14 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from mcore_infer.api import LLM
 
-    if args.command == "serve" and args.engine_process:
-        return _serve_engine_process(args)
+    if args.command == "serve":
+        if args.engine_process is None:
+            args.engine_process = args.tp == 1
+            log.info("serving with the engine %s (--%sengine-process to change)",
+                     "in its own process" if args.engine_process else "in the server's process",
+                     "no-" if args.engine_process else "")  # fmt: skip
+        if args.engine_process:
+            return _serve_engine_process(args)
     llm = _build_llm(args, getattr(args, "model_name", None))
     assert isinstance(llm, LLM)
     if not llm.is_driver:
@@ -164,7 +173,10 @@ def _serve_engine_process(args: argparse.Namespace) -> int:
     from mcore_infer.server import build_app, serve
 
     if args.tp != 1:
-        raise InvalidRequestError("--engine-process supports --tp 1 only for now; drop one of the two")
+        raise InvalidRequestError(
+            "--engine-process supports --tp 1 only; with --tp > 1 the engine serves from its "
+            "own process (drop --engine-process)"
+        )
     client = EngineClient(EngineSpec(_build_llm, (args, args.model_name))).launch()
     try:
         app = build_app(client, client.tokenizer, client.model_name, args.shutdown_timeout)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mcore_infer.detokenizer import detokenize_step
 from mcore_infer.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from mcore_infer.kv_cache import blocks_for
 from mcore_infer.runner import ModelRunner
@@ -140,15 +141,24 @@ class LLMEngine:
         return max_tokens
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = False,
+        detokenize: bool = True,
     ) -> str:
-        """Queue a request (thread-safe). Raises on bad requests and when the queue is full."""
+        """Queue a request (thread-safe). Raises on bad requests and when the queue is full. ``detokenize=False``
+        (a streamed request without stop strings): its outputs carry token ids and no text, for a caller that
+        detokenizes them itself (:class:`~mcore_infer.detokenizer.IncrementalText`, as the engine process's front
+        end does)."""
         max_tokens = self.check_request(prompt_ids, params)
         if self._pending + len(self.scheduler.waiting) >= self.max_queue:
             raise OverloadedError(f"{self.max_queue} requests are already waiting; try again later")
         rid = request_id or self.new_request_id()
         gen = self.sampler.request_generator(params.seed) if params.seed is not None else None
-        seq = Sequence(rid, list(prompt_ids), params, max_tokens, stream=stream, generator=gen)
+        seq = Sequence(rid, list(prompt_ids), params, max_tokens, stream=stream, generator=gen,
+                       detokenize=detokenize or not stream or bool(params.stop))  # fmt: skip
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs = [None] * len(prompt_ids)
             seq.prompt_top_logprobs = [None] * len(prompt_ids)
@@ -394,24 +404,17 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason, text_tokens = "stop", tok, n - 1
         elif n >= seq.max_tokens:
             seq.finish_reason = "length"
-        if seq.stream or p.stop:
+        if (seq.stream and seq.detokenize) or p.stop:
             self._detokenize(seq, text_tokens)
             if p.stop:
                 self._check_stop_strings(seq)
 
     def _detokenize(self, seq: Sequence, upto: int) -> None:
         ids = seq.output_ids[:upto] if upto < len(seq.output_ids) else seq.output_ids
-        if seq.read_offset >= len(ids):
-            return
-        dec = self.tokenizer.decode
-        before = dec(ids[seq.prefix_offset : seq.read_offset])
-        after = dec(ids[seq.prefix_offset :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            seq.text += after[len(before) :]
-            seq.prefix_offset, seq.read_offset = max(seq.read_offset - 4, 0), len(ids)
-        elif seq.finished:
-            seq.text += after[len(before) :]
-            seq.read_offset = len(ids)
+        new, seq.prefix_offset, seq.read_offset = detokenize_step(
+            self.tokenizer.decode, ids, seq.prefix_offset, seq.read_offset, seq.finished
+        )
+        seq.text += new
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         longest = max(len(s) for s in seq.params.stop)
@@ -449,7 +452,7 @@ class LLMEngine:
             out.prompt_logprobs, out.prompt_top_logprobs = seq.prompt_logprobs, seq.prompt_top_logprobs
         seq.emitted_tokens, seq.emitted_chars = len(seq.output_ids), visible
         if seq.finished:
-            if not (seq.stream or seq.params.stop):
+            if seq.detokenize and not (seq.stream or seq.params.stop):
                 n = len(seq.output_ids) - (1 if seq.finish_reason == "stop" and seq.stop_reason is None else 0)
                 if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
                     n = len(seq.output_ids) - 1

@@ -51,6 +51,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    detokenize: bool = True
+    """False: a streamed request whose caller detokenizes its tokens (no stop strings): its text stays empty."""
     # incremental detokenization
     text: str = ""
     prefix_offset: int = 0

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mcore_infer.async_engine import Item, deliver, queue_batches
+from mcore_infer.detokenizer import IncrementalText, text_tokens
 from mcore_infer.engine import LLMEngine, RequestOutput
 from mcore_infer.engine_process._worker import (
     EngineSpec,
@@ -266,6 +267,22 @@ class EngineClient:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there any more
                 loop.call_soon_threadsafe(deliver, batch)
 
+    @staticmethod
+    def _fill_text(text: IncrementalText, outs: list[RequestOutput]) -> None:
+        """The text of outputs whose engine made none, detokenized once for the batch the caller takes (a caller
+        that fell behind takes several steps' outputs at once): the last output carries what all their new tokens
+        add (and, when finished, the whole text)."""
+        last = outs[-1]
+        ids = [t for o in outs for t in o.new_token_ids] if len(outs) > 1 else last.new_token_ids
+        if last.finished:
+            n_text = text_tokens(last.num_output_tokens, last.finish_reason, last.stop_reason)
+            ids = ids[: max(0, n_text - len(text.ids))]
+        for o in outs[:-1]:
+            o.new_text = ""
+        last.new_text = text.add(ids, final=last.finished)
+        if last.finished:
+            last.text = text.text
+
     def _on_exit(self) -> None:
         with self._lock:
             if self._exited:
@@ -309,9 +326,12 @@ class EngineClient:
                 raise self._dead
             with self._lock:
                 self.engine.unacked += 1
-            self._send(("add", rid, list(prompt_ids), params, stream))
+            text = IncrementalText(self.tokenizer.decode) if stream and not params.stop else None  # stop strings
+            self._send(("add", rid, list(prompt_ids), params, stream, text is None))  # need the engine's text
             async with contextlib.aclosing(queue_batches(q)) as batches:
                 async for outs in batches:
+                    if text is not None:
+                        self._fill_text(text, outs)
                     finished = any(o.finished for o in outs)
                     yield outs
         except Exception:

@@ -3,7 +3,8 @@
 Messages (pickled, each side sends lists or tuples of plain values; engine -> front end in frames of
 :func:`send_frame`, read by :class:`FrameReader`):
 
-* front end -> engine, one list of commands per send: ``("add", request_id, prompt_ids, params, stream)``,
+* front end -> engine, one list of commands per send: ``("add", request_id, prompt_ids, params, stream,
+  detokenize)`` (``detokenize=False``: the front end makes the text of this streamed request itself),
   ``("abort", request_id)``, ``("stop",)``.
 * engine -> front end: first ``("ready", info)`` (tokenizer, model name, limits) or ``("failed", message,
   user_error)``; then one ``("step", outputs, rejects, added, stats)`` per engine step that produced anything (every
@@ -244,8 +245,10 @@ def run_engine(spec: EngineSpec, commands: Connection, outputs: Connection) -> N
         llm = spec.factory(*spec.args, **spec.kwargs)
         info = _info(llm)
     except Exception as e:
-        log.exception("the engine process could not build its engine")
-        send_frame(outputs, ("failed", f"{type(e).__name__}: {e}", _is_user_error(e)))
+        user = _is_user_error(e)
+        if not user:  # a user's mistake is reported by the front end in one line; anything else with its trace
+            log.exception("the engine process could not build its engine")
+        send_frame(outputs, ("failed", str(e) if user else f"{type(e).__name__}: {e}", user))
         return
     send_frame(outputs, ("ready", info))
     try:
@@ -265,9 +268,9 @@ def _take_commands(engine: LLMEngine, commands: Connection, wait: float | None) 
         while ready:
             for cmd in commands.recv():
                 if cmd[0] == "add":
-                    _, rid, ids, params, stream = cmd
+                    _, rid, ids, params, stream, detokenize = cmd
                     try:
-                        engine.add_request(ids, params, request_id=rid, stream=stream)
+                        engine.add_request(ids, params, request_id=rid, stream=stream, detokenize=detokenize)
                     except Exception as e:
                         rejects.append((rid, encode_error(e)))
                     added += 1

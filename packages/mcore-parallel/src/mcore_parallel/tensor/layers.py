@@ -22,7 +22,6 @@ from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.init import InitMethod, init_sharded_, normal_init
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
-    fuses_wgrad,
     gather_from_tp_region,
     linear,
     reduce_from_tp_region,
@@ -31,6 +30,7 @@ from mcore_parallel.tensor.mappings import (
     sequence_parallel_linear,
     sequence_parallel_row_linear,
 )
+from mcore_parallel.tensor.wgrad import fuses_wgrad
 
 __all__ = [
     "ColumnParallelLinear",
