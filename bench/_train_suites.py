@@ -52,7 +52,7 @@ def train_1gpu(ctx: Context) -> list[dict[str, Any]]:
         step = ctx.run([PY, "bench/train_step_bench.py", "--reference", "hf", "--micro-batch", "4", *flags, *short,
                         "--json", out], timeout=400, out=out)  # fmt: skip
         hf[label] = (step, (step.data or {"results": [{}]})["results"][0] | {"env": (step.data or {}).get("env", {})})
-    cases = ["llama-1b/best", "llama-1b/best-mb4", "llama-1b/defaults-mb4"]
+    cases = ["llama-1b/best", "llama-1b/best-mb4", "llama-1b/eager-mb4"]
     step, results = run_cases(ctx, cases, case_timeout=240)
     anchor = hf["compiled"][1].get("tokens_per_s")
     rows = []
