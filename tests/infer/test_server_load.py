@@ -172,3 +172,89 @@ def test_64_streaming_clients_a_third_hanging_up(srv: LoadServer) -> None:
     assert srv.llm.engine.scheduler.num_preemptions > preemptions0
     assert m["mcore_infer_requests_aborted_total"] > aborted0
     assert srv.fixed_text() == before
+
+
+def build_load_llm() -> Any:
+    """The engine process's LLM: the same tiny model and small cache as ``LoadServer``'s (module level: ``spawn``
+    pickles it by reference)."""
+    from tests.infer._tiny import tiny_llm, tiny_model
+
+    llm = tiny_llm(tiny_model(max_position_embeddings=256), **CFG)
+    llm.name = "tiny"
+    return llm
+
+
+class ProcessLoadServer:
+    """The same load against ``serve``'s default layout: the engine in its own process (``EngineClient``), the
+    front end detokenizing the streams; what the engine holds is read through ``/metrics``."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from mcore_infer import LLM, EngineConfig
+        from mcore_infer.engine_process import EngineClient, EngineSpec
+        from mcore_infer.server import build_app, server_config
+        from tests.infer._tiny import tiny_model
+
+        self.reference = LLM(model=tiny_model(max_position_embeddings=256), config=EngineConfig(**CFG))
+        self.client = EngineClient(EngineSpec(build_load_llm)).launch()
+        app = build_app(self.client, self.client.tokenizer, "tiny", shutdown_timeout=2.0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", port, "critical"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    fixed_text = LoadServer.fixed_text
+
+    def metrics(self) -> dict[str, float]:
+        return parse_prometheus(self.http.get("/metrics").text)
+
+    def idle(self, timeout: float = 10.0) -> bool:
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            m = self.metrics()
+            if m["mcore_infer_kv_blocks_used"] == 0 and m["mcore_infer_requests_running"] == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+def test_64_streaming_clients_through_the_engine_process() -> None:
+    """The load above against the engine process: every client that stays gets the reference text (made by the
+    front end for the completions streams, by the engine for the chat streams with their stop strings), hung-up
+    streams are aborted in the engine process, and afterwards no KV block is held there."""
+    srv = ProcessLoadServer()
+    try:
+        before = srv.fixed_text()
+        clients = make_clients(srv)  # type: ignore[arg-type]
+        aborted0 = srv.metrics()["mcore_infer_requests_aborted_total"]
+        asyncio.run(asyncio.wait_for(run_all(srv, clients), timeout=120))  # type: ignore[arg-type]
+        assert all(c.status == 200 for c in clients), [(c.status, c.events) for c in clients if c.status != 200]
+        stayed = [c for c in clients if c.hang_up_after is None]
+        for c in stayed:
+            check_stream(c)
+        assert srv.idle(), "KV blocks still used in the engine process after the load"
+        m = srv.metrics()
+        assert m["mcore_infer_requests_waiting"] == 0 and m["mcore_infer_healthy"] == 1
+        assert m["mcore_infer_kv_blocks_free"] == m["mcore_infer_kv_blocks_total"]
+        assert m["mcore_infer_requests_aborted_total"] > aborted0
+        assert srv.fixed_text() == before
+    finally:
+        srv.close()
