@@ -189,11 +189,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-concurrency", default="1,64,256", help="through HTTP (empty: no HTTP runs)")
     ap.add_argument("--http-paths", default="inprocess,process",
                     help="inprocess: uvicorn in the engine's process; process: the engine in its own process "
-                    "(serve --engine-process); process-h11: the same with uvicorn's h11/asyncio fallback")  # fmt: skip
+                    "(serve --engine-process); process-h11: the same with uvicorn's h11/asyncio fallback; workers: "
+                    "--api-workers front-end processes over one engine process (serve --api-workers N)")  # fmt: skip
     ap.add_argument("--http-repeats", type=int, default=3, help="HTTP runs per concurrency; the median is reported")
     ap.add_argument("--client-processes", type=int, default=8, help="processes the HTTP clients are spread over")
     ap.add_argument("--engine-process-timeout", type=float, default=600.0)
     ap.add_argument("--engine-process-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workers-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--api-workers", type=int, default=4, help="front-end processes of the 'workers' HTTP path")
     ap.add_argument("--engine-stream", action="store_true", help="also the engine with every request streamed")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="sample the engine and front-end processes with py-spy during the HTTP runs at 64 (raw "
@@ -330,6 +333,57 @@ def engine_process_only(args: argparse.Namespace) -> None:
         json.dump(out, f, indent=1)
 
 
+def _serve_workers_main(args: argparse.Namespace, port: int) -> None:
+    from mcore_infer.engine_process import EngineSpec, serve_workers
+
+    serve_workers(EngineSpec(warm_llm, (args,)), args.api_workers, "127.0.0.1", port, shutdown_timeout=5.0)
+
+
+def workers_only(args: argparse.Namespace) -> None:
+    """``--workers-only OUT``: ``mcore-infer serve --api-workers N``'s layout (``serve_workers`` in a child process:
+    the engine process and N front-end processes on one socket), measured at each ``--http-concurrency``."""
+    import multiprocessing as mp
+    import signal
+
+    from _serve_http import free_port
+
+    from mcore_infer.engine_process import wait_until_serving
+
+    out: dict[str, Any] = {"front_end": front_end_info(), "api_workers": args.api_workers}
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_serve_workers_main, args=(args, port))
+    proc.start()
+    try:
+        t0 = time.perf_counter()
+        wait_until_serving(f"http://127.0.0.1:{port}/health", timeout=args.engine_process_timeout)
+        out["engine_ready_s"] = time.perf_counter() - t0
+        out["rows"] = http_levels(port, args, args.http_concurrency)
+    except Exception as e:
+        out["error"] = repr(e)
+        print("workers http failed:", repr(e), flush=True)
+    finally:
+        if proc.pid is not None and proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    with open(args.workers_only, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def http_workers(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """``results["http_workers"]``: :func:`workers_only` in a subprocess (before this process builds its engine)."""
+    path = f"{args.out}.http_workers.json"
+    try:
+        cmd = [sys.executable, __file__, "--workers-only", path, *sys.argv[1:]]
+        subprocess.run(cmd, check=False, timeout=args.engine_process_timeout + 300, env=os.environ.copy())
+        with open(path) as f:
+            results["http_workers"] = json.load(f)
+    except Exception as e:
+        results["http_workers"] = {"error": repr(e)}
+    _dump(results, args.out)
+
+
 def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain: bool) -> None:
     """The engine-process layout in a subprocess (before this process builds its engine: the GPU memory is the
     other engine's then), into ``results["http_process"]`` (``"http_process_h11"`` with ``plain``)."""
@@ -382,12 +436,17 @@ def main() -> None:
     if args.engine_process_only:
         engine_process_only(args)
         return
+    if args.workers_only:
+        workers_only(args)
+        return
     paths = [p for p in args.http_paths.split(",") if p] if args.http_concurrency else []
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: dict[str, Any] = {"device": dev, "torch": torch.__version__, "engine": []}
     for plain in (False, True):
         if ("process-h11" if plain else "process") in paths:
             http_engine_process(args, results, plain)
+    if "workers" in paths:
+        http_workers(args, results)
     llm = build_llm(args)
     plan = llm.runner.plan  # what --decode-kernels resolved to on this device and model
     results["decode_plan"] = plan.to_dict()

@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                    "streams) in this one: the default with --tp 1, where it is measured faster (docs/infer.md); "
                    "--no-engine-process serves from the engine's process, as --tp > 1 does. If the engine process "
                    "dies, the front end answers 503 (also on /health) until it is restarted")  # fmt: skip
+    s.add_argument("--api-workers", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes over the one engine process, on one listening socket (default 1; "
+                   "needs the engine process)")  # fmt: skip
     g = sub.add_parser("generate", help="complete prompts and print the results")
     _engine_args(g)
     g.add_argument("prompts", nargs="+")
@@ -144,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
             log.info("serving with the engine %s (--%sengine-process to change)",
                      "in its own process" if args.engine_process else "in the server's process",
                      "no-" if args.engine_process else "")  # fmt: skip
+        if args.api_workers < 1:
+            raise InvalidRequestError(f"--api-workers {args.api_workers}: must be at least 1")
+        if args.api_workers > 1 and not args.engine_process:
+            raise InvalidRequestError("--api-workers > 1 needs the engine process: drop --no-engine-process")
         if args.engine_process:
             return _serve_engine_process(args)
     llm = _build_llm(args, getattr(args, "model_name", None))
@@ -177,6 +184,11 @@ def _serve_engine_process(args: argparse.Namespace) -> int:
             "--engine-process supports --tp 1 only; with --tp > 1 the engine serves from its "
             "own process (drop --engine-process)"
         )
+    if args.api_workers > 1:
+        from mcore_infer.engine_process import serve_workers
+
+        spec = EngineSpec(_build_llm, (args, args.model_name))
+        return serve_workers(spec, args.api_workers, args.host, args.port, args.shutdown_timeout, args.model_name)
     client = EngineClient(EngineSpec(_build_llm, (args, args.model_name))).launch()
     try:
         app = build_app(client, client.tokenizer, client.model_name, args.shutdown_timeout)  # type: ignore[arg-type]

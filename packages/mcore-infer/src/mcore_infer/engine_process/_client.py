@@ -37,7 +37,7 @@ from mcore_infer.engine_process._worker import (
 from mcore_infer.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailed
 from mcore_infer.sampling import SamplingParams
 
-__all__ = ["EngineClient"]
+__all__ = ["EngineClient", "SharedEngineClient"]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -117,6 +117,9 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
 
     def launch(self) -> EngineClient:
         """Start the engine process and wait for its engine (a failure to build it is raised here)."""
@@ -315,7 +318,7 @@ class EngineClient:
         if not self._accepting:
             raise OverloadedError("the server is shutting down")
         self.engine.check_request(prompt_ids, params)
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or self.new_request_id()
         q: asyncio.Queue[Item] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._queues[rid] = (loop, q)
@@ -341,3 +344,77 @@ class EngineClient:
             self._queues.pop(rid, None)
             if not finished and self._dead is None:
                 self._send(("abort", rid))
+
+
+class SharedEngineClient(EngineClient):
+    """An :class:`EngineClient` of one front-end worker (``serve --api-workers N``) over an engine process that
+    another process started and owns (:func:`~mcore_infer.engine_process.serve_workers`): its own pair of pipes,
+    request ids that name the worker, and a shutdown that only closes its pipes (the engine aborts this worker's
+    requests; it stops once every worker is gone)."""
+
+    def __init__(self, commands: Any, outputs: Any, worker: int, start_timeout: float = 1800.0) -> None:
+        super().__init__(EngineSpec(_unused_factory), start_timeout)
+        self._cmd, self._out, self.worker = commands, outputs, worker
+        self._ids = itertools.count()
+        self._prefix = f"w{worker}-req-"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def launch(self) -> EngineClient:
+        """Wait for the engine's ``ready`` on this worker's pipe (a failure to build it is raised here)."""
+        if self.engine is not None:
+            return self
+        self._frames = FrameReader(self._out)
+        deadline = time.monotonic() + self.start_timeout
+        msg = None
+        while msg is None:
+            msg = self._frames.read_one(0.1)
+            if msg is None and (self._frames.eof or time.monotonic() > deadline):
+                raise EngineDeadError("the engine process did not start")
+        if msg[0] == "failed":
+            err = InvalidRequestError if msg[2] else EngineDeadError
+            raise err(f"the engine process could not start: {msg[1]}")
+        info = msg[1]
+        self.engine, self.tokenizer, self.model_name = EngineView(info), info["tokenizer"], info["name"]
+        return self
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self.engine is not None and not self._stopping
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}{next(self._ids)}"
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout`` s, abort the rest, close the pipes."""
+        if self.engine is None or self._stopping:
+            return
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.healthy and self._queues and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rid in list(self._queues):
+            self._send(("abort", rid))
+        self._stopping = True
+        with self._send_lock:
+            self._cmd.close()
+        self._detach_reader()
+        self._on_exit()
+
+    def _on_exit(self) -> None:
+        with self._lock:
+            if self._exited:
+                return
+            self._exited = True
+        if not self._stopping:
+            log.error("worker %d lost the engine process; answering 503 from now on", self.worker)
+        self._dead = EngineDeadError("the engine process exited")
+        for loop, q in list(self._queues.values()):
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, self._dead)
+
+
+def _unused_factory() -> Any:
+    raise RuntimeError("a SharedEngineClient does not build an engine")

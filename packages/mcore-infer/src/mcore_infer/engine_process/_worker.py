@@ -19,6 +19,7 @@ on Linux: hundreds of steps of output), and the front end reads them on its even
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from mcore_infer.engine import LLMEngine, RequestOutput
@@ -237,8 +239,13 @@ def _is_user_error(e: BaseException) -> bool:
         return isinstance(e, InvalidRequestError)
 
 
-def run_engine(spec: EngineSpec, commands: Connection, outputs: Connection) -> None:
-    """The engine process's entry point (``multiprocessing`` target)."""
+def run_engine(
+    spec: EngineSpec, commands: Connection | list[Connection], outputs: Connection | list[Connection]
+) -> None:
+    """The engine process's entry point (``multiprocessing`` target): one front end's pipes, or a list of pipes per
+    front end (``--api-workers``); every front end gets the ``ready`` (or ``failed``) message."""
+    cmds = commands if isinstance(commands, list) else [commands]
+    outs = outputs if isinstance(outputs, list) else [outputs]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the front end drains
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     try:
@@ -248,39 +255,86 @@ def run_engine(spec: EngineSpec, commands: Connection, outputs: Connection) -> N
         user = _is_user_error(e)
         if not user:  # a user's mistake is reported by the front end in one line; anything else with its trace
             log.exception("the engine process could not build its engine")
-        send_frame(outputs, ("failed", str(e) if user else f"{type(e).__name__}: {e}", user))
+        for conn in outs:
+            with contextlib.suppress(OSError):
+                send_frame(conn, ("failed", str(e) if user else f"{type(e).__name__}: {e}", user))
         return
-    send_frame(outputs, ("ready", info))
+    for conn in outs:
+        with contextlib.suppress(OSError):
+            send_frame(conn, ("ready", info))
     try:
-        _loop(llm.engine, commands, outputs)
+        _loop(llm.engine, _FrontEnds(cmds, outs))
     finally:
         llm.shutdown()
     log.info("engine process stopped")
 
 
-def _take_commands(engine: LLMEngine, commands: Connection, wait: float | None) -> tuple[list[Any], int, bool]:
-    """Apply every command waiting (after up to ``wait`` s; None: until one comes); ``(rejects, added, stop)``.
-    A closed pipe (the front end is gone) is a stop."""
+class _FrontEnds:
+    """The front ends an engine process serves (one, or ``--api-workers`` of them): their pipes, and which front end
+    each request came from (its outputs go back there)."""
+
+    def __init__(self, commands: list[Connection], outputs: list[Connection]) -> None:
+        self.commands, self.outputs = commands, outputs
+        self.open = list(range(len(commands)))
+        self.owner: dict[str, int] = {}
+
+    def close(self, engine: LLMEngine, i: int, why: str) -> None:
+        """Front end ``i`` is gone: abort its requests (their blocks are freed at the next step)."""
+        if i not in self.open:
+            return
+        self.open.remove(i)
+        gone = [rid for rid, owner in self.owner.items() if owner == i]
+        log.warning("front end %d %s; aborting its %d requests", i, why, len(gone))
+        for rid in gone:
+            engine.abort(rid)
+
+
+def _apply(engine: LLMEngine, fronts: _FrontEnds, i: int, cmd: tuple[Any, ...], rejects: list[Any],
+           added: list[int]) -> bool:  # fmt: skip
+    """One command of front end ``i``; True for ``stop``."""
+    if cmd[0] == "add":
+        _, rid, ids, params, stream, detokenize = cmd
+        fronts.owner[rid] = i
+        try:
+            engine.add_request(ids, params, request_id=rid, stream=stream, detokenize=detokenize)
+        except Exception as e:
+            rejects.append((rid, encode_error(e)))
+        added[i] += 1
+    elif cmd[0] == "abort":
+        engine.abort(cmd[1])
+    elif cmd[0] == "stop":
+        return True
+    return False
+
+
+def _ready(fronts: _FrontEnds, wait: float | None) -> list[int]:
+    """The open front ends with commands (or a closed pipe) to read, after up to ``wait`` s (None: until one)."""
+    conns = [fronts.commands[i] for i in fronts.open]
+    if len(conns) == 1:  # the usual single front end: no select set to build
+        return list(fronts.open) if conns[0].poll(wait) else []
+    got = wait_for(conns, wait)
+    return [i for i in fronts.open if fronts.commands[i] in got]
+
+
+def _take_commands(engine: LLMEngine, fronts: _FrontEnds, wait: float | None) -> tuple[list[Any], list[int], bool]:
+    """Apply every command waiting (after up to ``wait`` s; None: until one comes); ``(rejects, added per front
+    end, stop)``. A front end whose pipe closed is gone (its requests aborted); none left is a stop."""
     rejects: list[tuple[str, EncodedError]] = []
-    added, stop = 0, False
-    try:
-        ready = commands.poll(wait)
-        while ready:
-            for cmd in commands.recv():
-                if cmd[0] == "add":
-                    _, rid, ids, params, stream, detokenize = cmd
-                    try:
-                        engine.add_request(ids, params, request_id=rid, stream=stream, detokenize=detokenize)
-                    except Exception as e:
-                        rejects.append((rid, encode_error(e)))
-                    added += 1
-                elif cmd[0] == "abort":
-                    engine.abort(cmd[1])
-                elif cmd[0] == "stop":
-                    stop = True
-            ready = commands.poll(0)
-    except (EOFError, OSError):
-        log.warning("the front end's pipe closed; stopping")
+    added = [0] * len(fronts.commands)
+    stop = False
+    ready = _ready(fronts, wait)
+    while ready:
+        for i in ready:
+            conn = fronts.commands[i]
+            try:
+                while conn.poll(0):
+                    for cmd in conn.recv():
+                        stop = _apply(engine, fronts, i, cmd, rejects, added) or stop
+            except (EOFError, OSError):
+                fronts.close(engine, i, "closed its pipe")
+        ready = _ready(fronts, 0) if fronts.open else []
+    if not fronts.open:
+        log.warning("every front end's pipe closed; stopping")
         stop = True
     return rejects, added, stop
 
@@ -293,27 +347,46 @@ def _step(engine: LLMEngine) -> list[RequestOutput]:
         return engine.fail_all(e)
 
 
-def _loop(engine: LLMEngine, commands: Connection, outputs: Connection) -> None:
+def _send_step(engine: LLMEngine, fronts: _FrontEnds, outs: list[RequestOutput], rejects: list[Any],
+               added: list[int], stats: tuple[int, ...], changed: bool) -> None:  # fmt: skip
+    """Each front end its requests' outputs and refusals of this step (and the engine's load when it changed)."""
+    mine: dict[int, tuple[list[Any], list[Any]]] = {i: ([], []) for i in fronts.open}
+    single = len(fronts.commands) == 1
+    for o in outs:
+        i = 0 if single else fronts.owner.get(o.request_id, -1)
+        if o.finished:
+            fronts.owner.pop(o.request_id, None)
+        if i in mine:
+            mine[i][0].append(to_wire(o))
+    for rid, enc in rejects:
+        i = fronts.owner.pop(rid, -1)
+        if i in mine:
+            mine[i][1].append((rid, enc))
+    for i, (wire, rej) in mine.items():
+        if wire or rej or added[i] or changed:
+            try:
+                send_frame(fronts.outputs[i], ("step", wire, rej, added[i], stats))
+            except OSError:
+                fronts.close(engine, i, "is gone")
+
+
+def _loop(engine: LLMEngine, fronts: _FrontEnds) -> None:
     stats = engine_stats(engine)
     clock = time.perf_counter
     spent = {"commands": 0.0, "step": 0.0, "send": 0.0}
     steps = 0
     try:
-        while True:
+        while fronts.open:
             t0 = clock()
-            rejects, added, stop = _take_commands(engine, commands, 0 if engine.has_work() else None)
+            rejects, added, stop = _take_commands(engine, fronts, 0 if engine.has_work() else None)
             t1 = clock()
             if stop:
                 return
             outs = _step(engine) if engine.has_work() else []
             t2 = clock()
             now = engine_stats(engine)
-            if outs or rejects or added or now != stats:
-                try:
-                    send_frame(outputs, ("step", [to_wire(o) for o in outs], rejects, added, now))
-                except (BrokenPipeError, OSError):
-                    log.warning("the front end is gone; stopping")
-                    return
+            if outs or rejects or any(added) or now != stats:
+                _send_step(engine, fronts, outs, rejects, added, now, now != stats)
                 stats = now
             steps += bool(outs)
             if engine.has_work() or outs:  # (time blocked waiting for a first command is not counted)
