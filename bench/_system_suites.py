@@ -13,7 +13,7 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
     conc, hf_batches = ("1,64", "1,64") if ctx.quick else ("1,8,32,64,256", "1,8,32,64")
     http = ctx.dry_run or ctx.importable("fastapi", "uvicorn", "httpx")
     step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--lookahead", "--concurrency", conc, "--engine-stream",
-                    "--http-concurrency", "1,64,256" if http else "", "--http-paths", "process,inprocess", "--hf",
+                    "--http-concurrency", "1,64,256" if http else "", "--http-paths", "workers,process,inprocess", "--hf",
                     "--hf-batches", hf_batches, "--hf-deadline", "140", "--out", out], timeout=720, out=out)  # fmt: skip
     d = step.data or {}
     hf = {r.get("batch"): r for r in d.get("hf_static_compile", []) if isinstance(r, dict)}
@@ -43,7 +43,9 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
     tables = [table("the engine (mcore-infer), one GPU", cols, rows, notes)]
     engine = {e.get("concurrency"): e for e in d.get("engine", [])}
     http_rows = []
-    for key, label in (("http_process", "engine process (default)"), ("http_inprocess", "engine in the server")):
+    layouts = (("http_workers", "engine process, 4 front-end workers"), ("http_process", "engine process (default)"),
+               ("http_inprocess", "engine in the server"))  # fmt: skip
+    for key, label in layouts:
         part = d.get(key) or {}
         for r in part.get("rows", []) or [{}]:
             e = engine.get(r.get("concurrency"), {})
@@ -57,7 +59,8 @@ def serve(ctx: Context) -> list[dict[str, Any]]:
                 http_rows[-1]["error"] = part["error"]
     http_notes = ["streaming /v1/completions; the clients in 8 other processes; median of 3 runs after one more",
                   "engine process: mcore-infer serve's layout (the engine in a process of its own, uvicorn and the "
-                  "detokenization in the front end); engine in the server: uvicorn in the engine's process"]  # fmt: skip
+                  "detokenization in the front end); 4 front-end workers: serve --api-workers 4; engine in the "
+                  "server: uvicorn in the engine's process"]  # fmt: skip
     if not http:
         http_notes.append("not run: fastapi, uvicorn or httpx is not importable (pip install 'mcore-infer[server]' "
                           "httpx, or carry their wheels: --wheels DIR)")  # fmt: skip
