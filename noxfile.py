@@ -11,6 +11,9 @@ Sessions:
   ``<!-- install -->``), runs the README's and docs' runnable command blocks (``tests/integration/
   test_readme_commands.py``) in that environment, then adds every ``test`` extra and runs the rest of
   ``tests/integration/``.
+- ``kernels``: the Triton kernels of mcore-models and mcore-infer run by Triton's interpreter on the CPU
+  (``TRITON_INTERPRET=1``, float32) against their references: the kernel test modules, with the ``gpu`` extra
+  (Triton) installed. The other sessions have no Triton, so there these tests check the PyTorch fallbacks.
 - ``demo``: the main job (see README).
 
 torch is pinned to the CPU build through ``.ci/constraints.txt`` (used only here and in CI). It is installed once,
@@ -51,7 +54,18 @@ INSTALL_MARKER = "<!-- install -->"
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "integration"]
+nox.options.sessions = ["lint", "typecheck", "tests", "kernels", "integration"]
+
+KERNEL_TESTS = [
+    "tests/models/test_swiglu.py",
+    "tests/models/test_qkv_rope.py",
+    "tests/infer/test_small_gemv.py",
+    "tests/infer/test_norm_linear.py",
+    "tests/infer/test_fused_rope.py",
+    "tests/infer/test_decode.py",
+    "tests/infer/test_decode_fusions.py",
+]
+"""The test modules whose cases run the Triton kernels under ``TRITON_INTERPRET=1`` (the ``kernels`` session)."""
 
 
 def _packages() -> dict[str, dict]:
@@ -232,6 +246,16 @@ def tests(session: nox.Session, package: str) -> None:
         _share_torch(session)
         _install(session, _local_closure(name), {name: ["test"]})
         session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    with _venv_scope(session):
+        _share_torch(session)
+        names = _local_closure("mcore-infer")
+        _install(session, names, {"mcore-infer": ["test", "gpu"], "mcore-models": ["test", "gpu"]})
+        env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+        session.run("pytest", *KERNEL_TESTS, *session.posargs, env=env)
 
 
 @nox.session

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mcore_infer import DECODE_PRESETS, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams, prepare_for_decode
-from mcore_infer.decode import DecodeKernels, requested_plan
+from mcore_infer.decode import DecodeKernels
 from mcore_infer.decode_layers import FusedDecodeLayer, PlainDecodeLayer
 from mcore_infer.kernels import GemvLaunch, NormLinearLaunch
 from mcore_infer.kv_cache import blocks_for
@@ -115,30 +115,15 @@ def _step_logits(llm: Any, prompts: list[list[int]], nxt: list[int]) -> list[tor
 BACKENDS = ["plain"] + (["triton"] if INTERPRETED else [])
 
 
-def _preset_param(name: str) -> Any:
-    """``name``, expected to fail with the interpreter's error where the interpreter runs norm_linear: Triton 3.9's
-    interpreter refuses that kernel's scalar store mask, as it fails ``test_norm_linear.py`` (GPUs run it)."""
-    if name != "norm_linear" or not INTERPRETED:
-        return name
-    from triton.runtime.errors import InterpreterError
-
-    return pytest.param(name, marks=pytest.mark.xfail(raises=InterpreterError, strict=True, reason="interpreter"))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kernels", [_preset_param(k) for k in get_args(DecodeKernels)])
+@pytest.mark.parametrize("kernels", list(get_args(DecodeKernels)))
 def test_each_preset_gives_the_plain_models_logits(kernels: str, backend: str) -> None:
     """A prefill step of 14 tokens (norm_linear's rows) and a decode step of 2 (the row kernels'): the decode
-    module's logits equal the plain model's full forward at those positions. On the Triton backend (interpreted)
-    the KV write stays out of the attention kernel: Triton 3.9's interpreter refuses that kernel's store mask
-    (``test_fused_rope.py::test_kv_write_inside_attention_equals_writing_first`` fails the same way; GPUs run it)."""
+    module's logits equal the plain model's full forward at those positions (on the Triton backend: interpreted on the
+    CPU)."""
     model = tiny_model(num_layers=2)
     prompts, nxt = prompts_of_lengths(3, 11, seed=3), [7, 200]
-    plan: Any = kernels
-    if backend == "triton":
-        requested, _ = requested_plan(kernels, device_type="cpu", backend=backend, compiled=False)
-        plan = replace(requested, kv_write_in_attention=False)
-    llm = tiny_llm(model, decode_kernels=plan, attention_backend=backend)
+    llm = tiny_llm(model, decode_kernels=kernels, attention_backend=backend)
     got = _step_logits(llm, prompts, nxt)
     with torch.no_grad():
         want = [

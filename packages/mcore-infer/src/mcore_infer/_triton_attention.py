@@ -125,8 +125,8 @@ def _kernel() -> Any:
             v_new = tl.load(VIN + t * stride_vin_t + g * stride_vin_g + d).to(V.dtype.element_ty)
             owner = split == 0
             slot = tl.load(SLOTS + t).to(tl.int64)
-            tl.store(K + slot * stride_ks + g * stride_kg + d, k_new, mask=owner & (d < D))
-            tl.store(V + slot * stride_ks + g * stride_kg + d, v_new, mask=owner & (d < D))
+            tl.store(K + slot * stride_ks + g * stride_kg + d, k_new, mask=tl.where(owner, d < D, False))
+            tl.store(V + slot * stride_ks + g * stride_kg + d, v_new, mask=tl.where(owner, d < D, False))
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             has_new = owner & (ctx > 0)
             m_i = tl.where(has_new, s_new, m_i)

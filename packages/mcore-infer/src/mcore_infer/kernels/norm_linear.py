@@ -127,7 +127,7 @@ def _kernel() -> Any:
             h = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=m2, other=0.0)
             if HAS_RES:
                 h = h + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
-            tl.store(H + rows[:, None] * stride_h + ks[None, :], h, mask=m2 & store)
+            tl.store(H + rows[:, None] * stride_h + ks[None, :], h, mask=tl.where(store, m2, False))
             hf = h.to(tl.float32)
             sq += tl.sum(hf * hf, axis=1)
         return sq
