@@ -302,12 +302,27 @@ def test_health_and_metrics_report_load_and_kv_blocks(srv: Server) -> None:
     assert m["mcore_infer_healthy"] == 1 and m["mcore_infer_engine_steps_total"] > 0
     h = srv.http.get("/health").json()
     assert h == {"status": "ok", "running": 0, "waiting": 0, "kv_blocks": {"total": total, "free": total, "used": 0}}
-    # while a long request runs, its blocks are counted as used
-    body = {**GREEDY, "max_tokens": 200, "stream": True}
-    with srv.http.stream("POST", "/v1/completions", json=body) as s:
-        next(line for line in s.iter_lines() if line.startswith("data: {"))
-        busy = parse_prometheus(srv.http.get("/metrics").text)
-        assert busy["mcore_infer_kv_blocks_used"] > 0 and busy["mcore_infer_requests_running"] == 1
+    # while a request runs, its blocks are counted as used: its third model call (after the prefill and one decode
+    # step, lookahead or not, so at least one event is out) waits until the metrics are read
+    gate, calls, real = threading.Event(), [], srv.llm.runner.execute
+
+    def held(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            gate.wait(30)
+        return real(*a, **k)
+
+    srv.llm.runner.execute = held  # type: ignore[method-assign]
+    try:
+        body = {**GREEDY, "max_tokens": 50, "stream": True, "ignore_eos": True}
+        with srv.http.stream("POST", "/v1/completions", json=body) as s:
+            next(line for line in s.iter_lines() if line.startswith("data: {"))
+            busy = parse_prometheus(srv.http.get("/metrics").text)
+            gate.set()
+            assert busy["mcore_infer_kv_blocks_used"] > 0 and busy["mcore_infer_requests_running"] == 1
+    finally:
+        gate.set()
+        del srv.llm.runner.execute  # the instance attribute: the method again
     assert srv.idle() and parse_prometheus(srv.http.get("/metrics").text)["mcore_infer_kv_blocks_used"] == 0
 
 
