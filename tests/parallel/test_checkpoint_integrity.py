@@ -187,3 +187,50 @@ def test_the_manifest_lists_every_rank_s_arrays(tmp_path: Path) -> None:
     on_disk = {str(p.parent.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("zarr.json")}
     assert set(listed) == on_disk - {".", "model", "optimizer"}
     assert listed["model/fc1.weight"]["shape"] == list(Net(ParallelState.initialize().tp).fc1.weight.shape)
+
+
+def _damage(chunk: Path) -> None:
+    """Flip one bit of a chunk: same size, so only its checksum (checked as it is read) can tell."""
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+
+
+def _load_with_a_damaged_chunk(root: str, optimizer: bool) -> str:
+    """dp2 with the distributed optimizer (each rank reads its own half of the optimizer state) or tp2 (each rank its
+    half of ``fc2.weight``): one chunk that only rank 1 reads is damaged."""
+    from mcore_parallel.ddp import DDPConfig, DistributedDataParallel
+    from mcore_parallel.optim import OptimizerConfig, get_optimizer
+
+    state = ParallelState.initialize(ParallelConfig(tp=1 if optimizer else 2))
+    net = Net(state.tp)
+    # one bucket: the flat range splits in two halves, so some parameters lie wholly in rank 1's
+    ddp = DistributedDataParallel(net, state, DDPConfig(bucket_size=1 << 20, use_distributed_optimizer=True))
+    opt = get_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp], state)
+    CheckpointManager(root, state).save("s", net.sharded_state_dict(), opt, metadata={"step": 1})
+    held = [None, None]  # the parameters whose optimizer state each rank holds a piece of
+    torch.distributed.all_gather_object(held, {e.name for e in opt.sharded_state()})
+    if state.rank == 0:
+        ckpt = Path(root) / "s"
+        if optimizer:  # a moment of a parameter only rank 1 holds a piece of
+            name = sorted(held[1] - held[0])[0]
+            _damage(sorted(f for f in (ckpt / "optimizer" / name / "exp_avg").rglob("*") if f.is_file())[0])
+        else:
+            _damage(ckpt / "model/fc2.weight/c/0/1")
+    torch.distributed.barrier()
+    try:
+        CheckpointManager(root, state).load(net.sharded_state_dict(), opt if optimizer else None)
+    except CheckpointFormatError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("optimizer", [False, True], ids=["model-tp2", "distributed-optimizer-dp2"])
+def test_a_checksum_mismatch_one_rank_reads_stops_every_rank(tmp_path: Path, optimizer: bool) -> None:
+    """A damaged chunk shows only on the ranks that read it, as they read it: every rank still raises (none goes
+    on with a half-loaded state or waits in the distributed optimizer's all-gather)."""
+    from mcore_parallel.testing import run_distributed
+
+    messages = run_distributed(_load_with_a_damaged_chunk, 2, str(tmp_path), optimizer)
+    assert "checksum mismatch" in messages[1], messages
+    assert "another rank found a damaged chunk" in messages[0], messages

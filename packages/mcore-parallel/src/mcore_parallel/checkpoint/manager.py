@@ -331,9 +331,26 @@ class CheckpointManager:
             raise problem or CheckpointFormatError(
                 f"{ckpt}: another rank found missing or damaged files in this checkpoint (its error names them)"
             )
-        load_model(ckpt, model_items, strict=strict, verify=verify, checked=specs)
+        device = self.state.device
+
+        def agree(error: BaseException | None) -> None:
+            """Every rank raises when any rank could not read its chunks (a checksum mismatch is seen only by the
+            ranks that read that chunk), before any collective the load runs after its reads."""
+            if not _all_done(error is None, device):
+                if error is not None:
+                    raise error
+                raise CheckpointFormatError(f"{ckpt}: another rank found a damaged chunk while reading this "
+                                            "checkpoint (its error names the file); load another checkpoint")  # fmt: skip
+
+        error: CheckpointFormatError | None = None
+        try:
+            load_model(ckpt, model_items, strict=strict, verify=verify, checked=specs)
+        except CheckpointFormatError as e:
+            error = e
+        agree(error)
         if optimizer is not None:
-            load_optimizer(ckpt, optimizer, model_items, int(meta.get("step", 0)), verify=verify, checked=specs)
+            step = int(meta.get("step", 0))
+            load_optimizer(ckpt, optimizer, model_items, step, verify=verify, checked=specs, agree=agree)
         rank_file = ckpt / "rank_state" / f"rank_{self.state.rank:05d}.pt"
         try:
             rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None

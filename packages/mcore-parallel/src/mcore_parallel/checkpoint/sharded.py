@@ -27,7 +27,7 @@ import itertools
 import logging
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,11 +474,14 @@ def load_optimizer(
     step: int,
     verify: Verify = True,
     checked: Mapping[str, ArraySpec] | None = None,
+    agree: Callable[[BaseException | None], None] | None = None,
 ) -> None:
     """Load master weights and moments saved under any layout into ``optimizer`` (which also updates the model).
 
     Each rank reads only the chunks overlapping its tensor-parallel piece of each parameter and keeps its flat range.
-    Every array's metadata and chunk files are checked before any tensor is touched."""
+    Every array's metadata and chunk files are checked before any tensor is touched. ``agree(error)`` is called on
+    every rank once its reads are done (``error``: what this rank's reads raised, or None), before the optimizer's
+    own collectives; it raises to stop every rank when any failed (``CheckpointManager.load``'s)."""
     by_id = _params_by_identity(items)
     arrays = optimizer_arrays(root, optimizer, items)
     specs = {n: checked[n] for n in arrays} if checked is not None else check_arrays(root, arrays)[0]
@@ -493,4 +496,4 @@ def load_optimizer(
             out[name[len(prefix) :]] = local.reshape(-1)[lo:hi]
         return out
 
-    optimizer.load_flat_state(pieces, step)
+    optimizer.load_flat_state(pieces, step, agree=agree)

@@ -352,14 +352,37 @@ class MixedPrecisionOptimizer:
         self.load_flat_state(pieces, step)
 
     @torch.no_grad()
-    def load_flat_state(self, pieces: Callable[[ParamShardState], Mapping[str, torch.Tensor]], step: int) -> None:
+    def load_flat_state(
+        self,
+        pieces: Callable[[ParamShardState], Mapping[str, torch.Tensor]],
+        step: int,
+        agree: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
         """Load state given, per entry of :meth:`sharded_state`, this rank's 1-D pieces (``flat_range``) directly.
 
         ``pieces(entry)`` returns ``{"master": ..., "exp_avg": ..., ...}``; a checkpoint reader uses this to read
-        only the slices this rank holds instead of whole global tensors.
+        only the slices this rank holds instead of whole global tensors. ``agree(error)``, when given, is called
+        after the reads on every rank (``error``: what ``pieces`` raised here, or None) and before the copy into the
+        model, which may be a collective (the distributed optimizer's all-gather); it raises to stop every rank.
         """
         if self.optimizer is None:
+            if agree is not None:
+                agree(None)
             return
+        error: BaseException | None = None
+        try:
+            self._load_pieces(pieces, step)
+        except Exception as e:
+            error = e
+        if agree is not None:
+            agree(error)
+        if error is not None:
+            raise error
+        self._step_count = step
+        self._copy_to_model()
+
+    def _load_pieces(self, pieces: Callable[[ParamShardState], Mapping[str, torch.Tensor]], step: int) -> None:
+        assert self.optimizer is not None
         slots = {s.name: s for s in self.slots}
         for entry in self.sharded_state():
             saved = pieces(entry)
@@ -379,8 +402,6 @@ class MixedPrecisionOptimizer:
                 st["step"] = torch.tensor(
                     float(step), dtype=torch.float32, device=slot.master.device if fused else "cpu"
                 )
-        self._step_count = step
-        self._copy_to_model()
 
     def state_dict(self) -> dict:
         return {
