@@ -81,6 +81,13 @@ CASES: list[tuple[str, bytes, bytes, str, str]] = [
     ("docs-last-past-end", pack_idx(docs=[0, 1, 2, 3, 5]), GOOD_BIN, ".idx", "(the last) is 5, expected the sequence"),
     ("idx-trailing-3", GOOD_IDX + b"\0" * 3, GOOD_BIN, ".idx", "3 unexpected trailing bytes"),
     ("idx-trailing-20", GOOD_IDX + b"\0" * 20, GOOD_BIN, ".idx", "20 unexpected trailing bytes"),
+    (
+        "idx-trailing-one-per-sequence",
+        GOOD_IDX + b"\0" * 4,
+        GOOD_BIN,
+        ".idx",
+        "4 unexpected trailing bytes, one per sequence: if this is a multimodal index",
+    ),
     ("bin-trailing-2", GOOD_IDX, GOOD_BIN + b"\0\0", ".bin", "trailing bytes after the last sequence"),
     ("bin-trailing-1", GOOD_IDX, GOOD_BIN + b"\0", ".bin", "not a multiple of the uint16 item size 2"),
     ("bin-truncated", GOOD_IDX, GOOD_BIN[:-2], ".bin", "size 18 bytes does not match the index, which ends at byte 20"),
@@ -121,6 +128,22 @@ def test_inspect_of_a_corrupt_pair_exits_2_without_traceback(
     assert main(["inspect", str(prefix)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and words in err and "Traceback" not in err
+
+
+def test_a_multimodal_index_opens_when_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One mode byte per sequence after the document indices: read as ``sequence_modes`` with ``multimodal=True``
+    (the file cannot tell, as in Megatron), refused otherwise; a text index opened as multimodal is refused too."""
+    prefix = _write(tmp_path, GOOD_IDX + bytes([0, 1, 1, 0]), GOOD_BIN)
+    ds = IndexedDataset(prefix, multimodal=True)
+    assert ds.sequence_modes is not None and ds.sequence_modes.tolist() == [0, 1, 1, 0]
+    assert main(["inspect", str(prefix), "--multimodal"]) == 0
+    assert main(["inspect", str(prefix)]) == 2
+    assert "open it with multimodal=True (mcore-data inspect --multimodal)" in capsys.readouterr().err
+    (tmp_path / "text").mkdir()
+    text = _write(tmp_path / "text", GOOD_IDX, GOOD_BIN)
+    with pytest.raises(IndexFormatError, match="a multimodal index has one mode byte per sequence"):
+        IndexedDataset(text, multimodal=True)
+    assert IndexedDataset(text).sequence_modes is None
 
 
 def _synthetic(tmp_path: Path, n: int) -> tuple[Path, Any]:

@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split-name", choices=["train", "valid", "test"], default="train")
     _add_dataset_args(p)
     p.add_argument("--validate", action="store_true", help="re-run the structural checks (they also run at open)")
+    p.add_argument("--multimodal", action="store_true",
+                   help="the index ends with one mode byte per sequence (a Megatron multimodal index)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="statistics as JSON")
 
     p = sub.add_parser("merge", help="concatenate several datasets into one")
@@ -259,7 +261,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from mcore_data.indexed import IndexedDataset
 
-    ds = IndexedDataset(args.prefix)
+    ds = IndexedDataset(args.prefix, multimodal=args.multimodal)
     if args.validate:
         ds.validate()
     if args.document is not None:

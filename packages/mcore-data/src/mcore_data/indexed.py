@@ -109,9 +109,13 @@ class IndexedDataset:
 
     ``ds[i]`` is sequence ``i`` as a zero-copy numpy view; ``ds.get(i, offset, length)`` a part of it;
     ``ds.document(i)`` all sequences of document ``i``. The token dtype is taken from the header.
+
+    ``multimodal``: the index ends with one mode byte per sequence (``sequence_modes``), as Megatron's multimodal
+    indexes do. The file does not say which it is (Megatron's reader is told too), so a text index with one stray
+    byte per sequence is an error here, not a multimodal index.
     """
 
-    def __init__(self, path_prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, path_prefix: str | os.PathLike[str], multimodal: bool = False) -> None:
         self.path_prefix = _prefix(path_prefix)
         self.idx_path = self.path_prefix + ".idx"
         self.bin_path = self.path_prefix + ".bin"
@@ -146,8 +150,19 @@ class IndexedDataset:
                 f"truncated index: {idx_size} bytes, header promises {n_seq} sequences and {n_doc - 1} documents "
                 f"({expected} bytes); cut inside the {_section(idx_size, n_seq)}",
             )
-        if idx_size not in (expected, expected + n_seq):
-            raise IndexFormatError(self.idx_path, f"{idx_size - expected} unexpected trailing bytes")
+        extra = idx_size - expected
+        if multimodal and extra != n_seq:
+            raise IndexFormatError(
+                self.idx_path, f"{extra} bytes after the document indices; a multimodal index has one mode byte per "
+                f"sequence ({n_seq})"
+            )  # fmt: skip
+        if not multimodal and extra == n_seq and n_seq > 0:
+            raise IndexFormatError(
+                self.idx_path, f"{extra} unexpected trailing bytes, one per sequence: if this is a multimodal index "
+                "(sequence modes), open it with multimodal=True (mcore-data inspect --multimodal); else it is damaged"
+            )  # fmt: skip
+        if not multimodal and extra:
+            raise IndexFormatError(self.idx_path, f"{extra} unexpected trailing bytes")
         self._idx_buf = _map(self.idx_path, idx_size)
         self.sequence_lengths: npt.NDArray[np.int32] = np.frombuffer(
             self._idx_buf, dtype="<i4", count=n_seq, offset=HEADER_SIZE
@@ -159,7 +174,7 @@ class IndexedDataset:
             self._idx_buf, dtype="<i8", count=n_doc, offset=HEADER_SIZE + 12 * n_seq
         )
         self.sequence_modes: npt.NDArray[np.int8] | None = None
-        if idx_size == expected + n_seq and n_seq > 0:
+        if multimodal:
             self.sequence_modes = np.frombuffer(self._idx_buf, dtype=np.int8, count=n_seq, offset=expected)
         bin_size = os.path.getsize(self.bin_path)
         self._check(bin_size)
