@@ -371,29 +371,14 @@ def workers_only(args: argparse.Namespace) -> None:
         json.dump(out, f, indent=1)
 
 
-def http_workers(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """``results["http_workers"]``: :func:`workers_only` in a subprocess (before this process builds its engine)."""
-    path = f"{args.out}.http_workers.json"
-    try:
-        cmd = [sys.executable, __file__, "--workers-only", path, *sys.argv[1:]]
-        subprocess.run(cmd, check=False, timeout=args.engine_process_timeout + 300, env=os.environ.copy())
-        with open(path) as f:
-            results["http_workers"] = json.load(f)
-    except Exception as e:
-        results["http_workers"] = {"error": repr(e)}
-    _dump(results, args.out)
-
-
-def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain: bool) -> None:
-    """The engine-process layout in a subprocess (before this process builds its engine: the GPU memory is the
-    other engine's then), into ``results["http_process"]`` (``"http_process_h11"`` with ``plain``)."""
-    key = "http_process_h11" if plain else "http_process"
+def _subprocess_into(results: dict[str, Any], key: str, args: argparse.Namespace, flags: list[str],
+                     timeout: float) -> None:  # fmt: skip
+    """Run this script again with ``flags`` (a ``--...-only OUT`` mode, OUT being ``{--out}.{key}.json``) and put
+    what it wrote into ``results[key]`` (its error if it wrote nothing)."""
     path = f"{args.out}.{key}.json"
-    cmd = [sys.executable, __file__, "--engine-process-only", path, *sys.argv[1:]]
-    if plain:
-        cmd.append("--plain-http")
     try:
-        subprocess.run(cmd, check=False, timeout=args.engine_process_timeout, env=os.environ.copy())
+        cmd = [sys.executable, __file__, flags[0], path, *flags[1:]]
+        subprocess.run(cmd, check=False, timeout=timeout, env=os.environ.copy())
         with open(path) as f:
             results[key] = json.load(f)
     except Exception as e:
@@ -401,26 +386,23 @@ def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain
     _dump(results, args.out)
 
 
+def http_workers(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """``results["http_workers"]``: :func:`workers_only` in a subprocess (before this process builds its engine)."""
+    _subprocess_into(results, "http_workers", args, ["--workers-only", *sys.argv[1:]],
+                     args.engine_process_timeout + 300)  # fmt: skip
+
+
+def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain: bool) -> None:
+    """The engine-process layout in a subprocess (before this process builds its engine: the GPU memory is the
+    other engine's then), into ``results["http_process"]`` (``"http_process_h11"`` with ``plain``)."""
+    flags = ["--engine-process-only", *sys.argv[1:], *(["--plain-http"] if plain else [])]
+    _subprocess_into(results, "http_process_h11" if plain else "http_process", args, flags, args.engine_process_timeout)
+
+
 def hf_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The HF baseline in a subprocess of this script (``--hf-only``), into ``results["hf_static_compile"]``."""
-    hf_out = args.out + ".hf.json"
-    cmd = [
-        sys.executable,
-        __file__,
-        "--hf-only",
-        hf_out,
-        "--hf-batches",
-        args.hf_batches,
-        "--hf-deadline",
-        str(args.hf_deadline),
-    ]
-    try:
-        subprocess.run(cmd, check=False, timeout=args.hf_deadline + 120, env=os.environ.copy())
-        with open(hf_out) as f:
-            results["hf_static_compile"] = json.load(f)
-    except Exception as e:
-        results["hf_static_compile"] = {"error": repr(e)}
-    _dump(results, args.out)
+    flags = ["--hf-only", "--hf-batches", args.hf_batches, "--hf-deadline", str(args.hf_deadline)]
+    _subprocess_into(results, "hf_static_compile", args, flags, args.hf_deadline + 120)
 
 
 def main() -> None:

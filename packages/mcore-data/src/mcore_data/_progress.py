@@ -29,13 +29,15 @@ def is_terminal(stream: IO[str] | None = None) -> bool:
 
 
 def format_duration(seconds: float) -> str:
-    """``42s``, ``3m07s``, ``2h05m``."""
+    """``42s``, ``3m07s``, ``2h05m``, ``3d04h`` (also the training loop's ETA)."""
     s = max(0, round(seconds))
     if s < 60:
         return f"{s}s"
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _amount(n: float, unit: str) -> str:

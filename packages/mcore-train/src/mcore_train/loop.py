@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mcore_data._progress import format_duration
 from mcore_models import training_flops_per_token
 from mcore_train.errors import TrainingDiverged
 from mcore_train.metrics import MetricsWindow, MetricsWriter, moe_window_metrics, peak_tflops_for
@@ -131,18 +132,6 @@ def _logs(step: int, first: int, train_iters: int, interval: int) -> bool:
     the last step, and within the run's first interval its 1st, 2nd, 4th, 8th, ... step."""
     n = step - first + 1
     return step % interval == 0 or step == train_iters or (n < interval and n & (n - 1) == 0)
-
-
-def format_duration(seconds: float) -> str:
-    """``42s``, ``3m07s``, ``2h05m``, ``3d04h``."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _checkpoint_upkeep(run: Run, reserved: bool) -> bool:

@@ -139,12 +139,18 @@ class EngineClient:
         msg = self._first_message()
         if msg[0] == "failed":
             self._reap(True)
+        self._take_ready(msg)
+        log.info("engine process %d ready (%s)", self._proc.pid, self.model_name)
+        return self
+
+    def _take_ready(self, msg: tuple[Any, ...] | list[Any]) -> None:
+        """The engine's first message: its limits and tokenizer (``ready``), or why it could not start (raised: a
+        user's mistake as :class:`InvalidRequestError`)."""
+        if msg[0] == "failed":
             err = InvalidRequestError if msg[2] else EngineDeadError
             raise err(f"the engine process could not start: {msg[1]}")
         info = msg[1]
         self.engine, self.tokenizer, self.model_name = EngineView(info), info["tokenizer"], info["name"]
-        log.info("engine process %d ready (%s)", self._proc.pid, self.model_name)
-        return self
 
     def _first_message(self) -> tuple[Any, ...]:
         deadline = time.monotonic() + self.start_timeout
@@ -169,6 +175,19 @@ class EngineClient:
         process (joined; terminated if it does not exit)."""
         if self._proc is None or (self._stopping and not self._proc.is_alive()):
             return  # never started, or stopped already
+        self._drain(timeout)
+        self._send(("stop",))
+        with self._send_lock:
+            self._cmd.close()
+        self._reap()
+        self._detach_reader()
+        if not self._exited:
+            self._on_exit()
+        atexit.unregister(self._reap)
+
+    def _drain(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout`` s, abort the rest (and give the
+        engine 5 s to confirm), then mark this client stopping."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self.healthy and self._queues and time.monotonic() < deadline:
@@ -179,14 +198,6 @@ class EngineClient:
         while self.healthy and self._queues and time.monotonic() < t_end:
             time.sleep(0.01)
         self._stopping = True
-        self._send(("stop",))
-        with self._send_lock:
-            self._cmd.close()
-        self._reap()
-        self._detach_reader()
-        if not self._exited:
-            self._on_exit()
-        atexit.unregister(self._reap)
 
     def _reap(self, close_commands: bool = False) -> None:
         """Make sure the engine process is gone: it exits on ``stop`` or when our pipe closes (``close_commands``:
@@ -287,18 +298,22 @@ class EngineClient:
             last.text = text.text
 
     def _on_exit(self) -> None:
+        """The engine's pipe closed: every waiting request and every later one gets :class:`EngineDeadError`."""
         with self._lock:
             if self._exited:
                 return
             self._exited = True
+        self._dead = EngineDeadError(self._exit_reason())
+        for loop, q in list(self._queues.values()):
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, self._dead)
+
+    def _exit_reason(self) -> str:
         self._proc.join(timeout=2.0)
         code = self._proc.exitcode
         if not self._stopping:
             log.error("the engine process %d exited (exit code %s); answering 503 from now on", self._proc.pid, code)
-        self._dead = EngineDeadError(f"the engine process exited (exit code {code})")
-        for loop, q in list(self._queues.values()):
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(q.put_nowait, self._dead)
+        return f"the engine process exited (exit code {code})"
 
     # ---------------------------------------------------------------------------------------------- requests
     async def generate(
@@ -373,11 +388,7 @@ class SharedEngineClient(EngineClient):
             msg = self._frames.read_one(0.1)
             if msg is None and (self._frames.eof or time.monotonic() > deadline):
                 raise EngineDeadError("the engine process did not start")
-        if msg[0] == "failed":
-            err = InvalidRequestError if msg[2] else EngineDeadError
-            raise err(f"the engine process could not start: {msg[1]}")
-        info = msg[1]
-        self.engine, self.tokenizer, self.model_name = EngineView(info), info["tokenizer"], info["name"]
+        self._take_ready(msg)
         return self
 
     @property
@@ -391,29 +402,16 @@ class SharedEngineClient(EngineClient):
         """Stop taking requests, let in-flight ones finish for up to ``timeout`` s, abort the rest, close the pipes."""
         if self.engine is None or self._stopping:
             return
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self.healthy and self._queues and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for rid in list(self._queues):
-            self._send(("abort", rid))
-        self._stopping = True
+        self._drain(timeout)
         with self._send_lock:
             self._cmd.close()
         self._detach_reader()
         self._on_exit()
 
-    def _on_exit(self) -> None:
-        with self._lock:
-            if self._exited:
-                return
-            self._exited = True
+    def _exit_reason(self) -> str:
         if not self._stopping:
             log.error("worker %d lost the engine process; answering 503 from now on", self.worker)
-        self._dead = EngineDeadError("the engine process exited")
-        for loop, q in list(self._queues.values()):
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(q.put_nowait, self._dead)
+        return "the engine process exited"
 
 
 def _unused_factory() -> Any:
