@@ -58,7 +58,7 @@ class Server:
         self.thread.start()
         while not self.server.started:
             time.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
+        self.url = url = f"http://127.0.0.1:{port}"
         self.http = httpx.Client(base_url=url, timeout=60)
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 

@@ -17,6 +17,7 @@ import pytest
 
 from mcore_infer import SamplingParams
 from mcore_infer.protocol import CHAT_STOP, apply_chat_template
+from tests.infer.test_engine_process import Server as EngineProcessServer
 from tests.infer.test_server_robust import Server, parse_prometheus
 
 # 11 usable blocks of 16 tokens, up to 16 running: 64 requests of 1-3 blocks each queue and preempt each other
@@ -184,35 +185,18 @@ def build_load_llm() -> Any:
     return llm
 
 
-class ProcessLoadServer:
+class ProcessLoadServer(EngineProcessServer):
     """The same load against ``serve``'s default layout: the engine in its own process (``EngineClient``), the
     front end detokenizing the streams; what the engine holds is read through ``/metrics``."""
 
     def __init__(self) -> None:
-        import socket
-        import threading
-        import time
-
-        import uvicorn
-
         from mcore_infer import LLM, EngineConfig
         from mcore_infer.engine_process import EngineClient, EngineSpec
-        from mcore_infer.server import build_app, server_config
         from tests.infer._tiny import tiny_model
 
         self.reference = LLM(model=tiny_model(max_position_embeddings=256), config=EngineConfig(**CFG))
-        self.client = EngineClient(EngineSpec(build_load_llm)).launch()
-        app = build_app(self.client, self.client.tokenizer, "tiny", shutdown_timeout=2.0)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.server = uvicorn.Server(server_config(app, "127.0.0.1", port, "critical"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        client = EngineClient(EngineSpec(build_load_llm)).launch()
+        super().__init__(client, client.tokenizer)
 
     fixed_text = LoadServer.fixed_text
 
@@ -229,11 +213,6 @@ class ProcessLoadServer:
                 return True
             time.sleep(0.05)
         return False
-
-    def close(self) -> None:
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
 
 
 def test_64_streaming_clients_through_the_engine_process() -> None:
