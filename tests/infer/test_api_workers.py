@@ -11,6 +11,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -60,8 +61,23 @@ def served() -> Iterator[tuple[openai.OpenAI, Any, Any]]:
             proc.join()
 
 
+def _spawned_children(pid: int) -> int:
+    """How many processes ``multiprocessing`` spawned from ``pid`` (Linux ``/proc``; its resource tracker aside)."""
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        n += ppid == pid and b"spawn_main" in cmdline
+    return n
+
+
 def test_workers_give_the_reference_text(served: tuple[openai.OpenAI, Any, Any]) -> None:
-    client, _, _ = served
+    client, proc, _ = served
+    if Path("/proc/self/stat").exists():
+        assert _spawned_children(proc.pid) == 3  # the engine process and the 2 workers
     ref = LLM(model=tiny_model(max_position_embeddings=256), config=EngineConfig(**CFG))
     prompts = [f"prompt {i}:" for i in range(12)]
     want = [g.outputs[0].text for g in ref.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10,
