@@ -71,8 +71,8 @@ class HTTPServer:
 
 def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]:
     """``conc`` streaming clients against the server on ``port``, spread over ``procs`` client processes (their
-    Python work is not the server's: real clients run elsewhere), started together after one warm-up request per
-    process."""
+    Python work is not the server's: real clients run elsewhere), started together after a warm-up request per client
+    process (each client with its connection open already)."""
     import multiprocessing as mp
 
     ps = prompts(conc, 32768, seed)
@@ -109,16 +109,17 @@ def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any) -
 
 
 async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> list[tuple[float, float, float, int]]:
-    """``len(ps)`` concurrent streaming completions once ``go`` is set (after one warm-up request, then "ready" on
+    """``len(ps)`` concurrent streaming completions once ``go`` is set (after a warm-up that opens a connection per
+    client, then "ready" on
     ``queue``): per request its start, first-token and end times (``time.perf_counter``, one clock for every
     process) and its number of events."""
     import httpx
 
-    async def one(client: httpx.AsyncClient, p: list[int]) -> tuple[float, float, float, int]:
+    async def one(client: httpx.AsyncClient, p: list[int], gen: int = GEN) -> tuple[float, float, float, int]:
         body = {
             "model": "llama-1b",
             "prompt": p,
-            "max_tokens": GEN,
+            "max_tokens": gen,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -139,7 +140,9 @@ async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> 
 
     limits = httpx.Limits(max_connections=len(ps) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one(client, ps[0])  # warm-up
+        # warm-up: one short request per client at once, so each client holds an open connection (as a real
+        # client's pool does) and the timed requests measure the server, not TCP and HTTP connection set-up
+        await asyncio.gather(*(one(client, p, 2) for p in ps))
         queue.put("ready")
         await asyncio.to_thread(go.wait)
         return list(await asyncio.gather(*(one(client, p) for p in ps)))

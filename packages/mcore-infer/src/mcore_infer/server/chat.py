@@ -8,26 +8,37 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from mcore_infer.engine import RequestOutput
 from mcore_infer.protocol import apply_chat_template, sampling_from_request
 from mcore_infer.server import streaming
 from mcore_infer.server.context import Route, ServingContext, serving
+from mcore_infer.server.responses import EventStreamResponse
 
 __all__ = ["ROUTES"]
 
 
 def _stream(
     ctx: ServingContext, jobs: list[streaming.Job], base: dict[str, Any], prompt_tokens: int, with_usage: bool
-) -> StreamingResponse:
-    """A role event per choice, then the content deltas, then the usage when asked for."""
+) -> EventStreamResponse:
+    """A role event per choice, then the content deltas, then the usage when asked for. A delta without logprobs is
+    written from a template (the JSON ``json.dumps`` would write of the same object)."""
     head = [
-        {**base, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        {
+            **base,
+            "choices": [
+                {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
         for idx, _, _ in jobs
     ]
 
-    def chunk(idx: int, out: RequestOutput) -> dict[str, Any]:
+    prefix, q = streaming.chunk_prefix(base), streaming.json_value
+
+    def chunk(idx: int, out: RequestOutput) -> dict[str, Any] | str:
+        if out.new_logprobs is None:
+            text = f'{{"content": {q(out.new_text)}}}' if out.new_text else "{}"
+            return f'{prefix}{idx}, "delta": {text}, "logprobs": null, "finish_reason": {q(out.finish_reason)}}}]}}'
         lp = streaming.chat_logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs, ctx.tok_str)
         delta = {"content": out.new_text} if out.new_text else {}
         return {**base, "choices": [{"index": idx, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}]}
@@ -36,7 +47,7 @@ def _stream(
         return {**base, "choices": [], "usage": streaming.usage(prompt_tokens, completion_tokens)}
 
     events = streaming.event_stream(ctx.engine, jobs, chunk, head=head, tail=tail if with_usage else None)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStreamResponse(events)
 
 
 # POST /v1/chat/completions (no docstring: FastAPI would publish it in the OpenAPI schema)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from mcore_infer.engine import RequestOutput
 from mcore_infer.errors import InvalidRequestError
@@ -18,6 +17,7 @@ from mcore_infer.protocol import sampling_from_request
 from mcore_infer.sampling import SamplingParams
 from mcore_infer.server import streaming
 from mcore_infer.server.context import Route, ServingContext, serving
+from mcore_infer.server.responses import EventStreamResponse
 
 __all__ = ["ROUTES", "parse_prompts"]
 
@@ -93,13 +93,23 @@ class _Completion:
             choice["stop_reason"] = out.stop_reason
         return choice
 
-    def stream_chunk(self) -> Callable[[int, RequestOutput], dict[str, Any]]:
+    def stream_chunk(self) -> Callable[[int, RequestOutput], dict[str, Any] | str]:
         """The event of one streamed output; each choice's first one carries the echoed prompt, and its text offsets
-        continue where the choice's previous event's ended (as in one non-streamed choice)."""
+        continue where the choice's previous event's ended (as in one non-streamed choice). An event with neither
+        logprobs nor the echo is written from a template (the JSON ``json.dumps`` would write of the same object)."""
         offsets: dict[int, int] = {}
+        prefix = streaming.chunk_prefix(self.header())
+        q = streaming.json_value
+        plain = self.params.logprobs is None and not self.score_only
 
-        def chunk(idx: int, out: RequestOutput) -> dict[str, Any]:
+        def chunk(idx: int, out: RequestOutput) -> dict[str, Any] | str:
             echo = self.params.echo and idx not in offsets
+            if plain and not echo:
+                stop = ""
+                if out.finished and out.stop_reason is not None:
+                    stop = f', "stop_reason": {q(out.stop_reason)}'
+                return (f'{prefix}{idx}, "text": {q(out.new_text)}, "logprobs": null, '
+                        f'"finish_reason": {q(out.finish_reason)}{stop}}}]}}')  # fmt: skip
             c = self.choice(idx, out, out.new_text, echo, offsets.get(idx, 0))
             lp = c["logprobs"]
             offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else offsets.get(idx, 0)
@@ -138,7 +148,7 @@ async def completions(request: Request) -> Any:
                 return {**req.header(), "choices": [], "usage": usage}
 
         events = streaming.event_stream(ctx.engine, jobs, req.stream_chunk(), tail=tail)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStreamResponse(events)
 
     results = await streaming.run_all(request, ctx.engine, jobs)
     choices = [req.choice(idx, out, out.text, req.params.echo) for (idx, _, _), out in zip(jobs, results)]

@@ -9,6 +9,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mcore_infer.async_engine import AsyncEngine
@@ -27,7 +28,9 @@ __all__ = [
     "completion_logprobs",
     "event_stream",
     "fan_out",
+    "chunk_prefix",
     "include_usage",
+    "json_value",
     "merged",
     "read_json",
     "run_all",
@@ -47,8 +50,24 @@ DONE = "data: [DONE]\n\n"
 
 # ------------------------------------------------------------------------------------------------- framing
 def sse(obj: Any) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj)}\n\n"
+    """One server-sent event carrying ``obj`` as JSON (a ``str`` is taken as JSON text already)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+_quote = encode_basestring_ascii  # json.dumps of a str, without its argument handling
+
+
+def json_value(v: str | int | None) -> str:
+    """``json.dumps(v)`` for the scalars of a streamed chunk (a string, an integer, None)."""
+    if isinstance(v, str):
+        return str(_quote(v))
+    return "null" if v is None else json.dumps(v)
+
+
+def chunk_prefix(header: dict[str, Any]) -> str:
+    """The JSON text of ``{**header, "choices": [{"index": `` (up to the index), as ``json.dumps`` writes it: a
+    streamed chunk is this, then its choice's fields (the events of a stream differ only there)."""
+    return json.dumps(header)[:-1] + ', "choices": [{"index": '
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -199,12 +218,12 @@ async def merged(engine: AsyncEngine, jobs: Sequence[Job]) -> AsyncIterator[list
 async def event_stream(
     engine: AsyncEngine,
     jobs: Sequence[Job],
-    chunk: Callable[[int, RequestOutput], dict[str, Any]],
+    chunk: Callable[[int, RequestOutput], dict[str, Any] | str],
     head: Sequence[dict[str, Any]] = (),
     tail: Callable[[int], dict[str, Any]] | None = None,
 ) -> AsyncIterator[str]:
     """The body of a streamed response: an event per ``head`` object, then per merged batch one write holding
-    ``chunk(choice_index, output)`` for each choice in it, then ``tail(completion_tokens)`` when given, then
+    ``chunk(choice_index, output)`` (an object, or its JSON text) for each choice in it, then ``tail(completion_tokens)`` when given, then
     ``[DONE]``. The headers are out by then, so an error is reported as an event before ``[DONE]``."""
     completion_tokens = 0
     try:
