@@ -67,3 +67,35 @@ def test_front_end_fills_merged_batches_and_drops_the_stop_token() -> None:
     EngineClient._fill_text(text, rest)
     assert [o.new_text for o in rest] == ["", "é✓"] and rest[-1].text == "dé✓"
     assert "".join(o.new_text for o in first + rest) == "dé✓"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokens_without_text_are_passed_over_with_one_decode_each(seed: int) -> None:
+    """Ids that decode to nothing (special tokens; the byte tokenizer's ids past 255) mixed into the text: the stream
+    is still the whole text, and a run of them costs one decode per step (the window's text before them is kept),
+    not two."""
+    tok = ByteTokenizer()
+    rng = random.Random(seed)
+    ids: list[int] = []
+    for b in tok.encode(TEXT):
+        ids += [256 + rng.randrange(3) for _ in range(rng.randrange(3))] + [b]
+    ids += [257] * 20
+    calls = 0
+
+    def decode(xs: list[int]) -> str:
+        nonlocal calls
+        calls += 1
+        return tok.decode(xs)
+
+    text, pieces, i = IncrementalText(decode), [], 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        pieces.append(text.add(ids[i : i + n]))
+        i += n
+    text.add([258])
+    before = calls
+    for _ in range(10):
+        assert text.add([258]) == ""
+    assert calls - before == 10
+    pieces.append(text.add([], final=True))
+    assert "".join(pieces) == text.text == TEXT

@@ -58,7 +58,18 @@ class ByteTokenizer:
         return text.encode("utf-8")
 
     def decode(self, ids: Any) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        """The UTF-8 text of the byte ids (the special ids have none; broken bytes become U+FFFD)."""
+        data = None
+        if isinstance(ids, list | tuple):
+            try:
+                data = bytes(ids)  # every id a byte: one C call
+            except ValueError:  # some id past 255 (EOD, PAD, BOS) or below 0
+                data = bytes([i for i in ids if 0 <= i < 256])
+            except TypeError:  # not integers
+                pass
+        if data is None:
+            data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
 
 
 def _import(module: str, extra: str) -> Any:

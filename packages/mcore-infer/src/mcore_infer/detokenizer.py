@@ -18,16 +18,28 @@ def detokenize_step(
 ) -> tuple[str, int, int]:
     """The text ``ids[read:]`` adds to the text of ``ids[:read]``, and the new ``(prefix, read)`` offsets; ``final``
     emits a trailing incomplete character too. Nothing is emitted (and the offsets stay) while the window ends in an
-    incomplete character."""
+    incomplete character; new ids that add no text at all (tokens without text of their own, with no character
+    pending) are passed over (``read`` moves past them)."""
+    return _step(decode, ids, prefix, read, final, None)[:3]
+
+
+def _step(
+    decode: Callable[[Sequence[int]], str], ids: Sequence[int], prefix: int, read: int, final: bool, before: str | None
+) -> tuple[str, int, int, str | None]:
+    """:func:`detokenize_step` given ``before`` (the text of ``ids[prefix:read]``, None: not known), and that text
+    for the new offsets when this step knows it (it does when the ids added nothing)."""
     if read >= len(ids):
-        return "", prefix, read
-    before = decode(ids[prefix:read])
+        return "", prefix, read, before
+    if before is None:
+        before = decode(ids[prefix:read])
     after = decode(ids[prefix:])
     if len(after) > len(before) and not after.endswith("\ufffd"):
-        return after[len(before) :], max(read - 4, 0), len(ids)
+        return after[len(before) :], max(read - 4, 0), len(ids), None
     if final:
-        return after[len(before) :], prefix, len(ids)
-    return "", prefix, read
+        return after[len(before) :], prefix, len(ids), None
+    if after == before:  # nothing pending and nothing new: the next window's text is this one's
+        return "", prefix, len(ids), after
+    return "", prefix, read, before
 
 
 def text_tokens(n_tokens: int, finish_reason: str | None, stop_reason: str | int | None) -> int:
@@ -41,16 +53,18 @@ def text_tokens(n_tokens: int, finish_reason: str | None, stop_reason: str | int
 class IncrementalText:
     """A request's text as its token ids arrive: :meth:`add` returns the text the new ids add."""
 
-    __slots__ = ("decode", "ids", "prefix", "read", "text")
+    __slots__ = ("before", "decode", "ids", "prefix", "read", "text")
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self.decode = decode
         self.ids: list[int] = []
         self.prefix = self.read = 0
         self.text = ""
+        self.before: str | None = ""  # the text of ids[prefix:read], when known
 
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        new, self.prefix, self.read = detokenize_step(self.decode, self.ids, self.prefix, self.read, final)
+        new, self.prefix, self.read, self.before = _step(self.decode, self.ids, self.prefix, self.read, final,
+                                                         self.before)  # fmt: skip
         self.text += new
         return new

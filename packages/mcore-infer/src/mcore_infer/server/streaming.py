@@ -223,19 +223,30 @@ async def event_stream(
     tail: Callable[[int], dict[str, Any]] | None = None,
 ) -> AsyncIterator[str]:
     """The body of a streamed response: an event per ``head`` object, then per merged batch one write holding
-    ``chunk(choice_index, output)`` (an object, or its JSON text) for each choice in it, then ``tail(completion_tokens)`` when given, then
-    ``[DONE]``. The headers are out by then, so an error is reported as an event before ``[DONE]``."""
+    ``chunk(choice_index, output)`` (an object, or its JSON text) for each choice in it, then
+    ``tail(completion_tokens)`` when given, then ``[DONE]``. The headers are out by then, so an error is reported as
+    an event before ``[DONE]``. One job (``n`` = 1) streams straight from the engine, without :func:`merged`."""
     completion_tokens = 0
     try:
         for obj in head:
             yield sse(obj)
-        async for batch in merged(engine, jobs):
-            events_now = []
-            for idx, out in batch:
-                if out.finished:
-                    completion_tokens += out.num_output_tokens
-                events_now.append(sse(chunk(idx, out)))
-            yield "".join(events_now)  # every event that is ready, in one write
+        if len(jobs) == 1:  # the usual n=1 request: each batch of outputs one event, straight from the engine
+            idx, ids, p = jobs[0]
+            batches: Any = engine.generate_batches(ids, p, stream=True)
+            async with contextlib.aclosing(batches):
+                async for outs in batches:
+                    out = RequestOutput.combine(outs)
+                    if out.finished:
+                        completion_tokens += out.num_output_tokens
+                    yield sse(chunk(idx, out))
+        else:
+            async for batch in merged(engine, jobs):
+                events_now = []
+                for idx, out in batch:
+                    if out.finished:
+                        completion_tokens += out.num_output_tokens
+                    events_now.append(sse(chunk(idx, out)))
+                yield "".join(events_now)  # every event that is ready, in one write
         if tail is not None:
             yield sse(tail(completion_tokens))
     except Exception as e:
