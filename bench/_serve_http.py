@@ -86,7 +86,7 @@ def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]
     ready = [queue.get(timeout=600) for _ in workers]
     assert all(r == "ready" for r in ready), ready
     go.set()
-    res: list[tuple[float, float, float, int]] = []
+    res: list[tuple[float, float, float, int, str]] = []
     for _ in workers:
         got = queue.get(timeout=900)
         if isinstance(got, str):
@@ -94,11 +94,15 @@ def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]
         res += got
     for w in workers:
         w.join(timeout=60)
-    wall = max(e for _, _, e, _ in res) - min(s for s, _, _, _ in res)
-    ttft = [(f - s) * 1e3 for s, f, _, _ in res]
-    tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _ in res]
-    events = sum(n for *_, n in res)
-    return {**latency_row(conc, wall, ttft, tpot), "client_processes": procs, "events_per_request": events / conc}
+    wall = max(e for _, _, e, _, _ in res) - min(s for s, _, _, _, _ in res)
+    ttft = [(f - s) * 1e3 for s, f, _, _, _ in res]
+    tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _, _ in res]
+    events = sum(n for _, _, _, n, _ in res)
+    row = {**latency_row(conc, wall, ttft, tpot), "client_processes": procs, "events_per_request": events / conc}
+    served_by = sorted({w for *_, w in res if w})
+    if served_by:  # how the kernel spread the connections over the front-end workers
+        row["requests_per_worker"] = {w: sum(1 for *_, x in res if x == w) for w in served_by}
+    return row
 
 
 def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any) -> None:
@@ -108,14 +112,16 @@ def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any) -
         queue.put(f"{type(e).__name__}: {e}")
 
 
-async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> list[tuple[float, float, float, int]]:
+async def _http_clients(
+    port: int, ps: list[list[int]], go: Any, queue: Any
+) -> list[tuple[float, float, float, int, str]]:
     """``len(ps)`` concurrent streaming completions once ``go`` is set (after a warm-up that opens a connection per
     client, then "ready" on
     ``queue``): per request its start, first-token and end times (``time.perf_counter``, one clock for every
     process) and its number of events."""
     import httpx
 
-    async def one(client: httpx.AsyncClient, p: list[int], gen: int = GEN) -> tuple[float, float, float, int]:
+    async def one(client: httpx.AsyncClient, p: list[int], gen: int = GEN) -> tuple[float, float, float, int, str]:
         body = {
             "model": "llama-1b",
             "prompt": p,
@@ -129,6 +135,7 @@ async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> 
         async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            worker = r.headers.get("x-mcore-worker", "")
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     if first is None:
@@ -136,7 +143,7 @@ async def _http_clients(port: int, ps: list[list[int]], go: Any, queue: Any) -> 
                     n += 1
         end = time.perf_counter()
         assert first is not None
-        return t0, first, end, n
+        return t0, first, end, n, worker
 
     limits = httpx.Limits(max_connections=len(ps) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:

@@ -196,7 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-process-timeout", type=float, default=600.0)
     ap.add_argument("--engine-process-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers-only", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--api-workers", type=int, default=4, help="front-end processes of the 'workers' HTTP path")
+    ap.add_argument("--api-workers", default="4", help="front-end processes of the 'workers' HTTP path (a list: "
+                    "one run of the path per count, the results of N under http_workers_N, the last also under "
+                    "http_workers)")  # fmt: skip
     ap.add_argument("--engine-stream", action="store_true", help="also the engine with every request streamed")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="sample the engine and front-end processes with py-spy during the HTTP runs at 64 (raw "
@@ -387,9 +389,13 @@ def _subprocess_into(results: dict[str, Any], key: str, args: argparse.Namespace
 
 
 def http_workers(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """``results["http_workers"]``: :func:`workers_only` in a subprocess (before this process builds its engine)."""
-    _subprocess_into(results, "http_workers", args, ["--workers-only", *sys.argv[1:]],
-                     args.engine_process_timeout + 300)  # fmt: skip
+    """``results["http_workers_N"]`` for each ``--api-workers`` count N: :func:`workers_only` in a subprocess (before
+    this process builds its engine); the last count's also as ``results["http_workers"]``."""
+    for n in args.api_workers:
+        key = f"http_workers_{n}"
+        _subprocess_into(results, key, args, ["--workers-only", *sys.argv[1:], "--api-workers", str(n)],
+                         args.engine_process_timeout + 300)  # fmt: skip
+        results["http_workers"] = results[key]
 
 
 def http_engine_process(args: argparse.Namespace, results: dict[str, Any], plain: bool) -> None:
@@ -414,6 +420,9 @@ def main() -> None:
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.http_concurrency = [int(c) for c in args.http_concurrency.split(",") if c.strip()]
+    args.api_workers = [int(n) for n in str(args.api_workers).split(",")]
+    if args.workers_only:
+        args.api_workers = args.api_workers[-1]
     args.max_seqs = max(args.concurrency + args.http_concurrency)
     if args.engine_process_only:
         engine_process_only(args)
