@@ -1,8 +1,8 @@
 """Where each rank's piece of a parameter sits in the global (unsharded, unpadded) tensor.
 
 Checkpoint and export code work on global tensors so that any layout can load any other. :func:`shard_info`
-reads the attributes the TP layers set (``partition_dim``, ``partition_stride``, ``global_shape``) and returns the
-pairs of (local index, global index) slices this rank holds. Vocabulary padding rows are outside the global shape
+reads the attributes the TP layers set (``partition_dim``, ``partition_stride`` or ``partition_blocks``,
+``global_shape``) and returns the pairs of (local index, global index) slices this rank holds. Vocabulary padding rows are outside the global shape
 and are simply not listed. ``replica`` is true on ranks whose copy is identical to one held by a lower TP rank
 (TP-replicated parameters), so writers can skip them.
 
@@ -16,6 +16,7 @@ parameter. Copies of a parameter are identical over :func:`data_parallel_group` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,13 +101,41 @@ def _tp_pieces(
         g_end = min(g_start + block_local, global_shape[dim])
         if g_end <= g_start:
             continue
-        l_start = j * block_local
-        local_idx = [slice(0, n) for n in full]
-        global_idx = [slice(0, n) for n in global_shape]
-        local_idx[dim] = slice(l_start, l_start + (g_end - g_start))
-        global_idx[dim] = slice(g_start, g_end)
-        pieces.append((tuple(local_idx), tuple(global_idx)))
+        pieces.append(_piece(full, global_shape, dim, j * block_local, g_start, g_end - g_start))
     return pieces, block_local
+
+
+def _piece(full: tuple[int, ...], global_shape: tuple[int, ...], dim: int, local: int, start: int, n: int) -> Any:
+    """``n`` rows along ``dim`` from ``local`` in the local tensor and from ``start`` in the global one."""
+    local_idx = [slice(0, m) for m in full]
+    global_idx = [slice(0, m) for m in global_shape]
+    local_idx[dim] = slice(local, local + n)
+    global_idx[dim] = slice(start, start + n)
+    return tuple(local_idx), tuple(global_idx)
+
+
+def _block_pieces(
+    key: str, full: tuple[int, ...], global_shape: tuple[int, ...], dim: int, blocks: tuple[int, ...], tp: Group
+) -> tuple[list[tuple[Index, Index]], int]:
+    """The (local, global) slices of a TP split along ``dim`` of blocks of the global sizes ``blocks`` (each split
+    over the group), and the chunk length along ``dim``: the largest that every piece's start and length is a
+    multiple of, on every rank. A checkpoint writes each piece as one chunk, so pieces are cut to that length."""
+    if sum(blocks) != global_shape[dim] or any(b % tp.size for b in blocks) or sum(blocks) // tp.size != full[dim]:
+        raise ValueError(
+            f"{key}: partition_blocks={blocks} do not split global dim {dim} of {global_shape} into local "
+            f"{full[dim]} over {tp.size} ranks (each block must be divisible by the tensor-parallel size)"
+        )
+    if tp.size == 1:
+        return [_piece(full, global_shape, dim, 0, 0, full[dim])], max(full[dim], 1)
+    local_sizes = [b // tp.size for b in blocks]
+    chunk = math.gcd(*local_sizes)
+    pieces = []
+    g_offset = l_offset = 0
+    for b, n in zip(blocks, local_sizes, strict=True):
+        start = g_offset + tp.rank * n
+        pieces += [_piece(full, global_shape, dim, l_offset + i, start + i, chunk) for i in range(0, n, chunk)]
+        g_offset, l_offset = g_offset + b, l_offset + n
+    return pieces, chunk
 
 
 def shard_info(key: str, tensor: torch.Tensor, tp: Group, like: torch.Tensor | None = None) -> ShardedTensor:
@@ -126,8 +155,12 @@ def shard_info(key: str, tensor: torch.Tensor, tp: Group, like: torch.Tensor | N
         raise ValueError(f"{key}: global_shape {global_shape} and local shape {full} differ in rank")
     chunk = list(global_shape)
     if tensor_parallel:
-        dim: int = meta.partition_dim  # type: ignore[attr-defined]
-        pieces, block_local = _tp_pieces(full, global_shape, dim, getattr(meta, "partition_stride", 1), tp)
+        dim: int = meta.partition_dim % len(full)  # type: ignore[attr-defined]
+        blocks = getattr(meta, "partition_blocks", None)
+        if blocks is not None:
+            pieces, block_local = _block_pieces(key, full, global_shape, dim, tuple(blocks), tp)
+        else:
+            pieces, block_local = _tp_pieces(full, global_shape, dim, getattr(meta, "partition_stride", 1), tp)
         chunk[dim] = max(block_local, 1)
     else:
         if full[1:] != global_shape[1:]:

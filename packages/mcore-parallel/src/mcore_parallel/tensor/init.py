@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["InitMethod", "normal_init", "scaled_normal_init", "derive_seed", "init_sharded_"]
+__all__ = ["InitMethod", "normal_init", "scaled_normal_init", "derive_seed", "init_sharded_", "block_sizes"]
 
 InitMethod = Callable[[torch.Tensor, "torch.Generator | None"], object]
 """Fills a tensor in place, drawing from the given generator (or the global RNG when it is ``None``)."""
@@ -41,6 +41,21 @@ def derive_seed(base_seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def block_sizes(total: int, stride: int = 1, blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The sizes of the blocks a TP-split dimension of ``total`` elements is made of, each split on its own across
+    the group: ``blocks`` when given (they must add up to ``total``), else ``stride`` equal blocks."""
+    if blocks is not None:
+        sizes = tuple(int(b) for b in blocks)
+        if stride != 1:
+            raise ValueError(f"blocks={sizes} and stride={stride} cannot both be given (stride is equal blocks)")
+        if not sizes or any(b < 1 for b in sizes) or sum(sizes) != total:
+            raise ValueError(f"blocks={sizes} must be positive sizes adding up to {total}")
+        return sizes
+    if stride < 1 or total % stride:
+        raise ValueError(f"{total} elements are not {stride} equal blocks (stride={stride})")
+    return (total // stride,) * stride
+
+
 @torch.no_grad()
 def init_sharded_(
     weight: torch.Tensor,
@@ -52,6 +67,7 @@ def init_sharded_(
     seed: int | None,
     padded_rows: int = 0,
     stride: int = 1,
+    blocks: Sequence[int] | None = None,
 ) -> None:
     """Fill ``weight`` (this rank's shard) with its slice of a full weight of ``full_shape``.
 
@@ -59,7 +75,8 @@ def init_sharded_(
     float32 reference. ``padded_rows`` zero rows are appended along dim 0 before sharding (vocabulary padding); they
     are not drawn from the generator, so padding never changes the real rows. With ``stride`` > 1 the full weight is
     ``stride`` blocks along ``shard_dim`` (e.g. the gate and up halves of a gated MLP) and the shard is this rank's
-    chunk of every block, concatenated.
+    chunk of every block, concatenated. ``blocks`` gives blocks of unequal sizes instead (e.g. the ``[z, x, B, C,
+    dt]`` input projection of a Mamba mixer), each split across the group in the same way.
     """
     if weight.device.type == "meta":
         return
@@ -71,9 +88,11 @@ def init_sharded_(
     init_method(full, generator)
     if padded_rows:
         full = torch.cat([full, full.new_zeros((padded_rows, *full_shape[1:]))], dim=0)
+    sizes = block_sizes(full.shape[shard_dim], stride, blocks)
     expected = list(full.shape)
     expected[shard_dim] //= world
-    if list(weight.shape) != expected or full.shape[shard_dim] % (world * stride):
-        raise ValueError(f"shard shape {tuple(weight.shape)} does not match {tuple(full.shape)} split {world} ways")
-    blocks = full.chunk(stride, shard_dim)
-    weight.copy_(torch.cat([b.chunk(world, shard_dim)[rank] for b in blocks], dim=shard_dim))
+    if list(weight.shape) != expected or any(b % world for b in sizes):
+        what = f"{len(sizes)} blocks of {sizes}" if blocks is not None else f"{tuple(full.shape)}"
+        raise ValueError(f"shard shape {tuple(weight.shape)} does not match {what} split {world} ways")
+    parts = full.split(list(sizes), shard_dim)
+    weight.copy_(torch.cat([b.chunk(world, shard_dim)[rank] for b in parts], dim=shard_dim))

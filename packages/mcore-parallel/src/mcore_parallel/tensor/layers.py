@@ -13,13 +13,15 @@ so checkpoint and export code knows how they are split.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
-from mcore_parallel.tensor.init import InitMethod, init_sharded_, normal_init
+from mcore_parallel.tensor.init import InitMethod, block_sizes, init_sharded_, normal_init
 from mcore_parallel.tensor.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -48,17 +50,44 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def set_tp_attributes(param: torch.Tensor, partition_dim: int, global_shape: tuple[int, ...], stride: int = 1) -> None:
+def set_tp_attributes(
+    param: torch.Tensor,
+    partition_dim: int,
+    global_shape: tuple[int, ...],
+    stride: int = 1,
+    blocks: Sequence[int] | None = None,
+) -> None:
     """Mark ``param`` as split along ``partition_dim`` across the TP group.
 
     ``global_shape`` is the full, unpadded shape (vocabulary padding rows are not part of it); ``stride`` > 1 means
-    the full tensor is ``stride`` blocks along that dimension, each split across the group (a gated MLP's fused
-    input projection).
+    the full tensor is ``stride`` equal blocks along that dimension, each split across the group (a gated MLP's fused
+    input projection). ``blocks`` gives the global sizes of unequal blocks instead (a Mamba mixer's ``[z, x, B, C,
+    dt]``), stored as ``partition_blocks`` (``partition_stride`` stays 1; readers of the layout use
+    :func:`mcore_parallel.shard_info`).
     """
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = partition_dim  # type: ignore[attr-defined]
     param.partition_stride = stride  # type: ignore[attr-defined]
     param.global_shape = tuple(global_shape)  # type: ignore[attr-defined]
+    if blocks is not None:
+        dim = partition_dim % len(global_shape)
+        param.partition_blocks = block_sizes(global_shape[dim], stride, blocks)  # type: ignore[attr-defined]
+
+
+def _column_blocks(out_features: int, stride: int, blocks: Sequence[int] | None, tp_size: int) -> tuple[int, ...]:
+    """The global sizes of the output blocks of a column-parallel layer, each checked to split over ``tp_size``."""
+    if blocks is None and out_features % stride:
+        raise ValueError(f"ColumnParallelLinear out_features={out_features} is not divisible by stride={stride}")
+    try:
+        sizes = block_sizes(out_features, stride, blocks)
+    except ValueError as e:
+        raise ValueError(f"ColumnParallelLinear out_features={out_features}: {e}") from None
+    for i, b in enumerate(sizes):
+        if blocks is not None:
+            _divide(b, tp_size, f"ColumnParallelLinear block {i} of blocks={sizes}")
+        else:
+            _divide(b, tp_size, "ColumnParallelLinear out_features" + (f" / stride {stride}" if stride > 1 else ""))
+    return sizes
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -75,7 +104,8 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output`` all-gathers ``Y`` along the last dimension (otherwise the output stays split, ready for a
     :class:`RowParallelLinear`). With ``sequence_parallel`` the input is ``[s / tp, b, h]`` and is all-gathered.
     ``stride`` > 1 splits each of ``stride`` equal blocks of the output separately (gate and up halves of a gated
-    MLP stay paired on every rank). ``pad_rows`` output rows at the end are padding (zero, never drawn: vocabulary
+    MLP stay paired on every rank); ``blocks`` does the same for blocks of the given sizes (a Mamba mixer's ``[z, x,
+    B, C, dt]``: each rank's output is its part of every block, in order). ``pad_rows`` output rows at the end are padding (zero, never drawn: vocabulary
     padding of an output layer). ``skip_weight_allocation`` creates no weight: pass ``weight=`` to ``forward``
     (an output layer tied to the embedding).
     """
@@ -92,6 +122,7 @@ class ColumnParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         seed: int | None = None,
         stride: int = 1,
+        blocks: Sequence[int] | None = None,
         pad_rows: int = 0,
         skip_weight_allocation: bool = False,
         dtype: torch.dtype | None = None,
@@ -100,28 +131,25 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel and gather_output cannot both be set")
-        if pad_rows and stride != 1:
-            raise ValueError("ColumnParallelLinear: pad_rows needs stride=1")
+        if pad_rows and (stride != 1 or blocks is not None):
+            raise ValueError("ColumnParallelLinear: pad_rows needs stride=1 and no blocks")
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output = tp, gather_output
         self.sequence_parallel = sequence_parallel and tp.size > 1
-        if out_features % stride:
-            raise ValueError(f"ColumnParallelLinear out_features={out_features} is not divisible by stride={stride}")
-        what = "ColumnParallelLinear out_features" + (f" / stride {stride}" if stride > 1 else "")
-        per_block = _divide(out_features // stride, tp.size, what)
-        self.out_per_rank = per_block * stride
+        self.blocks = _column_blocks(out_features, stride, blocks, tp.size)
+        self.out_per_rank = sum(self.blocks) // tp.size
         real = (out_features - pad_rows, in_features)
         self.weight: nn.Parameter | None
         if skip_weight_allocation:
             self.register_parameter("weight", None)
         else:
             self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
-            set_tp_attributes(self.weight, 0, real, stride)
+            set_tp_attributes(self.weight, 0, real, stride, blocks)
             init = init_method or normal_init()
-            init_sharded_(self.weight, real, 0, tp.rank, tp.size, init, seed, pad_rows, stride)
+            init_sharded_(self.weight, real, 0, tp.rank, tp.size, init, seed, pad_rows, stride, blocks)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device))
-            set_tp_attributes(self.bias, 0, real[:1], stride)
+            set_tp_attributes(self.bias, 0, real[:1], stride, blocks)
         else:
             self.register_parameter("bias", None)
 
