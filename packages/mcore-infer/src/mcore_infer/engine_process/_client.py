@@ -164,7 +164,13 @@ class EngineClient:
                 raise EngineDeadError(f"the engine process did not start (exit code {code})")
 
     def start(self) -> None:
+        """Launch (if not yet) and, called on the serving event loop (the app's startup), read the engine's pipe from
+        now on: the engine sends its load to every front end each step, and a front end that waited for its first
+        request to read would let that pile up in the pipe until the engine blocks writing to it."""
         self.launch()
+        loop = _running_loop()
+        if loop is not None:
+            self._attach_reader(loop)
 
     @property
     def healthy(self) -> bool:
