@@ -8,8 +8,10 @@ from mcore_models.config import DTYPES, RopeScaling, TransformerConfig
 from mcore_models.errors import ConfigError, ConversionError, MCoreModelsError
 from mcore_models.flops import num_parameters, training_flops_per_token
 from mcore_models.gpt import GPTModel
+from mcore_models.mamba_config import MambaConfig
 from mcore_models.presets import PRESETS, preset
 from mcore_models.spec import LayerSpec, default_spec
+from mcore_models.ssm import Mamba2Mixer, MambaLayer, ssd_scan
 from mcore_models.transformer.context import ModelContext
 
 __version__ = "0.1.0"
@@ -23,6 +25,10 @@ __all__ = [
     "LayerSpec",
     "default_spec",
     "ModelContext",
+    "MambaConfig",
+    "Mamba2Mixer",
+    "MambaLayer",
+    "ssd_scan",
     "PRESETS",
     "preset",
     "num_parameters",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mcore_models.errors import ConfigError
+from mcore_models.mamba_config import MambaConfig
 from mcore_models.moe_config import MoEConfig
 
 __all__ = ["TransformerConfig", "RopeScaling", "DTYPES"]
@@ -24,6 +25,8 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned_absolute", "rope", "none")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+HYBRID_LAYERS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
+"""The layer characters of ``hybrid_pattern`` (Megatron's symbols); ``|`` separates pipeline stages."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ class TransformerConfig:
     moe: MoEConfig | None = None
     """Mixture of experts (:class:`~mcore_models.moe.MoEConfig`): which layers get routed experts, and how; None =
     every layer has a dense MLP."""
+    mamba: MambaConfig | None = None
+    """Mamba-2 mixers (:class:`~mcore_models.mamba_config.MambaConfig`): sizes and scan of the ``M`` layers of
+    ``hybrid_pattern``; None = no Mamba layers."""
+    hybrid_pattern: str | None = None
+    """Megatron's hybrid layer pattern, one character per layer: ``M`` Mamba, ``*`` attention, ``-`` MLP, ``E``
+    MoE, plus ``|`` between pipeline stages (not a layer); e.g. ``"M-M*-"``. None = the standard layer everywhere."""
     seed: int = 1234
     """Base seed of the initialisation (each parameter draws from a seed derived from it and its name)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +139,11 @@ class TransformerConfig:
             if unknown:
                 raise ConfigError([f"unknown moe field(s) {unknown}"])
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.mamba, dict):
+            unknown = sorted(set(self.mamba) - {f.name for f in dataclasses.fields(MambaConfig)})
+            if unknown:
+                raise ConfigError([f"unknown mamba field(s) {unknown}"])
+            object.__setattr__(self, "mamba", MambaConfig(**self.mamba))
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -219,6 +233,7 @@ class TransformerConfig:
             p.append("rope_scaling is set but position_embedding is not 'rope'")
         if not ok:
             return p
+        p.extend(self._hybrid_problems(tp_size))
         if self.moe is not None:
             p.extend(self.moe.problems(self.num_layers))
             if self.add_bias_linear:
@@ -253,6 +268,37 @@ class TransformerConfig:
             if shared is not None and shared % tp_size:
                 p.append(f"moe.shared_expert_ffn_hidden_size={shared} is not divisible by the tensor-parallel size "
                          f"{tp_size}")  # fmt: skip
+        return p
+
+    @property
+    def hybrid_layers(self) -> str | None:
+        """``hybrid_pattern`` without the pipeline-stage separators: one character per layer (None without one)."""
+        return None if self.hybrid_pattern is None else self.hybrid_pattern.replace("|", "")
+
+    def _hybrid_problems(self, tp_size: int) -> list[str]:
+        p: list[str] = []
+        if self.mamba is not None:
+            p.extend(self.mamba.problems(self.hidden_size, tp_size))
+        pattern = self.hybrid_pattern
+        if pattern is None:
+            return p
+        if not isinstance(pattern, str):
+            return [*p, f"hybrid_pattern={pattern!r} must be a string (e.g. 'M-M*-')"]
+        bad = sorted(set(pattern) - set(HYBRID_LAYERS) - {"|"})
+        if bad:
+            allowed = ", ".join(f"{c} {what}" for c, what in HYBRID_LAYERS.items())
+            p.append(f"hybrid_pattern={pattern!r} has unknown character(s) {bad}: use {allowed}, | between stages")
+        layers = pattern.replace("|", "")
+        if len(layers) != self.num_layers:
+            p.append(f"hybrid_pattern={pattern!r} has {len(layers)} layers (characters other than |) but "
+                     f"num_layers={self.num_layers}; make them equal")  # fmt: skip
+        if "|" in pattern and any(not stage for stage in pattern.split("|")):
+            p.append(f"hybrid_pattern={pattern!r} has an empty pipeline stage (| at an end or ||)")
+        if "M" in layers and self.mamba is None:
+            p.append("hybrid_pattern has Mamba layers (M) but mamba is not set; set mamba (e.g. mamba={} for the "
+                     "defaults of MambaConfig)")  # fmt: skip
+        if "E" in layers and self.moe is None:
+            p.append("hybrid_pattern has MoE layers (E) but moe is not set; set moe (e.g. moe={'num_experts': 8})")
         return p
 
     def check_parallel(self, tp_size: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from mcore_models.moe.layer import MoELayer
+from mcore_models.ssm.mixer import Mamba2Mixer
 from mcore_models.transformer.attention import SDPACoreAttention, SelfAttention
 from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.mlp import MLP
@@ -34,6 +35,8 @@ class LayerSpec:
     mlp: Callable[..., nn.Module] = MLP
     moe: Callable[..., nn.Module] = MoELayer
     """The MLP of the layers that ``TransformerConfig.moe`` makes mixture-of-experts (same signature as ``mlp``)."""
+    mamba_mixer: Callable[..., nn.Module] = Mamba2Mixer
+    """The mixer of a :class:`~mcore_models.ssm.MambaLayer` (``(config, ctx, spec, prefix)``, like ``mlp``)."""
     norm: Callable[..., nn.Module] = build_norm
     column_linear: Callable[..., Any] = ColumnParallelLinear
     row_linear: Callable[..., Any] = RowParallelLinear
