@@ -59,6 +59,7 @@ nox.options.sessions = ["lint", "typecheck", "tests", "kernels", "integration"]
 KERNEL_TESTS = [
     "tests/models/test_swiglu.py",
     "tests/models/test_qkv_rope.py",
+    "tests/models/test_ssd_triton.py",
     "tests/infer/test_small_gemv.py",
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",
