@@ -119,9 +119,11 @@ class CausalConv1d(nn.Module):
         self.kernel = kernel
         self.weight = _split_param(ctx, (channels, 1, kernel), _uniform(-bound, bound), f"{prefix}.weight", dtype,
                                    blocks)  # fmt: skip
-        self.bias: nn.Parameter | None = None
+        self.bias: nn.Parameter | None
         if bias:
             self.bias = _split_param(ctx, (channels,), _uniform(-bound, bound), f"{prefix}.bias", dtype, blocks)
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
