@@ -206,13 +206,6 @@ async def _first(client: EngineClient) -> None:
         pass
 
 
-def test_cli_refuses_engine_process_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
-    from mcore_infer.cli import main
-
-    assert main(["serve", "--checkpoint", "nowhere", "--tp", "2", "--engine-process"]) == 2
-    assert "--engine-process supports --tp 1 only" in capsys.readouterr().err
-
-
 def test_cli_serves_from_an_engine_process_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     """``serve`` at --tp 1 builds its engine in an engine process: a bad checkpoint is reported from there as a user
     error (exit code 2, one line), not as a traceback."""

@@ -1,14 +1,16 @@
 """``mcore-infer``: ``serve`` (OpenAI-compatible HTTP server) and ``generate`` (one-off completions).
 
-Tensor parallel serving: ``torchrun --nproc-per-node N -m mcore_infer.cli serve --tp N ...``; rank 0 serves HTTP
-and runs the scheduler, the other ranks follow its steps.
+Tensor parallel serving: ``torchrun --nproc-per-node N -m mcore_infer.cli serve --tp N ...``; rank 0 runs the
+scheduler (the engine loop) and starts the HTTP front-end processes, the other ranks follow its steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 from typing import get_args
 
 from mcore_infer.config import EngineConfig
@@ -23,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="mcore checkpoint (or run directory with a 'latest')")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size (launch with torchrun --nproc-per-node N, one process per rank)")  # fmt: skip
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -120,13 +123,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get at exit")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the engine in its own process and the HTTP front end (with the detokenization of "
-                   "streams) in this one: the default with --tp 1, where it is measured faster (docs/infer.md); "
-                   "--no-engine-process serves from the engine's process, as --tp > 1 does. If the engine process "
-                   "dies, the front end answers 503 (also on /health) until it is restarted")  # fmt: skip
+                   help="keep the HTTP front end (with the detokenization of streams) out of the engine loop's "
+                   "process (the default, measured faster: docs/infer.md): at --tp 1 the engine runs in a process of "
+                   "its own; at --tp > 1 rank 0 runs the engine loop and the front ends run in processes it starts. "
+                   "--no-engine-process serves HTTP from the engine's process (rank 0's). If the engine process dies, "
+                   "the front end answers 503 (also on /health) until it is restarted")  # fmt: skip
     s.add_argument("--api-workers", type=int, default=1, metavar="N",
-                   help="HTTP front-end processes over the one engine process, on one listening socket (default 1; "
-                   "needs the engine process)")  # fmt: skip
+                   help="HTTP front-end processes over the one engine (default 1; needs the engine process); on Linux "
+                   "each listens on its own socket (SO_REUSEPORT) and the kernel spreads connections over them; "
+                   "responses name the worker that answered (header x-mcore-worker)")  # fmt: skip
     g = sub.add_parser("generate", help="complete prompts and print the results")
     _engine_args(g)
     g.add_argument("prompts", nargs="+")
@@ -142,22 +147,13 @@ def _run(args: argparse.Namespace) -> int:
     from mcore_infer.api import LLM
 
     if args.command == "serve":
-        if args.engine_process is None:
-            args.engine_process = args.tp == 1
-            log.info("serving with the engine %s (--%sengine-process to change)",
-                     "in its own process" if args.engine_process else "in the server's process",
-                     "no-" if args.engine_process else "")  # fmt: skip
-        if args.api_workers < 1:
-            raise InvalidRequestError(f"--api-workers {args.api_workers}: must be at least 1")
-        if args.api_workers > 1 and not args.engine_process:
-            raise InvalidRequestError("--api-workers > 1 needs the engine process: drop --no-engine-process")
+        _check_serve(args)
         if args.engine_process:
             return _serve_engine_process(args)
     llm = _build_llm(args, getattr(args, "model_name", None))
     assert isinstance(llm, LLM)
     if not llm.is_driver:
-        llm.follow()
-        return 0
+        return _follow(llm)
     if args.command == "generate":
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
@@ -165,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         for gen in llm.generate(args.prompts, params):
             sys.stdout.write(f"{gen.outputs[0].text!r}\n")
         llm.shutdown()
+        _leave_process_group()
         return 0
     from mcore_infer.async_engine import AsyncEngine
     from mcore_infer.server import build_app, serve
@@ -174,28 +171,104 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_rank() -> int:
+    from mcore_parallel import read_launch_env
+
+    return read_launch_env().rank
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    """``serve``'s flags that go together (a user error otherwise); the layout, logged when it is the default."""
+    if args.engine_process is None:
+        args.engine_process = True
+        if args.tp == 1:
+            log.info("serving with the engine in its own process (--no-engine-process to change)")
+        elif _launch_rank() == 0:
+            log.info("serving with the engine loop in rank 0's process and the HTTP front end in %s of its own "
+                     "(--no-engine-process to change)",
+                     "a process" if args.api_workers == 1 else f"{args.api_workers} processes")  # fmt: skip
+    if args.api_workers < 1:
+        raise InvalidRequestError(f"--api-workers {args.api_workers}: must be at least 1")
+    if args.api_workers > 1 and not args.engine_process:
+        raise InvalidRequestError("--api-workers > 1 needs the engine process: drop --no-engine-process")
+
+
+def _follow(llm: object) -> int:
+    """A TP rank other than the first: run rank 0's steps until rank 0 releases it. A launcher signals every rank
+    (torchrun: each rank's process group), and rank 0 still steps while its front ends drain, then releases the
+    others: so the first SIGINT/SIGTERM here is logged and waited out; a second one ends this rank at once."""
+    from mcore_infer.api import LLM
+
+    assert isinstance(llm, LLM)
+
+    def wait_for_rank0(signum: int, frame: FrameType | None) -> None:
+        log.info("got %s: following rank 0 until it stops (again to stop at once)", signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, wait_for_rank0)
+    llm.follow()
+    _leave_process_group()
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy torch.distributed's default group once this rank is done with it: a gloo group left for the
+    interpreter's exit can abort the process there (``terminate called without an active exception``) once the other
+    ranks have gone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _serve_engine_process(args: argparse.Namespace) -> int:
-    """``serve --engine-process``: the engine process builds the LLM with :func:`_build_llm` from these arguments."""
-    from mcore_infer.engine_process import EngineClient, EngineSpec
+    """``serve`` with the engine loop out of the HTTP front end's process: at ``--tp 1`` an engine process builds the
+    LLM with :func:`_build_llm` from these arguments; at ``--tp`` > 1 every rank builds its shard here, rank 0 serves
+    the front ends it starts from its engine loop (:func:`~mcore_infer.engine_process.serve_workers`)."""
+    from mcore_infer.engine_process import EngineClient, EngineSpec, WorkerHeader, serve_workers
     from mcore_infer.server import build_app, serve
 
-    if args.tp != 1:
-        raise InvalidRequestError(
-            "--engine-process supports --tp 1 only; with --tp > 1 the engine serves from its "
-            "own process (drop --engine-process)"
-        )
+    if args.tp > 1:
+        return _serve_tp(args)
+    spec = EngineSpec(_build_llm, (args, args.model_name))
     if args.api_workers > 1:
-        from mcore_infer.engine_process import serve_workers
-
-        spec = EngineSpec(_build_llm, (args, args.model_name))
         return serve_workers(spec, args.api_workers, args.host, args.port, args.shutdown_timeout, args.model_name)
-    client = EngineClient(EngineSpec(_build_llm, (args, args.model_name))).launch()
+    client = EngineClient(spec).launch()
     try:
         app = build_app(client, client.tokenizer, client.model_name, args.shutdown_timeout)  # type: ignore[arg-type]
-        serve(app, args.host, args.port)
+        serve(WorkerHeader(app, 0), args.host, args.port)
     finally:
         client.shutdown(0.0)  # a no-op after the app's own shutdown; stops the engine process on any error
     return 0
+
+
+def _serve_tp(args: argparse.Namespace) -> int:
+    """``serve --tp N`` under torchrun: rank 0 binds the front ends' sockets first (a port in use fails before any
+    model is loaded; the launcher then stops the other ranks), every rank builds its shard, rank 0 serves."""
+    from mcore_infer.api import LLM
+    from mcore_infer.engine_process import bind_worker_sockets, serve_workers
+    from mcore_parallel import read_launch_env
+
+    env = read_launch_env()
+    if env.world_size != args.tp:
+        raise InvalidRequestError(
+            f"serve --tp {args.tp} runs one process per tensor-parallel rank: launch it with torchrun "
+            f"--nproc-per-node {args.tp} (this launch has {env.world_size} process{'es' * (env.world_size > 1)})"
+        )
+    socks = bind_worker_sockets(args.host, args.port, args.api_workers) if env.rank == 0 else []
+    try:
+        llm = _build_llm(args, args.model_name)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    assert isinstance(llm, LLM)
+    if not llm.is_driver:
+        return _follow(llm)
+    code = serve_workers(llm, args.api_workers, args.host, args.port, args.shutdown_timeout, args.model_name, socks)
+    _leave_process_group()
+    return code
 
 
 if __name__ == "__main__":

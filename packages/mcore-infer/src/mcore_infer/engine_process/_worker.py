@@ -14,7 +14,8 @@ Messages (pickled, each side sends lists or tuples of plain values; engine -> fr
 
 The engine never waits for the front end: the pipes are made as large as the system allows (:func:`widen_pipe`, 1 MiB
 on Linux: hundreds of steps of output), and the front end reads them on its event loop as they fill. The loop ends at
-``stop`` or when the front end's pipe closes (the front end exited or was killed): no orphan.
+``stop`` or when the front end's pipe closes (the front end exited or was killed): no orphan. Under ``--tp`` > 1,
+rank 0 runs the same loop (:func:`serve_engine`) over the ``LLM`` it built, in its own process.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "from_wire",
     "run_engine",
     "send_frame",
+    "serve_engine",
     "to_wire",
     "widen_pipe",
 ]
@@ -259,14 +261,24 @@ def run_engine(
             with contextlib.suppress(OSError):
                 send_frame(conn, ("failed", str(e) if user else f"{type(e).__name__}: {e}", user))
         return
-    for conn in outs:
-        with contextlib.suppress(OSError):
-            send_frame(conn, ("ready", info))
+    serve_engine(llm, cmds, outs, info)
+    log.info("engine process stopped")
+
+
+def serve_engine(llm: Any, commands: list[Connection], outputs: list[Connection],
+                 info: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Serve the front ends on these pipes (``commands[i]``, ``outputs[i]`` for front end ``i``) from the built
+    ``llm`` in the calling thread: each gets the ``ready`` message, then the engine loop runs until ``stop`` or until
+    every front end's pipe closed, and ``llm.shutdown()`` releases the other TP ranks. The engine process's loop
+    (:func:`run_engine`), and rank 0's under ``--tp`` > 1 (:func:`~mcore_infer.engine_process.serve_workers`)."""
     try:
-        _loop(llm.engine, _FrontEnds(cmds, outs))
+        info = info or _info(llm)
+        for conn in outputs:
+            with contextlib.suppress(OSError):
+                send_frame(conn, ("ready", info))
+        _loop(llm.engine, _FrontEnds(commands, outputs))
     finally:
         llm.shutdown()
-    log.info("engine process stopped")
 
 
 class _FrontEnds:
