@@ -2,7 +2,7 @@
 
 Per head ``h`` (group ``g = h // (H // G)`` for ``B`` and ``C``): ``state_t = exp(dt_t A_h) state_{t-1} + dt_t x_t B_t^T``
 and ``y_t = state_t C_t + D_h x_t``, computed over chunks of ``L = chunk_size`` positions. With ``cum`` the inclusive
-cumulative sum of ``dt A`` within a chunk, the forward is five kernels: ``dt`` (bias, softplus, clamp, ``cum``), the
+cumulative sum of ``dt A`` within a chunk, the forward is four kernels: ``dt`` (bias, softplus, clamp, ``cum``), the
 chunk states ``S_c = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T``, the pass over chunks (``state_in_{c+1} =
 exp(cum_last) state_in_c + S_c``, parallel over batch, head and state tiles), and the chunk output ``y_i = sum_{j<=i}
 (C_i . B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) state_in C_i + D x_i``. The backward runs the same chunk-state
@@ -28,7 +28,10 @@ import torch
 
 __all__ = ["ssd_scan_triton"]
 
-_ROWS = 64  # positions per row/column block inside a chunk (at most; at least 16, tl.dot's smallest tile)
+_ROWS = 64  # positions per row/column block inside a chunk (at most; at least 16, tl.dot's smallest tile): forward
+_BWD_ROWS = 32  # the same for the backward's column and row kernels
+_WARPS = 8  # warps per program of the forward's chunk kernels (b=2 s=2048 H=32 P=64 N=128 L=256 on an H200)
+_BWD_WARPS = 4  # and of the backward's
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 
 
@@ -304,12 +307,12 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> dict[str, Any]:
+def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int, rows: int) -> dict[str, Any]:
     """The shape constants of the chunk kernels (tiles padded to powers of two, at least 16 for ``tl.dot``)."""
     H, P = x.shape[2:]
     G, N = B.shape[2:]
     prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
-    bm = max(16, min(_ROWS, _pow2(chunk_size)))
+    bm = max(16, min(rows, _pow2(chunk_size)))
     return {"H": H, "G": G, "P": P, "N": N, "L": chunk_size, "BP": max(16, _pow2(P)), "BN": max(16, _pow2(N)),
             "BM": bm, "PREC": prec}  # fmt: skip
 
@@ -335,10 +338,10 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_fwd"][(nc, b * H)](dt, bias, A, dtp, cum, s, dt_lo, dt_hi, H=H, L=chunk_size, BL=_pow2(chunk_size),
                              HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus)  # fmt: skip
-    cfg = _blocks(x, B, chunk_size)
+    cfg = _blocks(x, B, chunk_size, _ROWS)
     bm = cfg.pop("BM")
     states = torch.empty(b, nc, H, P, N, **f32)
-    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, **cfg)
+    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, num_warps=_WARPS, **cfg)
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
     bs = min(_STATE_BLOCK, _pow2(P * N))
@@ -348,7 +351,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     y = torch.empty_like(x)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, **cfg)
+    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, num_warps=_WARPS, **cfg)
     return y, final, states, dtp, cum
 
 
@@ -378,10 +381,10 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     b, s, H, P, N, nc = _dims(x, B, chunk_size)
     dy, x, dt, A, B, C = (t.contiguous() for t in (dy, x, dt, A, B, C))
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
-    cfg = _blocks(x, B, chunk_size)
+    cfg = _blocks(x, B, chunk_size, _BWD_ROWS)
     bm = cfg.pop("BM")
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
-    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, **cfg)
+    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, num_warps=_WARPS, **cfg)
     bs = min(_STATE_BLOCK, _pow2(P * N))
     nt = -(-P * N // bs)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
@@ -393,8 +396,9 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None, **cfg)
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, **cfg)
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
+                        num_warps=_BWD_WARPS, **cfg)  # fmt: skip
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=_BWD_WARPS, **cfg)
     ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
