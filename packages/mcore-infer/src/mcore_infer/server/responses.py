@@ -15,8 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.background import BackgroundTask
-from starlette.responses import Response
+from fastapi.responses import Response  # (starlette's, which fastapi re-exports)
 
 __all__ = ["EventStreamResponse"]
 
@@ -35,7 +34,7 @@ class EventStreamResponse(Response):
     def __init__(self, events: AsyncIterator[str]) -> None:  # no super().__init__: there is no body to render
         self.events = events
         self.status_code = 200
-        self.background: BackgroundTask | None = None
+        self.background: Any = None  # FastAPI may set its BackgroundTasks here
         self.raw_headers = list(HEADERS)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
