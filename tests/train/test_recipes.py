@@ -89,13 +89,30 @@ for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parall
         "parallel": _parallel,
     }
 
+EXPECTED["hybrid-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
+_SSM_RUNS = {
+    "mamba2-130m": ((2048, 3e-3, 1000, 16, 256, 100000, 2000, 1000), {}),
+    "mamba2-1.3b": ((2048, 1e-3, 2000, 8, 256, 100000, 2000, 1000), {}),
+    "hybrid-1b": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
+    "nemotron-h-8b": ((8192, 3e-4, 2000, 1, 128, 100000, 2000, 500), {"tp": 2, "sequence_parallel": True}),
+}  # fmt: skip
+for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parallel) in _SSM_RUNS.items():
+    EXPECTED[_name] = {
+        "data": {**_PRETRAINING["data"], "seq_length": _seq},
+        "optimizer": {**_PRETRAINING["optimizer"], "lr": _lr},
+        "scheduler": {**_PRETRAINING["scheduler"], "warmup_iters": _warmup, "min_lr": _lr / 10},
+        "training": dict(micro_batch_size=_micro, global_batch_size=_global, train_iters=_iters, eval_interval=_eval),
+        "checkpoint": {**_PRETRAINING["checkpoint"], "save_interval": _save},
+        "parallel": _parallel,
+    }
+
 
 def test_the_recipes_are_the_ones_there_were() -> None:
     assert list(RECIPES) == list(EXPECTED)
     for name, sections in EXPECTED.items():
         cfg = load_config(recipe=name)
         tree = cfg.to_dict()
-        if name == "moe-tiny":
+        if name in ("moe-tiny", "hybrid-tiny"):
             assert cfg.model == preset(name, vocab_size=259), name  # float32, the byte tokenizer's vocabulary
         elif name != "tiny":
             assert cfg.model == preset(name, params_dtype="bfloat16"), name

@@ -10,6 +10,11 @@ with L layers, hidden h, n query heads, g key/value groups, head dim d, sequence
 
 An MoE layer counts, as Megatron does, the MLPs a token actually passes through: ``(f_e * k + f_s) / h * m`` with
 expert width f_e, top-k k and shared-expert width f_s (0 without), plus the router, ``E / (2h)`` for E experts.
+
+A hybrid model (``hybrid_pattern``) counts each layer by its kind: an attention layer (``*``) the attention term
+above, an MLP (``-``) or MoE (``E``) layer the MLP term, and a Mamba-2 layer (``M``) as Megatron-LM counts it,
+forward ``2 h (2 d_i + 2 G N + H) + 7 d_i N + 2 d_i h`` per token (the input projection to z, x, B, C and dt, the
+scan, the output projection; d_i = expand * h inner width, G groups of state size N, H heads), times 3 for training.
 """
 
 from __future__ import annotations
@@ -23,26 +28,16 @@ __all__ = ["num_parameters", "training_flops_per_token"]
 def num_parameters(config: TransformerConfig, *, tp_size: int = 1, include_padding: bool = True) -> int:
     """Total parameters of the model (all stages and TP ranks together; tied weights counted once)."""
     c = config
-    h, d, n, g, f = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size
+    h = c.hidden_size
     norm = h * (2 if c.normalization == "layernorm" else 1)
-    head_norm = d * (2 if c.normalization == "layernorm" else 1)
-    bias = c.add_bias_linear
-    qkv = h * (n + 2 * g) * d + (n + 2 * g) * d * int(c.qkv_bias)
-    proj = n * d * h + h * int(bias)
-    fc1_out = (2 if c.gated else 1) * f
-    mlp = h * fc1_out + fc1_out * int(bias) + f * h + h * int(bias)
-    qk = 2 * head_norm if c.qk_layernorm else 0
-    per_layer = 2 * norm + qkv + proj + qk
-    moe = c.moe
     layers = 0
-    for i in range(c.num_layers):
-        if moe is not None and moe.is_moe_layer(i):
-            up = 2 if c.gated else 1
-            fe, fs = moe.expert_ffn(f), moe.shared_expert_ffn_hidden_size or 0
-            routed = moe.num_experts * (h + (up + 1) * fe * h)
-            layers += per_layer + routed + (up + 1) * fs * h + (h if moe.shared_expert_gate else 0)
-        else:
-            layers += per_layer + mlp
+    for kind in _kinds(c):
+        if kind in "*AB":
+            layers += norm + _attention_parameters(c)
+        if kind in "-EAB":
+            layers += norm + _mlp_parameters(c, kind in "EB")
+        if kind == "M":
+            layers += norm + _mamba_parameters(c)
     vocab = (
         padded_vocab_size(c.vocab_size, tp_size, c.make_vocab_size_divisible_by) if include_padding else c.vocab_size
     )
@@ -52,19 +47,81 @@ def num_parameters(config: TransformerConfig, *, tp_size: int = 1, include_paddi
     return layers + norm + embed + positions + output
 
 
+def _attention_parameters(c: TransformerConfig) -> int:
+    h, d, n, g = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups
+    qkv = h * (n + 2 * g) * d + (n + 2 * g) * d * int(c.qkv_bias)
+    proj = n * d * h + h * int(c.add_bias_linear)
+    qk = 2 * d * (2 if c.normalization == "layernorm" else 1) if c.qk_layernorm else 0
+    return qkv + proj + qk
+
+
+def _mlp_parameters(c: TransformerConfig, moe: bool) -> int:
+    h, f, bias = c.hidden_size, c.ffn_size, c.add_bias_linear
+    up = 2 if c.gated else 1
+    if moe and c.moe is not None:
+        fe, fs = c.moe.expert_ffn(f), c.moe.shared_expert_ffn_hidden_size or 0
+        routed = c.moe.num_experts * (h + (up + 1) * fe * h)
+        return routed + (up + 1) * fs * h + (h if c.moe.shared_expert_gate else 0)
+    return h * up * f + up * f * int(bias) + f * h + h * int(bias)
+
+
+def _mamba_parameters(c: TransformerConfig) -> int:
+    mc = c.mamba
+    if mc is None:
+        raise ValueError("a Mamba layer (M in hybrid_pattern) needs TransformerConfig.mamba")
+    h = c.hidden_size
+    di = mc.expand * h
+    heads, gn = di // mc.head_dim, mc.n_groups * mc.d_state
+    conv_channels = di + 2 * gn
+    conv = conv_channels * mc.d_conv + (conv_channels if mc.conv_bias else 0)
+    # in_proj, conv1d, dt_bias + A_log + D, the gated norm, out_proj
+    return h * (2 * di + 2 * gn + heads) + conv + 3 * heads + di + di * h
+
+
 def training_flops_per_token(config: TransformerConfig, seq_length: int, *, tp_size: int = 1) -> float:
     """Model FLOPs per trained token (forward + backward), Megatron's formula, causal attention counted half."""
     c = config
-    h, n, g, d, L = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.num_layers
+    h = c.hidden_size
     vocab = padded_vocab_size(c.vocab_size, tp_size, c.make_vocab_size_divisible_by)
-    attn = (1 + g / n + seq_length / h * 0.5) * (n * d / h)
-    m = 1.5 if c.gated else 1.0
-    mlp = 0.0
-    for i in range(L):
-        if c.moe is not None and c.moe.is_moe_layer(i):
-            shared = c.moe.shared_expert_ffn_hidden_size or 0
-            mlp += (c.moe.expert_ffn(c.ffn_size) * c.moe.router_topk + shared) / h * m + c.moe.num_experts / (2 * h)
-        else:
-            mlp += c.ffn_size / h * m
-    logits = vocab / (2 * L * h)
-    return 12.0 * L * h * h * (attn + mlp / L + logits)
+    total = 6.0 * h * vocab  # the output layer
+    for kind in _kinds(c):
+        if kind in "*AB":
+            total += _attention_flops(c, seq_length)
+        if kind in "-EAB":
+            total += _mlp_flops(c, kind in "EB")
+        if kind == "M":
+            total += _mamba_flops(c)
+    return total
+
+
+def _kinds(c: TransformerConfig) -> list[str]:
+    """Each layer's kind: the hybrid pattern's characters, or for a GPT model ``A`` (a Transformer layer: attention
+    and MLP) and ``B`` (attention and MoE)."""
+    if c.hybrid_pattern is not None:
+        return list(c.hybrid_pattern.replace("|", ""))
+    return ["B" if c.moe is not None and c.moe.is_moe_layer(i) else "A" for i in range(c.num_layers)]
+
+
+def _attention_flops(c: TransformerConfig, seq_length: int) -> float:
+    h, n, g, d = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim
+    return 12.0 * h * h * (1 + g / n + seq_length / h * 0.5) * (n * d / h)
+
+
+def _mlp_flops(c: TransformerConfig, moe: bool) -> float:
+    h, m = c.hidden_size, (1.5 if c.gated else 1.0)
+    if moe and c.moe is not None:
+        shared = c.moe.shared_expert_ffn_hidden_size or 0
+        return 12.0 * h * h * ((c.moe.expert_ffn(c.ffn_size) * c.moe.router_topk + shared) / h * m
+                               + c.moe.num_experts / (2 * h))  # fmt: skip
+    return 12.0 * h * h * (c.ffn_size / h * m)
+
+
+def _mamba_flops(c: TransformerConfig) -> float:
+    mc = c.mamba
+    if mc is None:
+        raise ValueError("a Mamba layer (M in hybrid_pattern) needs TransformerConfig.mamba")
+    h = c.hidden_size
+    di = mc.expand * h
+    heads = di // mc.head_dim
+    gn = mc.n_groups * mc.d_state
+    return 3.0 * (2 * h * (2 * di + 2 * gn + heads) + 7 * di * mc.d_state + 2 * di * h)

@@ -18,9 +18,11 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.embedding import LanguageModelEmbedding
+from mcore_models.hybrid import hybrid_spec
 from mcore_models.spec import LayerSpec, default_spec
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
@@ -74,6 +76,8 @@ class GPTModel(nn.Module):
         self.ctx = ModelContext(tp, sequence_parallel and tp.size > 1, rng_tracker, device, config.seed, ep=ep,
                                 expert_tp=expert_tp, balance=balance)  # fmt: skip
         spec = spec or default_spec()
+        if config.hybrid_pattern is not None and spec.layer is TransformerLayer:  # layers from the pattern
+            spec = hybrid_spec(spec)
         self.padded_vocab_size = padded_vocab_size(config.vocab_size, tp.size, config.make_vocab_size_divisible_by)
         self.input_tensor: torch.Tensor | None = None
 

@@ -39,6 +39,21 @@ _LLAMA_1B_BODY = dict(
     share_embeddings_and_output_weights=False,
 )
 
+# Mamba-2 language models (state-spaces/mamba2-*: GPT-NeoX vocabulary, tied embeddings, no position embedding);
+# num_attention_heads is unused without attention layers
+_MAMBA2 = dict(
+    normalization="rmsnorm",
+    position_embedding="none",
+    add_bias_linear=False,
+    share_embeddings_and_output_weights=True,
+    vocab_size=50277,
+    max_position_embeddings=4096,
+    norm_eps=1e-5,
+    mamba=dict(d_state=128, d_conv=4, expand=2, head_dim=64, n_groups=1, chunk_size=256),
+)
+# 48 layers of llama-1b's width: 21 Mamba-2, 3 attention (every 16th layer, RoPE as llama-1b) and 24 SwiGLU MLPs
+_HYBRID_1B_PATTERN = ("M-" * 7 + "*-") * 3
+
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": dict(_GPT2, num_layers=12, hidden_size=768, num_attention_heads=12),
     "gpt2-350m": dict(_GPT2, num_layers=24, hidden_size=1024, num_attention_heads=16),
@@ -147,6 +162,49 @@ PRESETS: dict[str, dict[str, Any]] = {
             shared_expert_ffn_hidden_size=2048,
         ),
     ),
+    "mamba2-130m": dict(_MAMBA2, num_layers=24, hidden_size=768, num_attention_heads=12, hybrid_pattern="M" * 24),
+    "mamba2-1.3b": dict(_MAMBA2, num_layers=48, hidden_size=2048, num_attention_heads=32, hybrid_pattern="M" * 48),
+    "hybrid-1b": dict(
+        _LLAMA_1B_BODY,
+        num_layers=len(_HYBRID_1B_PATTERN),
+        ffn_hidden_size=4096,
+        hybrid_pattern=_HYBRID_1B_PATTERN,
+        mamba=dict(d_state=128, d_conv=4, expand=2, head_dim=64, n_groups=1, chunk_size=256),
+    ),
+    # Nemotron-H-8B's sizes and layer pattern (24 Mamba-2, 4 attention without position embedding, 24 squared-ReLU
+    # MLPs); its tokenizer and FP8 recipe are not part of a preset
+    "nemotron-h-8b": dict(
+        normalization="rmsnorm",
+        position_embedding="none",
+        add_bias_linear=False,
+        activation="squared_relu",
+        num_layers=52,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        ffn_hidden_size=21504,
+        vocab_size=131072,
+        max_position_embeddings=8192,
+        norm_eps=1e-5,
+        share_embeddings_and_output_weights=False,
+        hybrid_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        mamba=dict(d_state=128, d_conv=4, expand=2, head_dim=64, n_groups=8, chunk_size=128),
+    ),
+    # for tests: every layer kind but MoE, two B/C groups, a chunk shorter than the test sequences
+    "hybrid-tiny": dict(
+        _LLAMA,
+        num_layers=5,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=256,
+        make_vocab_size_divisible_by=64,
+        max_position_embeddings=256,
+        hybrid_pattern="M*-M-",
+        mamba=dict(d_state=16, d_conv=4, expand=2, head_dim=16, n_groups=2, chunk_size=8),
+    ),
 }
 
 
@@ -155,6 +213,8 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     fields = dict(PRESETS[name], **overrides)
+    if isinstance(overrides.get("mamba"), dict):  # a partial mamba override keeps the rest
+        fields["mamba"] = dict(PRESETS[name].get("mamba") or {}, **overrides["mamba"])
     if isinstance(overrides.get("moe"), dict):
         fields["moe"] = dict(
             PRESETS[name].get("moe") or {}, **overrides["moe"]

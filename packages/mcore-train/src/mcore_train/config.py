@@ -28,6 +28,7 @@ import yaml
 
 from mcore_models import PRESETS, TransformerConfig, preset
 from mcore_models.errors import ConfigError as ModelConfigError
+from mcore_models.mamba_config import MambaConfig
 from mcore_models.moe_config import MoEConfig
 from mcore_parallel.optim import OptimizerConfig
 from mcore_train._typed import build, convert, suggest, to_plain
@@ -127,15 +128,15 @@ class TrainConfig:
 
     def _model_problems(self) -> list[str]:
         """The model against the layout: layers over the stages, heads over tp, sequence length."""
-        from mcore_parallel.pipeline import stage_layer_range
+        from mcore_models.hybrid import stage_layers
 
         par, model, seq = self.parallel, self.model, self.data.seq_length
         problems = []
         try:
             for pp_rank in range(par.pp):
                 for vpp_rank in range(par.vpp_size):
-                    stage_layer_range(model.num_layers, par.pp, pp_rank, par.vpp_size, vpp_rank,
-                                      par.first_stage_layers, par.last_stage_layers)  # fmt: skip
+                    stage_layers(model, par.pp, pp_rank, par.vpp_size, vpp_rank, par.first_stage_layers,
+                                 par.last_stage_layers)  # fmt: skip
         except ValueError as e:
             problems.append(f"parallel: {e}")
         problems.extend(f"model: {p}" for p in model.problems(par.tp) if "tensor-parallel" in p)
@@ -308,8 +309,8 @@ def _build_model(data: Mapping[str, Any], errors: list[str]) -> TransformerConfi
         if k == "rope_scaling" and isinstance(v, Mapping):
             values[k] = dict(v)
             continue
-        if k == "moe" and isinstance(v, Mapping):
-            values[k] = _build_moe(v, name, errors)
+        if k in _SUBCONFIGS and isinstance(v, Mapping):
+            values[k] = _build_subconfig(k, v, name, errors)
             continue
         converted = convert(v, hints[k], f"model.{k}", errors)
         if converted is not None or v is None:
@@ -327,24 +328,29 @@ def _build_model(data: Mapping[str, Any], errors: list[str]) -> TransformerConfi
     return None
 
 
-def _build_moe(data: Mapping[str, Any], preset_name: Any, errors: list[str]) -> MoEConfig | None:
-    """``model.moe`` from a mapping: its keys checked and converted, over the preset's MoE settings when the model
-    names a preset that has them (so ``model.moe.num_experts=4`` changes only that)."""
-    hints = typing.get_type_hints(MoEConfig)
-    fields = [f.name for f in dataclasses.fields(MoEConfig)]
-    base = PRESETS.get(str(preset_name), {}).get("moe") if preset_name is not None else None
+_SUBCONFIGS: dict[str, type[Any]] = {"moe": MoEConfig, "mamba": MambaConfig}
+"""The model's nested configs that ``model.<key>.<field>`` overrides address field by field."""
+
+
+def _build_subconfig(key: str, data: Mapping[str, Any], preset_name: Any, errors: list[str]) -> Any:
+    """``model.<key>`` (``moe``, ``mamba``) from a mapping: its keys checked and converted, over the preset's
+    settings when the model names a preset that has them (so ``model.moe.num_experts=4`` changes only that)."""
+    cls = _SUBCONFIGS[key]
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    base = PRESETS.get(str(preset_name), {}).get(key) if preset_name is not None else None
     values: dict[str, Any] = dict(base) if isinstance(base, Mapping) else {}
     ok = True
     for k, v in data.items():
         if k not in fields:
-            errors.append(f"model.moe.{k}: unknown key{suggest(k, fields)}")
+            errors.append(f"model.{key}.{k}: unknown key{suggest(k, fields)}")
             ok = False
             continue
         before = len(errors)
-        converted = convert(v, hints[k], f"model.moe.{k}", errors)
+        converted = convert(v, hints[k], f"model.{key}.{k}", errors)
         ok = ok and len(errors) == before
         values[k] = converted
-    return MoEConfig(**values) if ok else None
+    return cls(**values) if ok else None
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:

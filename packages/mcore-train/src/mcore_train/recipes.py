@@ -122,6 +122,39 @@ def deepseek_v3() -> TrainConfig:
                         parallel=ParallelSection(pp=16, ep=64, first_stage_layers=3, last_stage_layers=2))  # fmt: skip
 
 
+def hybrid_tiny() -> TrainConfig:
+    """``tiny``'s run (byte tokens, CPU in minutes) with the ``hybrid-tiny`` model: Mamba-2, attention and MLP layers
+    (pattern ``M*-M-``)."""
+    run = tiny()
+    run.model = preset("hybrid-tiny", vocab_size=259)
+    return run
+
+
+def mamba2_130m() -> TrainConfig:
+    """Mamba-2 130M (24 Mamba-2 layers, no attention): the published recipe's 5x GPT-3's learning rate."""
+    return _pretraining("mamba2-130m", seq=2048, lr=3e-3, warmup=1000, micro_batch=16, global_batch=256,
+                        iters=100000, eval_interval=2000, save_interval=1000)  # fmt: skip
+
+
+def mamba2_1_3b() -> TrainConfig:
+    """Mamba-2 1.3B (48 Mamba-2 layers of width 2048)."""
+    return _pretraining("mamba2-1.3b", seq=2048, lr=1e-3, warmup=2000, micro_batch=8, global_batch=256,
+                        iters=100000, eval_interval=2000, save_interval=1000)  # fmt: skip
+
+
+def hybrid_1b() -> TrainConfig:
+    """``hybrid-1b``: llama-1b's width as 21 Mamba-2, 3 attention and 24 MLP layers; llama-1b's run."""
+    return _pretraining("hybrid-1b", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
+                        eval_interval=2000, save_interval=1000)  # fmt: skip
+
+
+def nemotron_h_8b() -> TrainConfig:
+    """Nemotron-H-8B's sizes and pattern at seq 8192 over tp2 + sequence parallelism."""
+    return _pretraining("nemotron-h-8b", seq=8192, lr=3e-4, warmup=2000, micro_batch=1, global_batch=128,
+                        iters=100000, eval_interval=2000, save_interval=500,
+                        parallel=ParallelSection(tp=2, sequence_parallel=True))  # fmt: skip
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "gpt2-124m": gpt2_124m,
@@ -133,6 +166,11 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-moe-30b-a3b": qwen3_moe_30b_a3b,
     "deepseek-v3": deepseek_v3,
+    "hybrid-tiny": hybrid_tiny,
+    "mamba2-130m": mamba2_130m,
+    "mamba2-1.3b": mamba2_1_3b,
+    "hybrid-1b": hybrid_1b,
+    "nemotron-h-8b": nemotron_h_8b,
 }
 
 

@@ -17,6 +17,7 @@ import torch
 
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
+from mcore_models.hybrid import stage_layers
 from mcore_parallel import ParallelState, ShardedTensor
 from mcore_parallel.checkpoint import (
     CheckpointFormatError,
@@ -27,7 +28,7 @@ from mcore_parallel.checkpoint import (
 from mcore_parallel.checkpoint.zarr_io import Verify
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
-from mcore_parallel.pipeline import stage_layer_range, sync_shared_embedding_weights
+from mcore_parallel.pipeline import sync_shared_embedding_weights
 from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed, with_symmetric_memory
 from mcore_parallel.topology import resolve_dp_comm, resolve_tp_comm
 from mcore_train.config import TrainConfig
@@ -102,8 +103,8 @@ def build_model_chunks(
     vpp = par.vpp or 1
     chunks = []
     for v in range(vpp):
-        layers = stage_layer_range(model_config.num_layers, par.pp, state.pp.rank, vpp, v,
-                                   par.first_stage_layers, par.last_stage_layers)  # fmt: skip
+        layers = stage_layers(model_config, par.pp, state.pp.rank, vpp, v, par.first_stage_layers,
+                              par.last_stage_layers)  # fmt: skip
         chunks.append(
             GPTModel(
                 model_config,
@@ -296,6 +297,8 @@ _RUNTIME_FIELDS = ("recompute", "recompute_num_layers", "cross_entropy_fusion", 
                    "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout",
                    "hidden_dropout", "seed")  # fmt: skip
 _RUNTIME_MOE_FIELDS = ("token_dispatcher",)
+_RUNTIME_MAMBA_FIELDS = ("scan", "chunk_size")  # how the scan is computed, not what
+_SUBCONFIG_RUNTIME = {"moe": _RUNTIME_MOE_FIELDS, "mamba": _RUNTIME_MAMBA_FIELDS}
 
 
 def _model_diffs(saved: TransformerConfig, configured: TransformerConfig) -> list[str]:
@@ -305,10 +308,13 @@ def _model_diffs(saved: TransformerConfig, configured: TransformerConfig) -> lis
         a, b = getattr(saved, f.name), getattr(configured, f.name)
         if f.name in _RUNTIME_FIELDS or a == b:
             continue
-        if f.name == "moe" and a is not None and b is not None:
-            out.extend(f"model.moe.{g.name}: checkpoint has {getattr(a, g.name)!r}, config has "
+        if f.name == "hybrid_pattern" and a is not None and b is not None and a.replace("|", "") == b.replace("|", ""):
+            continue  # the same layers; '|' only places them on pipeline stages
+        if f.name in _SUBCONFIG_RUNTIME and a is not None and b is not None:
+            runtime = _SUBCONFIG_RUNTIME[f.name]
+            out.extend(f"model.{f.name}.{g.name}: checkpoint has {getattr(a, g.name)!r}, config has "
                        f"{getattr(b, g.name)!r}" for g in dataclasses.fields(a)
-                       if g.name not in _RUNTIME_MOE_FIELDS and getattr(a, g.name) != getattr(b, g.name))  # fmt: skip
+                       if g.name not in runtime and getattr(a, g.name) != getattr(b, g.name))  # fmt: skip
             continue
         out.append(f"model.{f.name}: checkpoint has {a!r}, config has {b!r}")
     return out
