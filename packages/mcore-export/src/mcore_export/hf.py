@@ -35,6 +35,7 @@ from mcore_models.hf import (
     mcore_to_hf,
 )
 from mcore_models.hf_moe import MOE_ARCHITECTURES, MOE_MODEL_TYPES, moe_config_from_hf, moe_config_to_hf
+from mcore_models.hf_ssm import SSM_ARCHITECTURES, SSM_MODEL_TYPES, ssm_config_from_hf, ssm_config_to_hf
 from mcore_parallel import Group
 from mcore_parallel.checkpoint import FORMAT_VERSION
 from mcore_parallel.checkpoint.zarr_io import ArraySpec, write_array_metadata, write_chunk, write_group_metadata
@@ -53,6 +54,8 @@ def hf_config_for(config: TransformerConfig) -> dict[str, Any]:
     arch = hf_architecture(config)
     if arch in MOE_ARCHITECTURES:
         return moe_config_to_hf(config)
+    if arch in SSM_ARCHITECTURES:
+        return ssm_config_to_hf(config)
     if arch == "LlamaForCausalLM":
         return llama_config_to_hf(config)
     return gpt2_config_to_hf(config)
@@ -159,9 +162,11 @@ def _config_from_hf(hf: dict[str, Any], params_dtype: str) -> TransformerConfig:
         return gpt2_config_from_hf(hf, params_dtype=params_dtype)
     if arch in MOE_ARCHITECTURES or (arch is None and model_type in MOE_MODEL_TYPES):
         return moe_config_from_hf(hf, params_dtype=params_dtype)
+    if arch in SSM_ARCHITECTURES or (arch is None and model_type in SSM_MODEL_TYPES):
+        return ssm_config_from_hf(hf, params_dtype=params_dtype)
     raise ConversionError(
         f"architecture {arch!r} (model_type {model_type!r}) is not supported; supported: LlamaForCausalLM, "
-        f"GPT2LMHeadModel, {', '.join(MOE_ARCHITECTURES)}"
+        f"GPT2LMHeadModel, {', '.join(MOE_ARCHITECTURES + SSM_ARCHITECTURES)}"
     )
 
 

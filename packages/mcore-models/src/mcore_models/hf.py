@@ -1,7 +1,8 @@
 """Converters between mcore's global state dict and Hugging Face Llama / GPT-2 layouts, in one place.
 
-Configs with ``moe`` (Mixtral, Qwen2-MoE, Qwen3-MoE) are handled by :mod:`mcore_models.hf_moe`; ``hf_architecture``,
-``mcore_to_hf`` and ``hf_to_mcore`` dispatch there.
+Configs with ``moe`` (Mixtral, Qwen2-MoE, Qwen3-MoE) are handled by :mod:`mcore_models.hf_moe`, configs with a
+``hybrid_pattern`` (Mamba-2, NemotronH) by :mod:`mcore_models.hf_ssm`; ``hf_architecture``, ``mcore_to_hf`` and
+``hf_to_mcore`` dispatch there.
 
 Both directions work tensor by tensor (``get`` returns one global tensor by key), so exporters can stream a
 checkpoint without holding more than one tensor. Configs convert both ways too. Features a Hugging Face class
@@ -40,8 +41,13 @@ Getter = Callable[[str], torch.Tensor]
 # ---------------------------------------------------------------------------------------------------- configs
 def hf_architecture(config: TransformerConfig) -> str:
     """``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (for an MoE config: ``Mixtral``/``Qwen2Moe``/``Qwen3Moe`` +
-    ``ForCausalLM``), or a ConversionError naming what the class cannot represent."""
+    ``ForCausalLM``; with a ``hybrid_pattern``: ``Mamba2ForCausalLM`` or ``NemotronHForCausalLM``), or a
+    ConversionError naming what the class cannot represent."""
     c = config
+    if c.hybrid_pattern is not None:
+        from mcore_models.hf_ssm import ssm_architecture  # hf_ssm builds on this module
+
+        return ssm_architecture(c)
     if c.moe is not None:
         from mcore_models.hf_moe import moe_architecture  # hf_moe builds on this module
 
@@ -265,6 +271,11 @@ def mcore_to_hf(
     (the ``transformers`` module's own ``experts.gate_up_proj`` / ``down_proj``)."""
     arch = hf_architecture(config)
     c = config
+    if c.hybrid_pattern is not None:
+        from mcore_models.hf_ssm import ssm_mcore_to_hf
+
+        yield from ssm_mcore_to_hf(c, get)
+        return
     if c.moe is not None:
         from mcore_models.hf_moe import moe_mcore_to_hf
 
@@ -316,6 +327,11 @@ def hf_to_mcore(config: TransformerConfig, get: Getter) -> Iterator[tuple[str, t
     """Yield ``(mcore_key, global tensor)`` for every mcore parameter, reading HF tensors via ``get``."""
     arch = hf_architecture(config)
     c = config
+    if c.hybrid_pattern is not None:
+        from mcore_models.hf_ssm import ssm_hf_to_mcore
+
+        yield from ssm_hf_to_mcore(c, get)
+        return
     if c.moe is not None:
         from mcore_models.hf_moe import moe_hf_to_mcore
 
