@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from mcore_infer import LLM, EngineConfig, SamplingParams
 from mcore_parallel import ParallelConfig, ParallelState
 from mcore_parallel.testing import run_distributed
@@ -28,3 +30,47 @@ def test_tp2_greedy_equals_tp1() -> None:
     results = run_distributed(_serve, 2, 2)
     assert results[1] is None
     assert results[0] == single
+
+
+def _idle_then_serve(idle_s: float) -> list[int] | None:
+    """tp2 over a process group that times out after 2 s: the engine idles ``idle_s`` s (its loop running, as a
+    server's does between requests), then serves a request."""
+    import asyncio
+    import datetime
+
+    import torch.distributed as dist
+
+    from mcore_infer.async_engine import AsyncEngine
+    from mcore_parallel import Group
+
+    ParallelState.initialize(ParallelConfig(tp=2))
+    pg = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2), backend="gloo")
+    tp = Group("tp", (0, 1), dist.get_rank(), pg)
+    llm = LLM(model=tiny_model(tp=tp), config=EngineConfig(**CFG))
+    if not llm.is_driver:
+        llm.follow()  # a collective that waits for the next step: it fails after 2 s without a message
+        return None
+    llm.runner.keep_alive_s = 0.5
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    time.sleep(idle_s)
+
+    async def one() -> list[int]:
+        last = None
+        async for out in engine.generate(PROMPTS[0], PARAMS, stream=False):
+            last = out
+        assert last is not None
+        return last.token_ids
+
+    try:
+        return asyncio.run(one())
+    finally:
+        engine.shutdown(5.0)
+
+
+def test_an_idle_tensor_parallel_engine_keeps_its_followers() -> None:
+    """Idle for longer than the process group's timeout, the first rank's engine loop sends keep-alives, so its
+    follower is still there for the next request (which gets the tp1 tokens)."""
+    (single,) = run_distributed(_serve, 1, 1)
+    results = run_distributed(_idle_then_serve, 2, 3.5)
+    assert results == [single[0], None]

@@ -103,6 +103,7 @@ class AsyncEngine:
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
+                self.engine.runner.keep_alive()  # (tensor parallelism: the followers wait in a collective)
                 continue
             try:
                 try:

@@ -18,6 +18,7 @@ sample; only the first rank does.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -35,7 +36,10 @@ from mcore_models import GPTModel
 from mcore_models.moe import grouped_mm_applies, moe_layers
 from mcore_parallel import Group
 
-__all__ = ["ModelRunner", "StepBatch", "graph_blockers"]
+__all__ = ["KEEP_ALIVE", "ModelRunner", "StepBatch", "graph_blockers"]
+
+KEEP_ALIVE = "keep-alive"
+"""What :meth:`ModelRunner.keep_alive` sends the followers of an idle engine."""
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,9 @@ class ModelRunner:
         if config.compile:
             self.decode.compile_layers()  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")
+        self.keep_alive_s = 60.0
+        """Seconds of idling after which :meth:`keep_alive` tells the followers the first rank is alive."""
+        self._last_broadcast = time.monotonic()
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -174,14 +181,27 @@ class ModelRunner:
             dist.broadcast_object_list(box, src=self.tp.ranks[0], group=self.tp.pg)
             if box[0] is None:
                 return
-            self._run(box[0])
+            if isinstance(box[0], StepBatch):  # (anything else is keep_alive's message)
+                self._run(box[0])
 
     def stop_followers(self) -> None:
         if self.tp.size > 1 and self.tp.rank == 0:
             dist.broadcast_object_list([None], src=self.tp.ranks[0], group=self.tp.pg)
 
+    def keep_alive(self) -> None:
+        """On the first TP rank of an idle engine (its loops call this while they wait for requests): once
+        :attr:`keep_alive_s` have passed since the last step, a message the followers pass over. They wait for the
+        next step inside a collective, which fails after the process group's timeout (10 minutes by default): an
+        idle tensor-parallel server would otherwise lose its followers."""
+        if self.tp.size > 1 and self.tp.rank == 0 and time.monotonic() - self._last_broadcast >= self.keep_alive_s:
+            self._send_followers(KEEP_ALIVE)
+
     def _broadcast(self, batch: StepBatch) -> None:
-        dist.broadcast_object_list([batch], src=self.tp.ranks[0], group=self.tp.pg)
+        self._send_followers(batch)
+
+    def _send_followers(self, item: Any) -> None:
+        dist.broadcast_object_list([item], src=self.tp.ranks[0], group=self.tp.pg)
+        self._last_broadcast = time.monotonic()
 
     @torch.inference_mode()
     def _run(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -382,6 +382,10 @@ def _send_step(engine: LLMEngine, fronts: _FrontEnds, outs: list[RequestOutput],
                 fronts.close(engine, i, "is gone")
 
 
+IDLE_WAKE_S = 5.0
+"""How long an idle engine loop waits for a command before it looks whether its followers need a keep-alive."""
+
+
 def _loop(engine: LLMEngine, fronts: _FrontEnds) -> None:
     stats = engine_stats(engine)
     clock = time.perf_counter
@@ -390,10 +394,13 @@ def _loop(engine: LLMEngine, fronts: _FrontEnds) -> None:
     try:
         while fronts.open:
             t0 = clock()
-            rejects, added, stop = _take_commands(engine, fronts, 0 if engine.has_work() else None)
+            idle = not engine.has_work()  # then wait for a command, waking to keep tensor-parallel followers alive
+            rejects, added, stop = _take_commands(engine, fronts, IDLE_WAKE_S if idle else 0)
             t1 = clock()
             if stop:
                 return
+            if idle:
+                engine.runner.keep_alive()
             outs = _step(engine) if engine.has_work() else []
             t2 = clock()
             now = engine_stats(engine)
