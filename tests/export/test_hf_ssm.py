@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mcore_export import export_hf, import_hf
+from mcore_export import export_hf, import_hf, trtllm_architecture
 from mcore_export.cli import main
-from mcore_models import ConversionError, GPTModel
+from mcore_models import ConversionError, GPTModel, preset
 from mcore_models.checkpoint import load_weights, model_config_from_checkpoint
 from mcore_parallel import ParallelConfig, ParallelState
 from mcore_parallel.checkpoint import read_metadata
@@ -139,3 +139,9 @@ def test_imported_hybrid_serves_under_tensor_parallelism(tmp_path: Path) -> None
     assert len(outputs) == 2
     for out in outputs:
         torch.testing.assert_close(out, hf_logits(hf), rtol=1e-5, atol=1e-5)
+
+
+def test_trtllm_export_refuses_hybrid_models_naming_the_pattern() -> None:
+    for name in ("mamba2-130m", "nemotron-h-8b"):
+        with pytest.raises(ConversionError, match="hybrid_pattern=.*export those with 'mcore-export hf'"):
+            trtllm_architecture(preset(name))

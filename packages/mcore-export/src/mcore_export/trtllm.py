@@ -51,6 +51,11 @@ def trtllm_architecture(config: TransformerConfig) -> str:
     """``LlamaForCausalLM`` or ``GPTForCausalLM``, or a ConversionError naming what neither can represent."""
     c = config
     problems = []
+    if c.hybrid_pattern is not None:  # checked first: its other settings would be reported as if they were the cause
+        raise ConversionError(
+            f"TensorRT-LLM export cannot represent hybrid_pattern={c.hybrid_pattern!r} (Mamba-2 / hybrid layers); "
+            "export those with 'mcore-export hf' (Mamba2ForCausalLM, NemotronHForCausalLM)"
+        )
     if c.moe is not None:
         problems.append("moe (mixture-of-experts layers; export those with 'mcore-export hf')")
     if c.qk_layernorm:
