@@ -11,7 +11,7 @@ plus one). ``attention`` first stores the step's keys/values at their slots, the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,19 @@ class PagedAttentionContext:
         block_tables_host: list[list[int]] | None = None,
         fuse_rotary: bool = False,
         fuse_kv_write: bool = False,
+        kv_layers: list[int] | None = None,
+        mamba: Any = None,
     ) -> None:
         if backend not in ("plain", "triton"):
             raise ValueError(f"attention backend {backend!r}: use 'plain' or 'triton'")
         if backend == "plain" and (segments is None or block_tables_host is None):
             raise ValueError("the plain backend needs segments and host block tables")
         self.cache, self.first_layer = cache, first_layer
+        # the layers that hold KV blocks, in cache order (None: every layer from first_layer on); a hybrid model's
+        # Mamba and MLP layers have none
+        self.kv_index = None if kv_layers is None else {n: i for i, n in enumerate(kv_layers)}
+        # the step's Mamba states (a mcore_infer.mamba_cache.MambaStepView; None for models without Mamba layers)
+        self.mamba = mamba
         self.layer_number = first_layer
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.token_seq, self.token_ctx = token_seq, token_ctx
@@ -80,7 +87,8 @@ class PagedAttentionContext:
 
         Never traced by ``torch.compile`` (``EngineConfig.compile``): compiled layers run their code before and
         after this call, which depends on per-step host data (segments, block tables) and writes the cache."""
-        i = self.layer_number - self.first_layer  # set by GPTModel.forward before each layer
+        # layer_number is set by GPTModel.forward before each layer
+        i = self.layer_number - self.first_layer if self.kv_index is None else self.kv_index[self.layer_number]
         k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
         t, d = q.shape[0], q.shape[-1]
         heads = q.shape[2] * q.shape[3] if q.dim() == 5 else q.shape[2]

@@ -92,7 +92,8 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Any, *, max_queue: int = 4096, seed: int = 0) -> None:
         self.runner, self.tokenizer = runner, tokenizer
         cfg = runner.config
-        self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   state_slots=runner.state_slots)  # fmt: skip
         self.sampler = Sampler(runner.device, seed)
         self.max_model_len = runner.max_model_len
         self.max_queue = max_queue

@@ -32,6 +32,7 @@ from mcore_infer.attention import PagedAttentionContext, Segment
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
+from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
 from mcore_models import GPTModel
 from mcore_models.moe import grouped_mm_applies, moe_layers
 from mcore_parallel import Group
@@ -79,15 +80,25 @@ class StepBatch:
     segments: list[Segment] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     logits_index: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    """Per segment, its request's Mamba state slot (0 for models without Mamba layers)."""
+    fresh_slots: list[int] = field(default_factory=list)
+    """The Mamba state slots of the requests that start from an empty state in this step (zeroed first)."""
 
     @property
     def decode_only(self) -> bool:
         return len(self.tokens) == len(self.segments)
 
-    def add(self, tokens: list[int], start_pos: int, table: list[int], block_size: int, logits: str) -> None:
-        """Append ``tokens`` at positions ``start_pos..``; ``logits``: ``none``, ``last`` or ``all`` rows."""
+    def add(
+        self, tokens: list[int], start_pos: int, table: list[int], block_size: int, logits: str, state_slot: int = 0
+    ) -> None:
+        """Append ``tokens`` at positions ``start_pos..``; ``logits``: ``none``, ``last`` or ``all`` rows;
+        ``state_slot``: the request's Mamba state slot (zeroed first when ``start_pos`` is 0)."""
         n = len(tokens)
         t0 = len(self.tokens)
+        self.state_slots.append(state_slot)
+        if state_slot and not start_pos:
+            self.fresh_slots.append(state_slot)
         if n == 1 and logits == "last":  # a decode token: the common case, kept cheap
             self.tokens.append(tokens[0])
             self.positions.append(start_pos)
@@ -135,7 +146,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.groups = mc.query_groups // self.tp.size
         self.max_blocks_per_seq = blocks_for(self.max_model_len, self.block_size)
-        nlayers = len(model.layer_numbers)
+        self._init_mamba(model)  # before the KV cache: the memory budget counts the states
+        nlayers = len(self.kv_layers)
         num_blocks = config.num_blocks or self._blocks_from_memory(nlayers, mc.head_dim)
         self.cache = KVCache.allocate(
             nlayers, num_blocks, self.block_size, self.groups, mc.head_dim, self.dtype, self.device
@@ -148,9 +160,25 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
 
     # ------------------------------------------------------------------------------------------------- sizing
+    def _init_mamba(self, model: GPTModel) -> None:
+        """The layers with KV blocks, and for Mamba layers their states (:mod:`mcore_infer.mamba_cache`): a conv and
+        an SSM state per layer for each of ``max_num_seqs`` request slots (plus the scratch slot)."""
+        self.kv_layers = attention_layer_numbers(model)
+        mixers = mamba_mixers(model)
+        self.mamba: MambaCache | None = None
+        self.state_slots: SlotManager | None = None
+        if mixers:
+            slots = self.config.max_num_seqs + 1
+            self.mamba = MambaCache.allocate(mixers, slots, self.device)
+            self.state_slots = SlotManager(slots)
+            log.info("Mamba states: %d layers x %d request slots, %.1f MiB", len(mixers), slots - 1,
+                     MambaCache.bytes_for(mixers, slots) / 2**20)  # fmt: skip
+
     def _blocks_from_memory(self, nlayers: int, head_dim: int) -> int:
         per_block = KVCache.bytes_per_block(nlayers, self.block_size, self.groups, head_dim, self.dtype)
-        if self.device.type == "cuda":
+        if per_block == 0:  # no attention layer (a pure Mamba model): blocks only count tokens
+            return self.config.max_num_seqs * self.max_blocks_per_seq + 1
+        if self.device.type == "cuda":  # (the Mamba states are allocated already: mem_get_info counts them)
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = 2 << 30  # activations of a prefill step and CUDA graphs
             budget = int(self.config.memory_fraction * total) - (total - free) - reserve
@@ -218,14 +246,15 @@ class ModelRunner:
         pos = np.asarray(batch.positions, dtype=np.int64)
         packed = np.concatenate(
             [np.asarray(batch.tokens, np.int64), pos, np.asarray(batch.slots, np.int64), rows, pos + 1]
-            + [np.asarray(batch.logits_index, np.int64), bt.reshape(-1)]
+            + [np.asarray(batch.logits_index, np.int64), np.asarray(batch.state_slots, np.int64), bt.reshape(-1)]
         )
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         ids, positions, slots, tseq, tctx = (dev[i * n : (i + 1) * n] for i in range(5))
         if device_ids is not None:
             ids.copy_(device_ids)
         logits_index = dev[5 * n : 5 * n + r]
-        block_tables = dev[5 * n + r :].view(s, width)
+        state_slots = dev[5 * n + r : 5 * n + r + s]
+        block_tables = dev[5 * n + r + s :].view(s, width)
         ctx = PagedAttentionContext(
             self.cache,
             self.model.layer_numbers.start,
@@ -239,9 +268,22 @@ class ModelRunner:
             block_tables_host=batch.block_tables,
             fuse_rotary=self.plan.rope_in_attention,
             fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
+            kv_layers=self.kv_layers,
+            mamba=self._mamba_step(batch, state_slots),
         )
         out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx)
         return out[0]
+
+    def _mamba_step(self, batch: StepBatch, state_slots: torch.Tensor) -> MambaStepView | None:
+        """The step's view of the Mamba states (None without Mamba layers), after zeroing the fresh requests'."""
+        if self.mamba is None:
+            return None
+        if batch.fresh_slots:
+            self.mamba.reset(torch.tensor(batch.fresh_slots, device=self.device))
+        if batch.decode_only:
+            return MambaStepView(self.mamba, state_slots)
+        segments = [(g.start, g.end, batch.state_slots[g.row]) for g in batch.segments]
+        return MambaStepView(self.mamba, state_slots, segments)
 
     # ------------------------------------------------------------------------------------------- CUDA graphs
     def capture_graphs(self) -> None:
@@ -256,7 +298,7 @@ class ModelRunner:
             return
         sizes = self.config.graph_sizes()
         mx, w = sizes[-1], self.max_blocks_per_seq
-        buf = torch.zeros(5 * mx + mx * w, dtype=torch.int64, device=self.device)
+        buf = torch.zeros(6 * mx + mx * w, dtype=torch.int64, device=self.device)
         self._host = torch.zeros_like(buf, device="cpu").pin_memory()
         self._static = {
             "buf": buf,
@@ -265,7 +307,8 @@ class ModelRunner:
             "slots": buf[2 * mx : 3 * mx],
             "tseq": buf[3 * mx : 4 * mx],
             "tctx": buf[4 * mx : 5 * mx],
-            "bt": buf[5 * mx :].view(mx, w),
+            "state_slots": buf[5 * mx : 6 * mx],
+            "bt": buf[6 * mx :].view(mx, w),
         }
         st = self._static
         st["tseq"].copy_(torch.arange(mx, device=self.device))
@@ -284,6 +327,8 @@ class ModelRunner:
                     backend="triton",
                     fuse_rotary=self.plan.rope_in_attention,
                     fuse_kv_write=self.plan.kv_write_in_attention,  # decode graphs: one new token per request
+                    kv_layers=self.kv_layers,
+                    mamba=None if self.mamba is None else MambaStepView(self.mamba, st["state_slots"][:b]),
                 )
                 args = (st["ids"][:b][None], st["pos"][:b][None])
                 stream = torch.cuda.Stream(self.device)
@@ -310,21 +355,24 @@ class ModelRunner:
             self._host_copied.synchronize()
         h = self._host.numpy()
         h[: 3 * mx] = 0
-        h[4 * mx : 5 * mx] = 0
+        h[4 * mx : 6 * mx] = 0
         h[:n] = batch.tokens
         h[mx : mx + n] = batch.positions
         h[2 * mx : 2 * mx + n] = batch.slots
         h[4 * mx : 4 * mx + n] = np.asarray(batch.positions) + 1
-        bt = h[5 * mx :].reshape(mx, w)
+        h[5 * mx : 5 * mx + n] = batch.state_slots  # padded rows: the scratch slot 0
+        bt = h[6 * mx :].reshape(mx, w)
         bt[:b] = 0
         for i, t in enumerate(batch.block_tables):
             bt[i, : len(t)] = t
-        used = 5 * mx + b * w
+        used = 6 * mx + b * w
         self._static["buf"][:used].copy_(self._host[:used], non_blocking=True)
         self._host_copied = torch.cuda.Event()
         self._host_copied.record()
         if device_ids is not None:
             self._static["ids"][:n].copy_(device_ids)
+        if self.mamba is not None and batch.fresh_slots:  # (one-token prompts) zeroed before the graph runs
+            self.mamba.reset(torch.tensor(batch.fresh_slots, device=self.device))
         graph, out = self.graphs[b]
         graph.replay()
         if len(batch.logits_index) == n:

@@ -9,6 +9,10 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
 2. then waiting requests, in arrival order, while the budget, ``max_num_seqs`` and free blocks allow (a small
    reserve of blocks is kept for the running requests' next tokens).
 
+Models with Mamba layers also give each running request a state slot (:mod:`mcore_infer.mamba_cache`), taken at
+admission and freed with its blocks (finish, abort, preemption); ``max_num_seqs`` slots exist, so admission by
+``max_num_seqs`` always finds one.
+
 Requests that could never fit (prompt plus ``max_tokens`` over the context length or over the whole cache) are
 rejected when they are added, never queued.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcore_infer.kv_cache import BlockManager, blocks_for
+from mcore_infer.mamba_cache import SlotManager
 from mcore_infer.runner import StepBatch
 from mcore_infer.sampling import SamplingParams
 
@@ -40,6 +45,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = 0
+    """Its Mamba state slot while running (0: none held, or a model without Mamba layers)."""
     num_computed: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -90,9 +97,15 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, reserve_fraction: float = 0.01
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        reserve_fraction: float = 0.01,
+        state_slots: SlotManager | None = None,
     ) -> None:
         self.blocks = blocks
+        self.state_slots = state_slots
         self.max_num_seqs, self.budget = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
         self.reserve = max(1, int(reserve_fraction * blocks.capacity)) if blocks.capacity > 8 else 0
         self.waiting: deque[Sequence] = deque()
@@ -112,10 +125,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
+        self._free_slot(seq)
+
+    def _free_slot(self, seq: Sequence) -> None:
+        if self.state_slots is not None and seq.state_slot:
+            self.state_slots.free(seq.state_slot)
+        seq.state_slot = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
+        self._free_slot(seq)  # recomputed from the prompt: a fresh slot when admitted again
         seq.num_computed = 0
         seq.preemptions += 1
         self.num_preemptions += 1
@@ -149,8 +169,12 @@ class Scheduler:
             reserve = self.reserve if self.running else 0
             if self.blocks.num_free - need < reserve:
                 break
+            if self.state_slots is not None and not self.state_slots.num_free:
+                break
             grown = self.blocks.grow(seq.block_table, seq.num_computed + n)
             assert grown
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.allocate()
             self.waiting.popleft()
             self.running.append(seq)
             plan.append(self._plan(seq, n))
@@ -164,6 +188,7 @@ class Scheduler:
                 s.block_table,
                 bs,
                 item.logits,
+                s.state_slot,
             )
         return plan, batch
 
@@ -179,7 +204,7 @@ class Scheduler:
             pos = seq.length
             if not self.blocks.grow(seq.block_table, pos + 1):
                 return None
-            batch.add([0], pos, seq.block_table, bs, "last")  # the id itself comes from the device
+            batch.add([0], pos, seq.block_table, bs, "last", seq.state_slot)  # the id itself comes from the device
         return [Scheduled(seq, 1, "last") for seq in seqs], batch
 
     @staticmethod

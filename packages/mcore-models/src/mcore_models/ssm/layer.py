@@ -41,11 +41,12 @@ class MambaLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: Any = None,
     ) -> torch.Tensor:
-        """``x + dropout(mixer(norm(x)))`` for ``x`` ``[s (/ tp), b, hidden]`` (``rotary`` is not used)."""
+        """``x + dropout(mixer(norm(x)))`` for ``x`` ``[s (/ tp), b, hidden]`` (``rotary`` is not used).
+
+        With an engine's ``inference_context`` (flat tokens ``[T, 1, hidden]`` of many requests), the mixer runs
+        :func:`~mcore_models.ssm.inference.mixer_inference_forward` over the requests' conv and SSM states."""
         if inference_context is not None:
-            raise NotImplementedError(
-                "MambaLayer has no inference path yet: serving needs its conv and SSM states in the engine's context"
-            )
+            return x + self.mixer(self.input_layernorm(x), inference_context=inference_context)
         out = self.mixer(self.input_layernorm(x))
         if self.hidden_dropout > 0 and self.training:
             with self.ctx.sp_region_rng():

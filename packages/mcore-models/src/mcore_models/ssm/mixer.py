@@ -27,7 +27,7 @@ does; the convolution and the scan see the whole sequence. Every parameter is dr
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -200,8 +200,14 @@ class Mamba2Mixer(nn.Module):
             **common,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[s (/ tp), b, hidden]`` → the mixer's output, the same shape."""
+    def forward(self, x: torch.Tensor, inference_context: Any = None) -> torch.Tensor:
+        """``x`` ``[s (/ tp), b, hidden]`` → the mixer's output, the same shape. With an engine's
+        ``inference_context``: its step's flat tokens, from and to their requests' states
+        (:func:`~mcore_models.ssm.inference.mixer_inference_forward`)."""
+        if inference_context is not None:
+            from mcore_models.ssm.inference import mixer_inference_forward
+
+            return mixer_inference_forward(self, x, inference_context)
         zxbcdt = self.in_proj(x)  # [s, b, 2d + 2GN + H] / tp: the whole sequence under sequence parallelism
         d, gn, heads = self.d_local, self.gn_local, self.heads_local
         z, xbc, dt = zxbcdt.split([d, d + 2 * gn, heads], dim=-1)

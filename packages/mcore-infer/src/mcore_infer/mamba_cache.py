@@ -1,0 +1,121 @@
+"""Per-request Mamba states beside the paged KV cache: one conv and one SSM state per request slot and Mamba layer.
+
+A Mamba-2 layer's past is not a sequence of keys and values but two fixed-size states per request
+(:mod:`mcore_models.ssm.inference`). :class:`MambaCache` holds them for every Mamba layer of this rank,
+``[num_slots, ...]`` each, allocated once when the engine starts; :class:`SlotManager` hands the slots out. Slot 0 is
+scratch (padded rows of a CUDA-graph batch advance it, as they write the KV cache's scratch block), so a cache for
+``max_num_seqs`` requests has ``max_num_seqs + 1`` slots.
+
+The scheduler takes a slot when it admits a request and frees it when the request finishes, is aborted or is
+preempted (preemption recomputes from the prompt, so the slot is zeroed when the request is admitted again). The
+step's batch names the slots whose requests start fresh; the runner zeroes them before the forward, on every TP
+rank. :class:`MambaStepView` is the ``mamba`` attribute of the step's inference context that the mixers read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_models import GPTModel
+from mcore_models.ssm.inference import mamba_state_shapes
+from mcore_models.ssm.mixer import Mamba2Mixer
+from mcore_models.ssm.ssd import _compute_dtype
+
+__all__ = ["MambaCache", "MambaStepView", "SlotManager", "attention_layer_numbers", "mamba_mixers"]
+
+
+def mamba_mixers(model: GPTModel) -> dict[int, Mamba2Mixer]:
+    """The Mamba-2 mixers of ``model``'s layers, by layer number (empty for a model without Mamba layers)."""
+    out = {}
+    for key, layer in model.decoder.layers.items():
+        mixer = getattr(layer, "mixer", None)
+        if isinstance(mixer, Mamba2Mixer):
+            out[int(key)] = mixer
+    return out
+
+
+def attention_layer_numbers(model: GPTModel) -> list[int]:
+    """The layers of ``model`` that attend (and need KV-cache blocks): every layer of a GPT model, the ``*`` layers
+    of a hybrid pattern."""
+    numbers = list(model.layer_numbers)
+    pattern = model.config.hybrid_pattern
+    if pattern is None:
+        return numbers
+    kinds = pattern.replace("|", "")
+    return [n for n in numbers if kinds[n] == "*"]
+
+
+class SlotManager:
+    """Free list of state slots ``1..num_slots - 1`` (0 is scratch)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: need at least 2 (one is reserved as scratch)")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no Mamba state slot is free")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot:
+            self._free.append(slot)
+
+
+@dataclass
+class MambaCache:
+    """Per Mamba layer (by layer number): conv states ``[num_slots, C, d_conv - 1]`` (model dtype) and SSM states
+    ``[num_slots, H, P, N]`` (float32; float64 for a float64 model), this rank's channels and heads."""
+
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+    num_slots: int
+
+    @classmethod
+    def allocate(cls, mixers: dict[int, Mamba2Mixer], num_slots: int, device: torch.device) -> MambaCache:
+        conv, ssm = {}, {}
+        for number, mixer in mixers.items():
+            (conv_shape, ssm_shape), dtype = mamba_state_shapes(mixer), mixer.conv1d.weight.dtype
+            conv[number] = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
+            ssm[number] = torch.zeros(num_slots, *ssm_shape, dtype=_compute_dtype(mixer.A_log), device=device)
+        return cls(conv, ssm, num_slots)
+
+    @staticmethod
+    def bytes_for(mixers: dict[int, Mamba2Mixer], num_slots: int) -> int:
+        """The memory :meth:`allocate` takes for ``num_slots`` slots."""
+        total = 0
+        for mixer in mixers.values():
+            (c, k), (h, p, n) = mamba_state_shapes(mixer)
+            conv_bytes = c * k * mixer.conv1d.weight.element_size()
+            ssm_bytes = h * p * n * torch.empty((), dtype=_compute_dtype(mixer.A_log)).element_size()
+            total += num_slots * (conv_bytes + ssm_bytes)
+        return total
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero every layer's states at ``slots`` (requests that start fresh)."""
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t.index_fill_(0, slots, 0)
+
+
+class MambaStepView:
+    """The ``mamba`` attribute of a step's inference context (``mcore_models.ssm.inference.MambaStep``)."""
+
+    def __init__(
+        self, cache: MambaCache, slots: torch.Tensor, segments: list[tuple[int, int, int]] | None = None
+    ) -> None:
+        self.cache, self.slots, self.segments = cache, slots, segments
+
+    def states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.conv[layer_number], self.cache.ssm[layer_number]

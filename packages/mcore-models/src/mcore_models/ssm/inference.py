@@ -1,0 +1,162 @@
+"""The inference forward of a Mamba-2 mixer over an engine's flat step of tokens, with per-request states.
+
+An engine serves many requests in one step: their prefill chunks and decode tokens are one flat sequence
+``[T, 1, hidden]``. Attention keeps each request's past in the paged KV cache; a Mamba layer keeps it in two
+fixed-size states per request, held by the engine in one tensor per layer and indexed by the request's *slot*:
+
+- the conv state ``[slots, conv_channels, d_conv - 1]`` (model dtype): the last ``d_conv - 1`` inputs of the causal
+  depthwise convolution over ``[x, B, C]``;
+- the SSM state ``[slots, H, P, N]`` (float32; float64 for a float64 model): each head's recurrent state.
+
+The step's context (the engine's inference context) carries a :class:`MambaStep` view under its ``mamba``
+attribute (:class:`MambaStep` is the protocol): the current layer's two state tensors, one slot per request of
+the step, and the host token ranges of the requests. Two paths:
+
+- a *decode* step (every request one token: ``segments is None``, token ``i`` is request ``i``) runs the one-step
+  recurrence vectorised over the batch: the conv window is the state plus the new input, the state becomes
+  ``exp(dt A) state + dt x ⊗ B`` and ``y = state · C + D x``. It reads no host data and gathers/scatters the states by
+  the slot tensor, so a CUDA graph can capture it (padded rows use a scratch slot);
+- a *mixed* step (prefill chunks, with or without decode tokens) runs each chunk's causal conv continuing from its
+  conv state and :func:`~mcore_models.ssm.ssd.ssd_scan` from its SSM state (``initial_states`` /
+  ``return_final_states``); its one-token requests take the vectorised step together.
+
+Either way the new states are written back to the requests' slots. A request that starts fresh has had its slot
+zeroed by the engine before the step. The gated norm and ``out_proj`` (row-parallel: its all-reduce) run on the
+whole step as in training. Tensor parallelism needs nothing more: each rank's states are those of its heads and
+groups, as its mixer's parameters are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mcore_models.ssm.ssd import _compute_dtype, _time_steps, ssd_scan
+
+if TYPE_CHECKING:
+    from mcore_models.ssm.mixer import Mamba2Mixer
+
+__all__ = ["MambaStep", "mamba_state_shapes", "mixer_inference_forward"]
+
+
+class MambaStep(Protocol):
+    """What a Mamba mixer reads from an engine's inference context (``context.mamba``) in one step."""
+
+    slots: torch.Tensor
+    """``[R]`` int64 on the device: the state slot of each request of the step, in step order."""
+    segments: list[tuple[int, int, int]] | None
+    """Host ``(start, end, slot)`` token ranges of the step's requests; None for a decode step (token ``i`` is
+    request ``i``, ``slots`` has one entry per token)."""
+
+    def states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv ``[slots, C, d_conv - 1]`` and SSM ``[slots, H, P, N]`` states of layer ``layer_number``."""
+        ...
+
+
+def mamba_state_shapes(mixer: Mamba2Mixer) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """Per slot, this rank's conv state shape ``(channels, d_conv - 1)`` and SSM state shape ``(H, P, N)``."""
+    m = mixer.mamba
+    channels = mixer.d_local + 2 * mixer.gn_local
+    return (channels, m.d_conv - 1), (mixer.heads_local, m.head_dim, m.d_state)
+
+
+def mixer_inference_forward(mixer: Mamba2Mixer, h: torch.Tensor, context: Any) -> torch.Tensor:
+    """The mixer over an engine step: ``h`` ``[T, 1, hidden]`` (the layer's normed input) → ``[T, 1, hidden]``;
+    reads and writes this layer's states in ``context.mamba`` (a :class:`MambaStep`)."""
+    zxbcdt = mixer.in_proj(h)[:, 0]  # [T, 2d + 2GN + H] (this rank's blocks)
+    d, gn, heads = mixer.d_local, mixer.gn_local, mixer.heads_local
+    z, xbc, dt = zxbcdt.split([d, d + 2 * gn, heads], dim=-1)
+    y = _mix_states(mixer, xbc, dt, context)
+    return mixer.out_proj(mixer.norm(y[:, None], z[:, None]))
+
+
+@torch.compiler.disable
+def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context: Any) -> torch.Tensor:
+    """Conv and scan of the step's tokens from (and back to) their requests' states: ``xbc`` ``[T, d + 2GN]``, raw
+    ``dt`` ``[T, H]`` → ``y`` ``[T, d]``. Never traced by ``torch.compile``: it reads per-step host data, and the
+    context's ``layer_number`` read here keeps compiled layers from specialising on it (as attention does)."""
+    step: MambaStep | None = getattr(context, "mamba", None)
+    if step is None:
+        raise NotImplementedError(
+            "this inference context holds no Mamba states (context.mamba): serve Mamba and hybrid models with "
+            "mcore-infer's engine, which keeps a conv and an SSM state per request"
+        )
+    conv_state, ssm_state = step.states(context.layer_number)
+    if step.segments is None:
+        return decode_step(mixer, xbc, dt, step.slots, conv_state, ssm_state)
+    y = xbc.new_empty(xbc.shape[0], mixer.d_local)
+    single = [(s, slot) for s, e, slot in step.segments if e - s == 1]
+    if single:
+        rows = torch.tensor([s for s, _ in single], device=xbc.device)
+        slots = torch.tensor([slot for _, slot in single], device=xbc.device)
+        y[rows] = decode_step(mixer, xbc[rows], dt[rows], slots, conv_state, ssm_state)
+    for start, end, slot in step.segments:
+        if end - start > 1:
+            y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
+    return y
+
+
+def _split_xbc(mixer: Mamba2Mixer, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[n, d + 2GN]`` (after the conv) → ``x`` ``[n, H, P]``, ``B``, ``C`` ``[n, G, N]``."""
+    m = mixer.mamba
+    x, B, C = xbc.split([mixer.d_local, mixer.gn_local, mixer.gn_local], dim=-1)
+    n = xbc.shape[0]
+    return (x.reshape(n, mixer.heads_local, m.head_dim), B.reshape(n, mixer.groups_local, m.d_state),
+            C.reshape(n, mixer.groups_local, m.d_state))  # fmt: skip
+
+
+def prefill_chunk(
+    mixer: Mamba2Mixer,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    slot: int,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """One request's ``n`` tokens (``xbc`` ``[n, d + 2GN]``, raw ``dt`` ``[n, H]``) from its states at ``slot``:
+    the causal conv continues from the conv state and the chunked scan from the SSM state; both are written back.
+    Returns ``y`` ``[n, d]``."""
+    conv, m = mixer.conv1d, mixer.mamba
+    window = torch.cat([conv_state[slot], xbc.t().to(conv_state.dtype)], dim=1)  # [C, d_conv - 1 + n]
+    conv_state[slot] = window[:, window.shape[1] - (m.d_conv - 1) :]
+    h = F.conv1d(window[None].to(xbc.dtype), conv.weight, conv.bias, groups=conv.weight.shape[0])[0]  # [C, n]
+    x, B, C = _split_xbc(mixer, F.silu(h).t())
+    A = -torch.exp(mixer.A_log.to(_compute_dtype(mixer.A_log)))
+    y, final = ssd_scan(x[None], dt[None], A, B[None], C[None], chunk_size=m.chunk_size, D=mixer.D,
+                        dt_bias=mixer.dt_bias, dt_softplus=True, dt_limit=m.dt_limit,
+                        initial_states=ssm_state[slot][None], return_final_states=True, impl=m.scan)  # fmt: skip
+    ssm_state[slot] = final[0].to(ssm_state.dtype)
+    return y[0].reshape(y.shape[1], -1)
+
+
+def decode_step(
+    mixer: Mamba2Mixer,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    slots: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of ``b`` requests (``xbc`` ``[b, d + 2GN]``, raw ``dt`` ``[b, H]``, their ``slots``
+    ``[b]``): the one-step recurrence, vectorised; the states at ``slots`` are gathered, advanced and written back
+    (static shapes, device indices: capturable in a CUDA graph). Returns ``y`` ``[b, d]``."""
+    conv, m = mixer.conv1d, mixer.mamba
+    cdt = ssm_state.dtype
+    window = torch.cat([conv_state.index_select(0, slots), xbc[:, :, None].to(conv_state.dtype)], dim=2)  # [b, C, K]
+    conv_state.index_copy_(0, slots, window[:, :, 1:])
+    h = (window.to(cdt) * conv.weight[:, 0].to(cdt)).sum(-1)
+    if conv.bias is not None:
+        h = h + conv.bias.to(cdt)
+    x, B, C = _split_xbc(mixer, F.silu(h.to(xbc.dtype)).to(cdt))
+    b, G = x.shape[0], mixer.groups_local
+    steps = _time_steps(dt, mixer.dt_bias, True, m.dt_limit, cdt)  # [b, H]
+    A = -torch.exp(mixer.A_log.to(cdt))
+    xg = x.view(b, G, -1, m.head_dim)  # [b, G, R, P]
+    state = ssm_state.index_select(0, slots).view(b, G, -1, m.head_dim, m.d_state)
+    decay = torch.exp(steps * A).view(b, G, -1, 1, 1)
+    state = decay * state + (steps.view(b, G, -1, 1) * xg)[..., None] * B[:, :, None, None, :]
+    ssm_state.index_copy_(0, slots, state.view(b, -1, m.head_dim, m.d_state))
+    y = torch.einsum("bgrpn,bgn->bgrp", state, C) + mixer.D.to(cdt).view(G, -1, 1) * xg
+    return y.reshape(b, -1).to(xbc.dtype)

@@ -1,0 +1,206 @@
+"""Serving Mamba-2 and hybrid models: each request's conv and SSM states live in a slot beside the paged KV cache.
+
+Greedy generation through the engine (continuous batching, chunked prefill, decode steps mixing requests,
+preemption, lookahead) equals the plain full-recompute loop over the training forward; the slots come back when
+requests finish, are aborted or preempted; tp 2 equals tp 1; the OpenAI server serves a hybrid model. CPU, float32,
+random weights with a larger init so greedy outputs vary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from mcore_infer import LLM, EngineConfig, SamplingParams
+from mcore_infer.runner import graph_blockers
+from mcore_models import GPTModel
+from mcore_models.presets import preset
+from mcore_models.ssm.inference import mixer_inference_forward
+from mcore_models.ssm.layer import MambaLayer
+from mcore_parallel import Group, ParallelConfig, ParallelState
+from mcore_parallel.testing import run_distributed
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PATTERNS = {"hybrid": "M*-M-", "mamba": "MMM"}
+# five requests through four slots and a 32-token budget: a 40-token prompt is prefilled in two chunks beside
+# running decodes, a one-token prompt starts with a decode-shaped step, queued requests join as others finish
+PROMPT_LENGTHS = (5, 40, 17, 1, 33)
+
+
+def mamba_model(kind: str, tp: Group | None = None, **kw: Any) -> GPTModel:
+    """hybrid-tiny (``M*-M-``: two Mamba layers with two groups, attention, two MLPs) or a pure-Mamba ``MMM``, on the
+    byte vocabulary."""
+    pattern = PATTERNS[kind]
+    cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern=pattern, num_layers=len(pattern),
+                 seed=7, **kw)  # fmt: skip
+    return GPTModel(cfg, tp=tp).eval()
+
+
+@pytest.fixture(scope="module", params=list(PATTERNS))
+def model(request: pytest.FixtureRequest) -> GPTModel:
+    return mamba_model(request.param)
+
+
+def _slots_all_free(llm: LLM) -> bool:
+    slots = llm.runner.state_slots
+    assert slots is not None
+    return slots.num_free == slots.capacity and llm.runner.blocks.num_free == llm.runner.blocks.capacity
+
+
+@pytest.mark.parametrize("kernels", ["auto", "none"])
+def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> None:
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
+    expected = [reference_greedy(model, p, 8) for p in prompts]
+    assert len({tuple(e) for e in expected}) == len(expected)  # the outputs depend on the prompt
+    llm = tiny_llm(model, decode_kernels=kernels)
+    res = llm.generate(prompts, GREEDY)
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert llm.engine.num_lookahead_steps > 0  # steady decoding launched steps ahead, reading the same slots
+    assert _slots_all_free(llm)
+    # KV blocks only for the attention layers; the states for the Mamba layers, one slot per max_num_seqs
+    assert len(llm.runner.cache.keys) == model.config.hybrid_pattern.count("*")
+    mamba = llm.runner.mamba
+    assert mamba is not None and sorted(mamba.ssm) == [i for i, c in enumerate(model.config.hybrid_pattern) if c == "M"]
+    assert mamba.ssm[0].shape == (5, 8, 16, 16) and mamba.ssm[0].dtype == torch.float32  # [slots, H, P, N]
+    assert mamba.conv[0].shape == (5, 128 + 2 * 2 * 16, 3)  # [slots, d + 2GN, d_conv - 1]
+
+
+def test_chunked_prefill_prompt_logprobs_match_the_model(model: GPTModel) -> None:
+    """A 70-token prompt prefilled in chunks of 16 (each chunk continuing from the states the last one left): its
+    prompt log-probabilities are the training forward's."""
+    prompt = prompts_of_lengths(70, seed=5)[0]
+    llm = tiny_llm(model, max_num_batched_tokens=16)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, echo=True))[0].outputs[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]), gather_logits=True)[0].float(), -1)
+    want = torch.tensor([float(logp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)])
+    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-4)
+
+
+def test_preemption_with_few_blocks_and_slots(model: GPTModel) -> None:
+    """Nine usable blocks of 8 tokens for four ~40-token requests, two slots: requests are preempted (their slots
+    freed, their states recomputed from the prompt when they come back) and queue for slots, with unchanged tokens."""
+    prompts = prompts_of_lengths(20, 22, 18, 25, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    llm = tiny_llm(model, block_size=8, num_blocks=10, max_num_batched_tokens=64, max_num_seqs=2)
+    res = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [r.outputs[0].token_ids for r in res] == [reference_greedy(model, p, 14) for p in prompts]
+    assert _slots_all_free(llm)
+
+
+def test_abort_frees_the_slot(model: GPTModel) -> None:
+    llm = tiny_llm(model)
+    eng = llm.engine
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    rid = eng.add_request(prompts_of_lengths(50)[0], long)
+    for _ in range(4):
+        eng.step()
+    slots = llm.runner.state_slots
+    assert slots is not None and slots.num_free == slots.capacity - 1
+    eng.abort(rid)
+    assert [o.finish_reason for o in eng.step()] == ["abort"]
+    assert _slots_all_free(llm) and not eng.has_work()
+    # the freed slot serves the next request from a clean state
+    p = prompts_of_lengths(9, seed=3)[0]
+    assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == reference_greedy(model, p, 8)
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(model: GPTModel) -> None:
+    prompts = prompts_of_lengths(12, 30, 7, seed=8)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=10, ignore_eos=True)
+    alone = tiny_llm(model).generate([prompts[0]], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batched = tiny_llm(model, max_num_batched_tokens=16).generate(prompts, [seeded, others, others])
+    assert batched[0].outputs[0].token_ids == alone
+    again = tiny_llm(model).generate([prompts[0]], seeded)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_a_context_without_states_is_refused() -> None:
+    model = mamba_model("mamba")
+    layer = model.decoder.layers["0"]
+    assert isinstance(layer, MambaLayer)
+
+    class NoStates:
+        layer_number = 0
+        logits_index = None
+
+    with pytest.raises(NotImplementedError, match="no Mamba states"):
+        mixer_inference_forward(layer.mixer, torch.zeros(3, 1, 64), NoStates())
+
+
+def test_mamba_models_have_no_graph_blocker() -> None:
+    assert graph_blockers(mamba_model("hybrid")) == []
+
+
+# ------------------------------------------------------------------------------------------------- tp, server
+TP_ENGINE = dict(block_size=16, num_blocks=32, max_num_batched_tokens=16, max_num_seqs=2)
+
+
+def _serve_tp(tp: int, kind: str, prompts: list[list[int]]) -> list[list[int]] | None:
+    state = ParallelState.initialize(ParallelConfig(tp=tp))
+    llm = LLM(model=mamba_model(kind, tp=state.tp), config=EngineConfig(**TP_ENGINE))
+    mixer: Any = llm.runner.model.decoder.layers["0"].mixer
+    assert mixer.heads_local == 8 // tp and mixer.groups_local == 2 // tp
+    assert llm.runner.mamba is not None and llm.runner.mamba.ssm[0].shape[1] == 8 // tp
+    if not llm.is_driver:
+        llm.follow()
+        return None
+    out = [g.outputs[0].token_ids for g in llm.generate(prompts, GREEDY)]
+    llm.shutdown()
+    return out
+
+
+def test_tp2_equals_tp1() -> None:
+    """Each rank holds the states of its heads and groups; the followers replay the first rank's steps, slots and
+    fresh-slot resets included."""
+    prompts = prompts_of_lengths(7, 30, 12, seed=3)
+    (single,) = run_distributed(_serve_tp, 1, 1, "hybrid", prompts)
+    assert single == [reference_greedy(mamba_model("hybrid"), p, 8) for p in prompts]
+    assert run_distributed(_serve_tp, 2, 2, "hybrid", prompts) == [single, None]
+
+
+def test_the_openai_server_answers_with_the_engines_text() -> None:
+    from fastapi.testclient import TestClient
+
+    from mcore_infer.async_engine import AsyncEngine
+    from mcore_infer.server import build_app
+
+    model = mamba_model("hybrid")
+    llm = tiny_llm(model)
+    want = llm.tokenizer.decode(reference_greedy(model, llm.tokenizer.encode("Mamba"), 8))
+    app = build_app(AsyncEngine(llm.engine), llm.tokenizer, "hybrid-tiny", shutdown_timeout=2.0)
+    body = {"model": "hybrid-tiny", "prompt": "Mamba", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == want and choice["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_cuda_graph_decode_gives_the_eager_tokens(kind: str, compiled: bool) -> None:
+    """Decode steps captured as CUDA graphs (the states gathered and scattered by the slot buffer, padded rows on the
+    scratch slot) give the tokens of the same engine without graphs, and float32 on the GPU equals full recompute."""
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
+    model = mamba_model(kind).cuda()
+    cfg = dict(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, compile=compiled)
+    graphs = LLM(model=model, config=EngineConfig(**cfg))
+    assert graphs.runner.graphs
+    eager = LLM(model=model, config=EngineConfig(**cfg, cuda_graphs=False))
+    a = [r.outputs[0].token_ids for r in graphs.generate(prompts, GREEDY)]
+    b = [r.outputs[0].token_ids for r in eager.generate(prompts, GREEDY)]
+    assert a == b
+    assert a == [reference_greedy(model, p, 8) for p in prompts]
+    bf16 = mamba_model(kind, params_dtype="bfloat16").cuda()
+    graphs = LLM(model=bf16, config=EngineConfig(**cfg))
+    eager = LLM(model=bf16, config=EngineConfig(**cfg, cuda_graphs=False))
+    a = [r.outputs[0].token_ids for r in graphs.generate(prompts, GREEDY)]
+    assert a == [r.outputs[0].token_ids for r in eager.generate(prompts, GREEDY)]
