@@ -7,14 +7,17 @@ random weights with a larger init so greedy outputs vary."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from mcore_infer import LLM, EngineConfig, SamplingParams
+from mcore_infer.mamba_cache import MambaCache, MambaStepView
 from mcore_infer.runner import graph_blockers
 from mcore_models import GPTModel
+from mcore_models.checkpoint import save_weights
 from mcore_models.presets import preset
 from mcore_models.ssm.inference import mixer_inference_forward
 from mcore_models.ssm.layer import MambaLayer
@@ -119,6 +122,41 @@ def test_seeded_sampling_is_the_same_alone_and_batched(model: GPTModel) -> None:
     assert again == alone
 
 
+def test_the_mixer_in_chunks_and_steps_equals_its_training_forward() -> None:
+    """float64: two requests through one mixer, A in uneven chunks (a chunk of 9 is not a multiple of the scan's
+    chunk of 8; a 2-token chunk is shorter than the conv window), B one token a step, both in the same mixed steps,
+    then decode steps of both; each output equals the mixer's training forward over the whole sequence."""
+    layer: Any = mamba_model("mamba").decoder.layers["1"]
+    mixer = layer.mixer.double()
+    g = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(2, 24, 1, 64, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        want_a, want_b = mixer(xa), mixer(xb)
+    cache = MambaCache.allocate({1: mixer}, 3, torch.device("cpu"))
+    assert cache.ssm[1].dtype == torch.float64
+
+    class Context:
+        layer_number, mamba = 1, None
+
+    ctx, got_a, got_b = Context(), [], []
+    chunks = [(0, 9), (9, 11), (11, 12), (12, 20)]
+    with torch.no_grad():
+        for i, (s, e) in enumerate(chunks):  # mixed steps: [A's chunk, B's token i]
+            n = e - s
+            segments = [(0, n, 1), (n, n + 1, 2)]
+            ctx.mamba = MambaStepView(cache, torch.tensor([1, 2]), segments)  # type: ignore[assignment]
+            out = mixer(torch.cat([xa[s:e], xb[i : i + 1]]), inference_context=ctx)
+            got_a.append(out[:n])
+            got_b.append(out[n:])
+        for t in range(20, 24):  # decode steps: token t of A, token t - 16 of B
+            ctx.mamba = MambaStepView(cache, torch.tensor([1, 2]))  # type: ignore[assignment]
+            out = mixer(torch.cat([xa[t : t + 1], xb[t - 16 : t - 15]]), inference_context=ctx)
+            got_a.append(out[:1])
+            got_b.append(out[1:])
+    assert torch.allclose(torch.cat(got_a), want_a, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(torch.cat(got_b), want_b[:8], atol=1e-12, rtol=1e-10)
+
+
 def test_a_context_without_states_is_refused() -> None:
     model = mamba_model("mamba")
     layer = model.decoder.layers["0"]
@@ -161,6 +199,20 @@ def test_tp2_equals_tp1() -> None:
     (single,) = run_distributed(_serve_tp, 1, 1, "hybrid", prompts)
     assert single == [reference_greedy(mamba_model("hybrid"), p, 8) for p in prompts]
     assert run_distributed(_serve_tp, 2, 2, "hybrid", prompts) == [single, None]
+
+
+def test_a_hybrid_checkpoint_loads_and_serves(tmp_path: Path) -> None:
+    model = mamba_model("hybrid")
+    with torch.no_grad():  # off the seeded initial values: only a model that loaded them matches
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    path = save_weights(model, ParallelState.initialize(), tmp_path)
+    prompts = prompts_of_lengths(9, 26, seed=1)
+    llm = LLM(path, config=EngineConfig(**TP_ENGINE))
+    assert llm.runner.model.config.hybrid_pattern == "M*-M-" and llm.runner.mamba is not None
+    res = llm.generate(prompts, GREEDY)
+    assert [r.outputs[0].token_ids for r in res] == [reference_greedy(model, p, 8) for p in prompts]
 
 
 def test_the_openai_server_answers_with_the_engines_text() -> None:

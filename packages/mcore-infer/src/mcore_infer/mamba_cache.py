@@ -116,6 +116,14 @@ class MambaStepView:
         self, cache: MambaCache, slots: torch.Tensor, segments: list[tuple[int, int, int]] | None = None
     ) -> None:
         self.cache, self.slots, self.segments = cache, slots, segments
+        self._single: tuple[torch.Tensor, torch.Tensor] | None = None
+        single = [(s, slot) for s, e, slot in segments or [] if e - s == 1]
+        if single:  # one copy per step, shared by the layers
+            rows_slots = torch.tensor(single, dtype=torch.int64).t().to(slots.device)
+            self._single = (rows_slots[0], rows_slots[1])
 
     def states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.conv[layer_number], self.cache.ssm[layer_number]
+
+    def single_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._single

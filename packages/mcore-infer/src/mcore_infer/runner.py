@@ -167,12 +167,21 @@ class ModelRunner:
         mixers = mamba_mixers(model)
         self.mamba: MambaCache | None = None
         self.state_slots: SlotManager | None = None
-        if mixers:
-            slots = self.config.max_num_seqs + 1
-            self.mamba = MambaCache.allocate(mixers, slots, self.device)
-            self.state_slots = SlotManager(slots)
-            log.info("Mamba states: %d layers x %d request slots, %.1f MiB", len(mixers), slots - 1,
-                     MambaCache.bytes_for(mixers, slots) / 2**20)  # fmt: skip
+        if not mixers:
+            return
+        slots = self.config.max_num_seqs + 1
+        size = MambaCache.bytes_for(mixers, slots)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(self.config.memory_fraction * total) - (total - free) - (2 << 30)
+            if size > budget:
+                raise RuntimeError(
+                    f"the Mamba states of max_num_seqs={self.config.max_num_seqs} requests take {size / 2**30:.1f} "
+                    f"GiB, {budget / 2**30:.1f} GiB are left under memory_fraction: lower max_num_seqs"
+                )
+        self.mamba = MambaCache.allocate(mixers, slots, self.device)
+        self.state_slots = SlotManager(slots)
+        log.info("Mamba states: %d layers x %d request slots, %.1f MiB", len(mixers), slots - 1, size / 2**20)
 
     def _blocks_from_memory(self, nlayers: int, head_dim: int) -> int:
         per_block = KVCache.bytes_per_block(nlayers, self.block_size, self.groups, head_dim, self.dtype)

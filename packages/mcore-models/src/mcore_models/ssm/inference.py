@@ -54,6 +54,11 @@ class MambaStep(Protocol):
         """The conv ``[slots, C, d_conv - 1]`` and SSM ``[slots, H, P, N]`` states of layer ``layer_number``."""
         ...
 
+    def single_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step with segments: the token rows of its one-token requests and their slots (device tensors,
+        made once per step, shared by the layers), or None when it has none."""
+        ...
+
 
 def mamba_state_shapes(mixer: Mamba2Mixer) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """Per slot, this rank's conv state shape ``(channels, d_conv - 1)`` and SSM state shape ``(H, P, N)``."""
@@ -87,10 +92,9 @@ def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context
     if step.segments is None:
         return decode_step(mixer, xbc, dt, step.slots, conv_state, ssm_state)
     y = xbc.new_empty(xbc.shape[0], mixer.d_local)
-    single = [(s, slot) for s, e, slot in step.segments if e - s == 1]
-    if single:
-        rows = torch.tensor([s for s, _ in single], device=xbc.device)
-        slots = torch.tensor([slot for _, slot in single], device=xbc.device)
+    single = step.single_tokens()
+    if single is not None:
+        rows, slots = single
         y[rows] = decode_step(mixer, xbc[rows], dt[rows], slots, conv_state, ssm_state)
     for start, end, slot in step.segments:
         if end - start > 1:
