@@ -9,6 +9,11 @@ for the next larger batch size (GPU, triton backend); padded rows write to the s
 Models whose steps read device values on the host (MoE layers outside ``grouped_mm``'s conditions, see
 :func:`graph_blockers`) are not captured: their steps run eagerly.
 
+Models with Mamba layers also hold each request's conv and SSM states (:mod:`mcore_infer.mamba_cache`, allocated
+before the KV cache so its memory budget counts them; KV blocks are allocated for the attention layers only): a step
+carries its requests' state slots (packed with the other inputs; a buffer of the CUDA graphs) and the slots that start
+fresh, zeroed before the forward; the context's ``mamba`` view hands them to the mixers.
+
 Tensor parallelism: the first rank of the TP group runs the scheduler and broadcasts each :class:`StepBatch` to the
 other ranks (``torch.distributed.broadcast_object_list`` over the TP group); they run :meth:`ModelRunner.follow`,
 which executes the same steps until told to stop. Logits are gathered over the TP group, so every rank could
