@@ -30,6 +30,7 @@ import torch
 from _timing import cuda_seconds
 
 from mcore_models import GPTModel, preset, training_flops_per_token
+from mcore_models.presets import PRESETS
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -80,6 +81,10 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
         over.pop("num_query_groups", None)
         if args.preset.startswith("llama"):
             over["num_query_groups"] = 2
+        pattern = PRESETS[args.preset].get("hybrid_pattern")
+        if pattern:  # the toy keeps the pattern's first two layers
+            over.update(hybrid_pattern=pattern.replace("|", "")[:2], num_query_groups=2,
+                        mamba=dict(d_state=16, head_dim=16, chunk_size=16, n_groups=1))  # fmt: skip
     config = preset(args.preset, **over)
     if args.reference == "hf":
         return config, build_hf_step(args, config, micro_batch, device)

@@ -1,0 +1,93 @@
+"""The Mamba-2 SSD scan against causal attention at the same width, forward + backward, on one GPU (not a test).
+
+For each sequence length (tokens per batch held at ``--tokens``): ``ssd_scan`` (``--impl``: triton, the GPU default,
+or torch) on ``x [b, s, H, P]``, ``dt [b, s, H]``, ``B, C [b, s, G, N]`` for a ``d_model`` of 2048 (expand 2: H = 64
+heads of P = 64, N = 128, one group, chunk 256), beside ``F.scaled_dot_product_attention`` (causal, cuDNN) with the
+attention of the same width (32 heads of 64, GQA 8 groups) in the same process. The scan's matmul FLOPs are
+counted as the SSD algorithm performs them per chunk (C·Bᵀ, its product with x, the chunk states, the state
+outputs: ``2 · b · s · H · (L · (N + P) + 2 · N · P)`` forward, 2x that backward), attention's as usual with the
+causal half.
+
+    python bench/ssd_bench.py --seq 4096 16384 65536 --json /tmp/ssd.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _timing import cuda_seconds
+
+from mcore_models.ssm import ssd_scan
+
+
+def scan_case(b: int, s: int, impl: str, chunk: int = 256) -> dict[str, Any]:
+    h, p, n, g = 64, 64, 128, 1
+    dev, dt_ = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dt_).requires_grad_()
+
+    x, dt, bb, cc = t(b, s, h, p), t(b, s, h, scale=0.5), t(b, s, g, n), t(b, s, g, n)
+    a = -torch.rand(h, device=dev, generator=gen).add(0.5)
+    dt_bias = torch.zeros(h, device=dev, requires_grad=True)
+    dy = torch.randn(b, s, h, p, device=dev, dtype=dt_, generator=gen)
+
+    def step() -> None:
+        y = ssd_scan(x, dt, a, bb, cc, chunk_size=chunk, D=None, dt_bias=dt_bias, impl=impl)
+        y.backward(dy)
+
+    sec = cuda_seconds(step, 10)
+    flops = 3 * 2 * b * s * h * (chunk * (n + p) + 2 * n * p)
+    return {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
+
+
+def attention_case(b: int, s: int) -> dict[str, Any]:
+    heads, groups, d = 32, 8, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k = torch.randn(b, groups, s, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    v = torch.randn(b, groups, s, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    do = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step() -> None:
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o.backward(do)
+
+    sec = cuda_seconds(step, 10)
+    flops = 3 * 4 * b * heads * s * s * d / 2
+    return {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--tokens", type=int, default=8 * 4096, help="batch x sequence, held constant")
+    ap.add_argument("--impl", default="triton", choices=["triton", "torch"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for s in args.seq:
+        b = max(1, args.tokens // s)
+        row: dict[str, Any] = {"batch": b, "seq": s}
+        for name in ("scan", "attention"):
+            try:
+                row[name] = scan_case(b, s, args.impl) if name == "scan" else attention_case(b, s)
+            except torch.OutOfMemoryError:
+                row[name] = {"error": "out of memory"}
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "impl": args.impl, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
