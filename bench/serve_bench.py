@@ -54,7 +54,9 @@ def build_llm(args: argparse.Namespace) -> Any:
     torch.manual_seed(0)
     small = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
     over: dict[str, Any] = small if args.smoke else {}
-    model = GPTModel(preset("llama-1b", params_dtype=args.dtype, **over), device=args.device).eval()
+    if args.smoke and preset(args.preset).hybrid_pattern is not None:  # the toy keeps the pattern's first layers
+        over.update(hybrid_pattern="M*-"[: over["num_layers"]], mamba=dict(d_state=16, head_dim=16, chunk_size=16))
+    model = GPTModel(preset(args.preset, params_dtype=args.dtype, **over), device=args.device).eval()
     cfg = EngineConfig(
         block_size=args.block_size,
         max_model_len=1024,
@@ -66,7 +68,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         decode_kernels=decode_kernels(args.decode_kernels),
     )
     t0 = time.perf_counter()
-    llm = LLM(model=model, config=cfg, name="llama-1b")
+    llm = LLM(model=model, config=cfg, name="llama-1b")  # (the HTTP clients' model name, whatever the preset)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s: graphs {sorted(llm.runner.graphs)}", flush=True)
     return llm
 
@@ -185,6 +187,7 @@ def profile_run(llm: Any, path: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-1b", help="the model (random weights): llama-1b, mamba2-1.3b, ...")
     ap.add_argument("--concurrency", default="1,8,32,64,256")
     ap.add_argument("--http-concurrency", default="1,64,256", help="through HTTP (empty: no HTTP runs)")
     ap.add_argument("--http-paths", default="inprocess,process",
