@@ -21,8 +21,8 @@ from mcore_models.hybrid import (
     stage_layers,
 )
 from mcore_parallel import Group, ParallelConfig, ParallelState
-from mcore_parallel.tensor import allreduce_sequence_parallel_grads
 from mcore_parallel.testing import run_distributed
+from tests.models.test_new_layer_type import _train_step  # loss, global weights and gradients of one step
 
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -105,20 +105,6 @@ def test_flops_count_each_layer_kind() -> None:
     vocab = 256
     want = 2 * mamba + attention + 2 * mlp + 6 * h * vocab
     assert training_flops_per_token(c, s) == pytest.approx(want, rel=1e-12)
-
-
-def _train_step(model: GPTModel, tp: Group) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One backward pass: the loss, and the global (unsharded, unpadded) weights and gradients."""
-    loss = model(TOKENS, labels=TOKENS.roll(-1, 1))
-    (loss * torch.linspace(0.5, 1.5, TOKENS.shape[1])).sum().backward()
-    allreduce_sequence_parallel_grads(model, tp)
-    with torch.no_grad():
-        weights = model.global_state_dict()
-        for name, param in model.named_parameters():  # gradients gathered like weights: put them in their place
-            assert param.grad is not None, name
-            param.copy_(param.grad)
-        grads = model.global_state_dict()
-    return loss.detach(), weights, grads
 
 
 def _tp_run(tp: int, sp: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:

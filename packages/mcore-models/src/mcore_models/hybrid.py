@@ -19,11 +19,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.layer import dropout_add
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -106,18 +106,12 @@ def stage_layers(
 
 
 class _Residual(nn.Module):
-    """``x + dropout(part(norm(x)))``, the half of a Transformer layer that hybrid layers are made of."""
+    """Half of a Transformer layer: ``x + dropout(part(norm(x)))``, the layer kinds hybrid models are made of."""
 
     def __init__(self, config: TransformerConfig, ctx: ModelContext, layer_number: int) -> None:
         super().__init__()
         self.layer_number, self.ctx = layer_number, ctx
         self.hidden_dropout = config.hidden_dropout
-
-    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.hidden_dropout > 0 and self.training:
-            with self.ctx.sp_region_rng():
-                x = F.dropout(x, self.hidden_dropout, training=True)
-        return residual + x
 
 
 class AttentionLayer(_Residual):
@@ -138,7 +132,7 @@ class AttentionLayer(_Residual):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
-        return self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, inference_context), x)
+        return dropout_add(self, self.self_attention(self.input_layernorm(x), rotary, inference_context), x)
 
 
 class MLPLayer(_Residual):
@@ -164,7 +158,7 @@ class MLPLayer(_Residual):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        return dropout_add(self, self.mlp(self.pre_mlp_layernorm(x)), x)
 
 
 def hybrid_layer(

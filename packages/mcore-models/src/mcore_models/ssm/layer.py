@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.layer import dropout_add
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -47,8 +47,4 @@ class MambaLayer(nn.Module):
         :func:`~mcore_models.ssm.inference.mixer_inference_forward` over the requests' conv and SSM states."""
         if inference_context is not None:
             return x + self.mixer(self.input_layernorm(x), inference_context=inference_context)
-        out = self.mixer(self.input_layernorm(x))
-        if self.hidden_dropout > 0 and self.training:
-            with self.ctx.sp_region_rng():
-                out = F.dropout(out, self.hidden_dropout, training=True)
-        return x + out
+        return dropout_add(self, self.mixer(self.input_layernorm(x)), x)

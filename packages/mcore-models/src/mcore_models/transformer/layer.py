@@ -15,7 +15,18 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
     from mcore_models.transformer.attention import InferenceContext
 
-__all__ = ["TransformerLayer"]
+__all__ = ["TransformerLayer", "dropout_add"]
+
+
+def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + dropout(x)`` with ``layer``'s ``hidden_dropout`` while it trains, drawn in its context's
+    sequence-parallel RNG region (every layer kind's residual add)."""
+    p: float = getattr(layer, "hidden_dropout", 0.0)
+    if p > 0 and layer.training:
+        ctx: ModelContext = layer.ctx  # type: ignore[assignment]
+        with ctx.sp_region_rng():
+            x = F.dropout(x, p, training=True)
+    return residual + x
 
 
 class TransformerLayer(nn.Module):
@@ -35,10 +46,7 @@ class TransformerLayer(nn.Module):
         self.mlp = (spec.moe if moe_layer else spec.mlp)(config, ctx, spec, f"{prefix}.mlp")
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.hidden_dropout > 0 and self.training:
-            with self.ctx.sp_region_rng():
-                x = F.dropout(x, self.hidden_dropout, training=True)
-        return residual + x
+        return dropout_add(self, x, residual)
 
     def forward(
         self,
