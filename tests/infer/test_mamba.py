@@ -74,6 +74,21 @@ def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> N
     assert mamba.conv[0].shape == (5, 128 + 2 * 2 * 16, 3)  # [slots, d + 2GN, d_conv - 1]
 
 
+def test_compiled_layers_give_the_same_tokens() -> None:
+    """EngineConfig.compile on the hybrid model: a decode step's recurrence is traced with the layer (only the
+    look-up of the layer's states is not), a mixed step's conv and scan stay out; tokens unchanged, and the Mamba
+    layers share their compiled entries (decode or mixed, one token or many), none specialising on its layer number
+    or on the step's token ranges."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
+    expected = [reference_greedy(mamba_model("hybrid"), p, 8) for p in prompts]
+    torch._dynamo.reset()
+    llm = tiny_llm(mamba_model("hybrid"), compile=True)
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert 1 <= len(_debug_get_cache_entry_list(mixer_inference_forward.__code__)) <= 3
+
+
 def test_chunked_prefill_prompt_logprobs_match_the_model(model: GPTModel) -> None:
     """A 70-token prompt prefilled in chunks of 16 (each chunk continuing from the states the last one left): its
     prompt log-probabilities are the training forward's."""

@@ -116,6 +116,7 @@ class MambaStepView:
         self, cache: MambaCache, slots: torch.Tensor, segments: list[tuple[int, int, int]] | None = None
     ) -> None:
         self.cache, self.slots, self.segments = cache, slots, segments
+        self.decode = segments is None
         self._single: tuple[torch.Tensor, torch.Tensor] | None = None
         single = [(s, slot) for s, e, slot in segments or [] if e - s == 1]
         if single:  # one copy per step, shared by the layers

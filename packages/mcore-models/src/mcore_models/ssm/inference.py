@@ -49,6 +49,8 @@ class MambaStep(Protocol):
     segments: list[tuple[int, int, int]] | None
     """Host ``(start, end, slot)`` token ranges of the step's requests; None for a decode step (token ``i`` is
     request ``i``, ``slots`` has one entry per token)."""
+    decode: bool
+    """``segments is None``, as a plain flag (compiled code guards on its value, not on the list)."""
 
     def states(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv ``[slots, C, d_conv - 1]`` and SSM ``[slots, H, P, N]`` states of layer ``layer_number``."""
@@ -69,19 +71,34 @@ def mamba_state_shapes(mixer: Mamba2Mixer) -> tuple[tuple[int, int], tuple[int, 
 
 def mixer_inference_forward(mixer: Mamba2Mixer, h: torch.Tensor, context: Any) -> torch.Tensor:
     """The mixer over an engine step: ``h`` ``[T, 1, hidden]`` (the layer's normed input) → ``[T, 1, hidden]``;
-    reads and writes this layer's states in ``context.mamba`` (a :class:`MambaStep`)."""
+    reads and writes this layer's states in ``context.mamba`` (a :class:`MambaStep`).
+
+    Under ``torch.compile`` (the engine's compiled layers) a decode step is traced whole, the one-step recurrence
+    fused with the projections' neighbours; only the look-up of the layer's states is not traced (it reads the
+    context's ``layer_number``, which compiled code must not specialise on, as attention does). A mixed step's
+    conv and scan, which read host token ranges, run untraced."""
     zxbcdt = mixer.in_proj(h)[:, 0]  # [T, 2d + 2GN + H] (this rank's blocks)
     d, gn, heads = mixer.d_local, mixer.gn_local, mixer.heads_local
     z, xbc, dt = zxbcdt.split([d, d + 2 * gn, heads], dim=-1)
-    y = _mix_states(mixer, xbc, dt, context)
+    step: MambaStep | None = getattr(context, "mamba", None)
+    if step is not None and step.decode:
+        conv_state, ssm_state = _layer_states(context)
+        y = decode_step(mixer, xbc, dt, step.slots, conv_state, ssm_state)
+    else:
+        y = _mix_states(mixer, xbc, dt, context)
     return mixer.out_proj(mixer.norm(y[:, None], z[:, None]))
 
 
 @torch.compiler.disable
+def _layer_states(context: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current layer's conv and SSM states (never traced: see :func:`mixer_inference_forward`)."""
+    return context.mamba.states(context.layer_number)  # type: ignore[no-any-return]
+
+
+@torch.compiler.disable
 def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context: Any) -> torch.Tensor:
-    """Conv and scan of the step's tokens from (and back to) their requests' states: ``xbc`` ``[T, d + 2GN]``, raw
-    ``dt`` ``[T, H]`` → ``y`` ``[T, d]``. Never traced by ``torch.compile``: it reads per-step host data, and the
-    context's ``layer_number`` read here keeps compiled layers from specialising on it (as attention does)."""
+    """Conv and scan of a mixed step's tokens from (and back to) their requests' states: ``xbc`` ``[T, d + 2GN]``,
+    raw ``dt`` ``[T, H]`` → ``y`` ``[T, d]``. Never traced by ``torch.compile``: it reads per-step host data."""
     step: MambaStep | None = getattr(context, "mamba", None)
     if step is None:
         raise NotImplementedError(
