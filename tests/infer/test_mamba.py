@@ -130,6 +130,38 @@ def test_abort_frees_the_slot(model: GPTModel) -> None:
     assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == reference_greedy(model, p, 8)
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_an_aborted_requests_slot_serves_a_waiting_request(model: GPTModel, lookahead: bool) -> None:
+    """Three slots: a fourth request waits until one running request is aborted (with lookahead, while a step ahead
+    of it may be in flight), then takes its slot and starts from a zeroed state."""
+    prompts = prompts_of_lengths(9, 30, 4, 21, seed=1)
+    llm = tiny_llm(model, max_num_batched_tokens=16, max_num_seqs=3, lookahead=lookahead)
+    eng = llm.engine
+    rids = [eng.add_request(prompts[0], GREEDY), eng.add_request(prompts[1], GREEDY)]
+    doomed = eng.add_request(prompts[3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    done, slots = {}, {}
+    for step in range(300):
+        if step == 4:
+            rids.append(eng.add_request(prompts[2], GREEDY))
+        if step == 8:
+            slots["doomed"] = eng._seqs[doomed].state_slot
+            eng.abort(doomed)
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(rids) == 3 and rids[2] in eng._seqs and eng._seqs[rids[2]].state_slot:
+            slots.setdefault("late", eng._seqs[rids[2]].state_slot)
+        if not eng.has_work():
+            break
+    assert done[doomed].finish_reason == "abort"
+    assert slots["late"] == slots["doomed"] != 0  # it waited for, and got, the aborted request's slot
+    for rid, p in zip(rids, prompts):
+        assert done[rid].token_ids == reference_greedy(model, p, 8)
+    assert _slots_all_free(llm)
+    if lookahead:
+        assert eng.num_lookahead_steps > 0
+
+
 def test_seeded_sampling_is_the_same_alone_and_batched(model: GPTModel) -> None:
     prompts = prompts_of_lengths(12, 30, 7, seed=8)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=10, ignore_eos=True)
