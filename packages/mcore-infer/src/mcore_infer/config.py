@@ -23,7 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + completion; None: the model's ``max_position_embeddings``."""
     max_num_seqs: int = 256
-    """Most requests in the running batch."""
+    """Most requests in the running batch; for models with Mamba layers also the request slots of their conv and SSM
+    states, allocated at start (``mcore_infer.mamba_cache``)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (decode tokens plus prefill chunks): the prefill chunk size."""
     max_queue: int = 4096
