@@ -20,6 +20,7 @@ from mcore_infer.mamba_cache import MambaCache, MambaStepView
 from mcore_infer.runner import graph_blockers
 from mcore_models import GPTModel
 from mcore_models.checkpoint import save_weights
+from mcore_models.moe import MoEConfig
 from mcore_models.presets import preset
 from mcore_models.ssm.inference import mixer_inference_forward
 from mcore_models.ssm.layer import MambaLayer
@@ -87,6 +88,26 @@ def test_compiled_layers_give_the_same_tokens() -> None:
     llm = tiny_llm(mamba_model("hybrid"), compile=True)
     assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == expected
     assert 1 <= len(_debug_get_cache_entry_list(mixer_inference_forward.__code__)) <= 3
+
+
+GATE_FIRST = dict(d_conv=2, conv_bias=False, dt_limit=(0.01, 0.5), norm_before_gate=True, n_groups=1)
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # a two-tap conv without bias, a clamped time step, the norm before the gate, one group of B and C
+    "conv2-limit-gate": ("M*M-", GATE_FIRST, {}),
+    "conv1-groups4": ("MM", dict(d_conv=1, n_groups=4), {}),  # no conv state at all
+    "moe": ("M*E", {}, dict(moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32))),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mixer_variants_serve_like_full_recompute(variant: str) -> None:
+    pattern, mamba, extra = VARIANTS[variant]
+    cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern=pattern, num_layers=len(pattern),
+                 seed=3, mamba=mamba, **extra)  # fmt: skip
+    model = GPTModel(cfg).eval()
+    prompts = prompts_of_lengths(5, 40, 17, 1, 33, seed=2)
+    expected = [reference_greedy(model, p, 8) for p in prompts]
+    assert [r.outputs[0].token_ids for r in tiny_llm(model).generate(prompts, GREEDY)] == expected
 
 
 def test_chunked_prefill_prompt_logprobs_match_the_model(model: GPTModel) -> None:
