@@ -73,6 +73,7 @@ def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> N
     assert mamba is not None and sorted(mamba.ssm) == [i for i, c in enumerate(model.config.hybrid_pattern) if c == "M"]
     assert mamba.ssm[0].shape == (5, 8, 16, 16) and mamba.ssm[0].dtype == torch.float32  # [slots, H, P, N]
     assert mamba.conv[0].shape == (5, 128 + 2 * 2 * 16, 3)  # [slots, d + 2GN, d_conv - 1]
+    assert [t.shape[:2] for t in mamba.stacked] == [(len(mamba.ssm), 5)] * 2  # one tensor per kind: a reset is two
 
 
 def test_compiled_layers_give_the_same_tokens() -> None:

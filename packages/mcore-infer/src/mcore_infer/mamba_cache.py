@@ -77,20 +77,23 @@ class SlotManager:
 @dataclass
 class MambaCache:
     """Per Mamba layer (by layer number): conv states ``[num_slots, C, d_conv - 1]`` (model dtype) and SSM states
-    ``[num_slots, H, P, N]`` (float32; float64 for a float64 model), this rank's channels and heads."""
+    ``[num_slots, H, P, N]`` (float32; float64 for a float64 model), this rank's channels and heads. The layers' states
+    are views of one tensor per kind when their shapes agree (the usual case), so a reset is two kernels."""
 
     conv: dict[int, torch.Tensor]
     ssm: dict[int, torch.Tensor]
     num_slots: int
+    stacked: list[torch.Tensor]
+    """The tensors :meth:`reset` zeroes along dim 1 (``[layers, num_slots, ...]``); empty: it zeroes each layer's."""
 
     @classmethod
     def allocate(cls, mixers: dict[int, Mamba2Mixer], num_slots: int, device: torch.device) -> MambaCache:
-        conv, ssm = {}, {}
-        for number, mixer in mixers.items():
-            (conv_shape, ssm_shape), dtype = mamba_state_shapes(mixer), mixer.conv1d.weight.dtype
-            conv[number] = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
-            ssm[number] = torch.zeros(num_slots, *ssm_shape, dtype=_compute_dtype(mixer.A_log), device=device)
-        return cls(conv, ssm, num_slots)
+        conv, conv_whole = _states({n: (mamba_state_shapes(m)[0], m.conv1d.weight.dtype) for n, m in mixers.items()},
+                                   num_slots, device)  # fmt: skip
+        ssm, ssm_whole = _states({n: (mamba_state_shapes(m)[1], _compute_dtype(m.A_log)) for n, m in mixers.items()},
+                                 num_slots, device)  # fmt: skip
+        stacked = [conv_whole, ssm_whole] if conv_whole is not None and ssm_whole is not None else []
+        return cls(conv, ssm, num_slots, stacked)
 
     @staticmethod
     def bytes_for(mixers: dict[int, Mamba2Mixer], num_slots: int) -> int:
@@ -105,8 +108,24 @@ class MambaCache:
 
     def reset(self, slots: torch.Tensor) -> None:
         """Zero every layer's states at ``slots`` (requests that start fresh)."""
+        if self.stacked:
+            for t in self.stacked:
+                t.index_fill_(1, slots, 0)
+            return
         for t in (*self.conv.values(), *self.ssm.values()):
             t.index_fill_(0, slots, 0)
+
+
+def _states(
+    specs: dict[int, tuple[tuple[int, ...], torch.dtype]], num_slots: int, device: torch.device
+) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    """Zeroed ``[num_slots, *shape]`` states per layer of ``specs`` (layer -> (shape, dtype)): views of one
+    ``[layers, num_slots, *shape]`` tensor (returned too) when every layer's shape and dtype agree."""
+    if len(set(specs.values())) != 1:
+        return {n: torch.zeros(num_slots, *sh, dtype=dt, device=device) for n, (sh, dt) in specs.items()}, None
+    shape, dtype = next(iter(specs.values()))
+    whole = torch.zeros(len(specs), num_slots, *shape, dtype=dtype, device=device)
+    return dict(zip(specs, whole.unbind(0))), whole
 
 
 class MambaStepView:
