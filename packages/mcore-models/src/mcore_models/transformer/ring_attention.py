@@ -1,0 +1,296 @@
+"""Causal attention over a sequence split across the context-parallel (``cp``) group: ring attention.
+
+Every cp rank holds two chunks of the sequence (of ``2 * cp``; rank ``r`` chunks ``r`` and ``2cp - 1 - r``, see
+:mod:`mcore_parallel.context_parallel`) and their queries, keys and values. The K/V of each rank visit every other
+rank: with ``cp_comm="p2p"`` they rotate around the ring (``cp - 1`` sends to the next rank, each started before
+the attention of the block in hand so the transfer runs beside it); with ``"allgather"`` one all-gather, started
+before the local block's attention, brings all of them. Each block gives a partial output and its log-sum-exp per
+query; partial results merge with the online-softmax rule ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a *
+exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+
+With the balanced chunks, the block of rank ``r`` against the K/V of rank ``j`` is:
+
+* ``j == r``: causal attention over the local sequence (local order is increasing in position);
+* ``j < r``: every local query against the first K/V chunk (``j``) in full; the second (``2cp-1-j``) is later;
+* ``j > r``: the second local chunk's queries (``2cp-1-r``) against both K/V chunks in full; the first sees none.
+
+so every step but the first costs the same half block on every rank. The backward runs the same ring: the K/V
+rotate again and the dK/dV of each block travel with them, accumulated by every rank they pass, and reach their
+owner after the last step (one more send); ``allgather`` gathers K/V again and reduce-scatters dK/dV. Grouped-query
+attention keeps K/V at their ``groups`` heads throughout: queries are viewed as ``[b, groups, heads / groups * s,
+d]`` so each group's queries meet its key head in one matmul, and nothing is expanded before or after the exchange.
+
+Blocks are computed exactly (scores in float32, float64 for float64 inputs, with the log-sum-exp), which is the
+path on every device here; a flash kernel returning the log-sum-exp can replace :func:`block_forward` /
+:func:`block_backward` without touching the ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mcore_models.config import TransformerConfig
+from mcore_models.transformer.attention import SDPACoreAttention
+from mcore_models.transformer.context import ModelContext
+from mcore_parallel import Group
+from mcore_parallel.context_parallel import CP_COMMS, ring_exchange, wait_all
+from mcore_parallel.tensor import _comm
+
+if TYPE_CHECKING:
+    from mcore_models.spec import LayerSpec
+
+__all__ = ["RingAttention", "context_parallel_spec", "ring_attention", "block_forward", "block_backward"]
+
+Block = tuple[slice, slice, bool]
+"""(query rows, key rows, causal) of one block of a ring step."""
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(r: int, j: int, c: int) -> list[Block]:
+    """The blocks of rank ``r``'s queries against rank ``j``'s K/V, each chunk ``c`` tokens (module docstring)."""
+    if j == r:
+        return [(slice(None), slice(None), True)]
+    if j < r:
+        return [(slice(None), slice(0, c), False)]
+    return [(slice(c, None), slice(None), False)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """``[b, G, hg, n, m]`` scaled scores of queries ``[b, G, hg, n, d]`` and keys ``[b, G, m, d]`` (accumulation
+    dtype), the causal block's upper triangle at -inf."""
+    b, g, hg, n, d = q.shape
+    m = k.shape[2]
+    acc = _acc(q.dtype)
+    s = torch.matmul(q.reshape(b, g, hg * n, d).to(acc), k.to(acc).transpose(-1, -2)).view(b, g, hg, n, m) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[b, G, hg, n, d]`` over ``k``, ``v`` ``[b, G, m, d]``: (out ``[b, G, hg, n, d]``,
+    log-sum-exp ``[b, G, hg, n]``), both in the accumulation dtype. ``causal`` needs ``n == m``."""
+    s = _scores(q, k, causal, scale)
+    b, g, hg, n, m = s.shape
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.matmul(p.view(b, g, hg * n, m), v.to(s.dtype)).view(b, g, hg, n, -1)
+    return out, lse
+
+
+def block_backward(
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block given the final output's gradient ``dout`` ``[b, G, hg, n, d]``, ``delta`` =
+    rowsum(dout * out) and the final log-sum-exp ``lse`` ``[b, G, hg, n]`` (the flash-attention backward)."""
+    s = _scores(q, k, causal, scale)
+    b, g, hg, n, m = s.shape
+    acc = s.dtype
+    p = torch.exp(s - lse[..., None].to(acc))
+    do = dout.to(acc).reshape(b, g, hg * n, -1)
+    dv = torch.matmul(p.view(b, g, hg * n, m).transpose(-1, -2), do)
+    dp = torch.matmul(do, v.to(acc).transpose(-1, -2)).view(b, g, hg, n, m)
+    ds = (p * (dp - delta[..., None].to(acc))).view(b, g, hg * n, m)
+    dq = torch.matmul(ds, k.to(acc)).view(b, g, hg, n, -1) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, hg * n, -1)) * scale
+    return dq, dk, dv
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, lo: torch.Tensor) -> None:
+    """Merge a block's (o, lo) into the rows ``rows`` of the running (out, lse), in place (online softmax)."""
+    prev_o, prev_l = out[:, :, :, rows], lse[:, :, :, rows]
+    new = torch.logaddexp(prev_l, lo)
+    out[:, :, :, rows] = prev_o * torch.exp(prev_l - new)[..., None] + o * torch.exp(lo - new)[..., None]
+    lse[:, :, :, rows] = new
+
+
+def _attend_source(
+    q: torch.Tensor, kv: torch.Tensor, r: int, j: int, scale: float, acc: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the blocks of rank ``j``'s K/V ``kv`` (``[2, b, G, n, d]``) into the running (out, lse) ``acc``."""
+    c = q.shape[3] // 2
+    for rows, keys, causal in _blocks(r, j, c):
+        o, lo = block_forward(q[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale)
+        if acc is None:  # the diagonal block comes first and covers every query
+            acc = (o, lo)
+        else:
+            _merge(acc[0], acc[1], rows, o, lo)
+    assert acc is not None
+    return acc
+
+
+def _forward_p2p(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    acc, cur = None, kv
+    for i in range(cp.size):
+        last = i == cp.size - 1
+        if not last:
+            nxt, reqs = ring_exchange(cur, cp)  # the next K/V travel while this block is computed
+        acc = _attend_source(q, cur, cp.rank, (cp.rank - i) % cp.size, scale, acc)
+        if not last:
+            wait_all(reqs)
+            cur = nxt
+    assert acc is not None
+    return acc
+
+
+def _gather_start(kv: torch.Tensor, cp: Group) -> tuple[torch.Tensor, Any]:
+    gathered, handle = _comm.all_gather_start(kv, cp)  # [cp * 2, b, G, n, d]
+    return gathered, handle
+
+
+def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    gathered, handle = _gather_start(kv, cp)
+    acc = _attend_source(q, kv, cp.rank, cp.rank, scale, None)  # the local block while the others arrive
+    if handle is not None:
+        handle.wait()
+    every = gathered.view(cp.size, *kv.shape)
+    for i in range(1, cp.size):
+        j = (cp.rank - i) % cp.size
+        acc = _attend_source(q, every[j], cp.rank, j, scale, acc)
+    return acc
+
+
+def _grads_source(
+    saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor
+) -> torch.Tensor:
+    """Add the blocks against rank ``j``'s K/V to ``dq`` (in place) and return their dK/dV ``[2, b, G, n, d]``."""
+    q, dout, delta, lse = saved
+    c = q.shape[3] // 2
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)
+    for rows, keys, causal in _blocks(r, j, c):
+        dqb, dkb, dvb = block_backward(dout[:, :, :, rows], delta[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, keys],
+                                       kv[1][:, :, keys], lse[:, :, :, rows], causal, scale)  # fmt: skip
+        dq[:, :, :, rows] += dqb
+        dkv[0][:, :, keys] += dkb
+        dkv[1][:, :, keys] += dvb
+    return dkv
+
+
+def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float, dq: torch.Tensor
+                  ) -> torch.Tensor:  # fmt: skip
+    """The ring again: K/V rotate, each block's dK/dV travel one step behind them to the next rank, which adds its
+    own; after the last step the dK/dV of every rank's K/V reach their owner."""
+    cur, pending = kv, None
+    dkv_reqs: list[Any] = []
+    for i in range(cp.size):
+        last = i == cp.size - 1
+        if not last:
+            nxt, kv_reqs = ring_exchange(cur, cp)
+        dkv = _grads_source(saved, cur, cp.rank, (cp.rank - i) % cp.size, scale, dq)
+        if pending is not None:
+            wait_all(dkv_reqs)
+            dkv += pending
+        pending, dkv_reqs = ring_exchange(dkv, cp)  # overlaps the next step's blocks
+        if not last:
+            wait_all(kv_reqs)
+            cur = nxt
+    wait_all(dkv_reqs)
+    assert pending is not None
+    return pending
+
+
+def _backward_allgather(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float,
+                        dq: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    gathered, handle = _gather_start(kv, cp)
+    every_dkv = torch.zeros((cp.size, *kv.shape), dtype=dq.dtype, device=dq.device)
+    every_dkv[cp.rank] = _grads_source(saved, kv, cp.rank, cp.rank, scale, dq)
+    if handle is not None:
+        handle.wait()
+    every = gathered.view(cp.size, *kv.shape)
+    for j in range(cp.size):
+        if j != cp.rank:
+            every_dkv[j] = _grads_source(saved, every[j], cp.rank, j, scale, dq)
+    return _comm.reduce_scatter(every_dkv.view(cp.size * kv.shape[0], *kv.shape[1:]), cp)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group, comm: str, scale: float
+                ) -> torch.Tensor:  # fmt: skip
+        q = q.contiguous()
+        kv = torch.stack([k, v])  # one buffer per exchange: [2, b, G, n, d]
+        run = _forward_p2p if comm == "p2p" else _forward_allgather
+        out, lse = run(q, kv, cp, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.cp, ctx.comm, ctx.scale = cp, comm, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, kv, out, lse = ctx.saved_tensors
+        acc = lse.dtype
+        dout = dout.contiguous()
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        run = _backward_p2p if ctx.comm == "p2p" else _backward_allgather
+        dkv = run((q, dout, delta, lse), kv, ctx.cp, ctx.scale, dq)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group, comm: str = "p2p", scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of this cp rank's queries ``[s, b, heads, d]`` over the whole sequence's keys and values
+    (this rank's ``[s, b, groups, d]``; ``s`` = its two chunks), ``[s, b, heads * d]`` out. ``comm``: ``p2p`` (ring)
+    or ``allgather``."""
+    if comm not in CP_COMMS:
+        raise ValueError(f"comm={comm!r} must be one of {CP_COMMS}")
+    s, b, heads, d = q.shape
+    groups = k.shape[2]
+    if heads % groups or s % 2:
+        raise ValueError(f"heads={heads} must be a multiple of groups={groups} and s={s} even (two chunks)")
+    qq = q.view(s, b, groups, heads // groups, d).permute(1, 2, 3, 0, 4)  # [b, G, hg, s, d]
+    kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, G, s, d]
+    out = _RingAttention.apply(qq, kk, vv, cp, comm, 1.0 / math.sqrt(d) if scale is None else scale)
+    return out.permute(3, 0, 1, 2, 4).reshape(s, b, heads * d)
+
+
+class RingAttention(nn.Module):
+    """The core attention of a context-parallel model: :func:`ring_attention` over ``cp`` with ``comm``. Same call as
+    :class:`~mcore_models.transformer.attention.SDPACoreAttention`; :func:`context_parallel_spec` puts it in a
+    :class:`~mcore_models.spec.LayerSpec` with its group bound."""
+
+    def __init__(self, config: TransformerConfig, ctx: ModelContext, *, cp: Group, comm: str = "p2p") -> None:
+        super().__init__()
+        if config.attention_dropout > 0:
+            raise ValueError(f"attention_dropout={config.attention_dropout}: ring attention has no dropout; set 0")
+        if comm not in CP_COMMS:
+            raise ValueError(f"cp_comm={comm!r} must be one of {CP_COMMS}")
+        self.ctx, self.cp, self.comm = ctx, cp, comm
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: Any = None) -> torch.Tensor:
+        if document_mask is not None:
+            raise NotImplementedError("packed sequences (a document mask) with context parallelism are not supported")
+        return ring_attention(q, k, v, self.cp, self.comm)
+
+
+def context_parallel_spec(spec: LayerSpec, cp: Group, comm: str = "p2p") -> LayerSpec:
+    """``spec`` whose core attention is :class:`RingAttention` over ``cp`` (``spec`` itself when ``cp`` has one
+    rank). Refuses a spec with a core attention of its own, which would attend within each rank's chunks only."""
+    if cp.size == 1:
+        return spec
+    if spec.core_attention is not SDPACoreAttention:
+        raise ValueError(
+            f"context parallelism (cp={cp.size}) needs ring attention, but the layer spec's core attention is "
+            f"{getattr(spec.core_attention, '__name__', spec.core_attention)!r}; use the default core attention"
+        )
+    return dataclasses.replace(spec, core_attention=functools.partial(RingAttention, cp=cp, comm=comm))
