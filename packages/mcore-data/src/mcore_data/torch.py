@@ -1,8 +1,9 @@
 """Optional PyTorch adapter: dict batches for training, usable with ``torch.utils.data.DataLoader``.
 
 Imports torch when used (``pip install 'mcore-data[torch]'``). Each item has ``tokens``, ``labels``, ``loss_mask``,
-``position_ids`` and, when asked, ``attention_mask`` (causal, [1, s, s] bool, True = masked as in Megatron) and
-``cu_seqlens`` / document starts. :func:`build_dataloader` is resumable: it starts at a sample offset.
+``position_ids`` and, when asked, ``attention_mask`` (causal, [1, s, s] bool, True = masked as in Megatron),
+``document_ids`` (packed sequences: each token's document, from the EOD tokens, O(s)) and document starts.
+:func:`build_dataloader` is resumable: it starts at a sample offset.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class BatchConfig:
     """Block attention across documents (implies ``attention_mask``)."""
     attention_mask: bool = False
     """Return a causal ``attention_mask`` [1, s, s] (True = masked)."""
+    document_ids: bool = False
+    """Return ``document_ids`` [s] (int64): for packed sequences, the index in the row of each token's document; a
+    document ends at its EOD token (which belongs to it), so the next token starts the next one. With
+    ``reset_position_ids`` the positions restart at the same boundaries. Fixed size: batches collate."""
     document_boundaries: bool = False
     """Return ``doc_starts`` (padded with -1 to ``max_documents``) and ``num_documents``."""
     max_documents: int = 64
@@ -49,8 +54,10 @@ class BatchConfig:
     """Padding id in samples; its positions get loss 0."""
 
     def __post_init__(self) -> None:
-        if (self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask) and self.eod_id is None:
-            raise ConfigError("eod_mask_loss / reset_position_ids / reset_attention_mask need eod_id")
+        if (
+            self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask or self.document_ids
+        ) and self.eod_id is None:
+            raise ConfigError("eod_mask_loss / reset_position_ids / reset_attention_mask / document_ids need eod_id")
 
 
 class TorchGPTDataset:
@@ -75,7 +82,7 @@ class TorchGPTDataset:
             loss_mask[tokens_np == cfg.eod_id] = 0.0
         position_ids = np.arange(s, dtype=np.int64)
         doc_id = np.zeros(s, dtype=np.int64)
-        if cfg.reset_position_ids or cfg.reset_attention_mask:
+        if cfg.reset_position_ids or cfg.reset_attention_mask or cfg.document_ids:
             eods = np.flatnonzero(tokens_np == cfg.eod_id)
             eods = eods[eods < s - 1]
             seg_starts = np.concatenate(([0], eods + 1))
@@ -89,6 +96,8 @@ class TorchGPTDataset:
             "loss_mask": torch.from_numpy(loss_mask),
             "position_ids": torch.from_numpy(position_ids.astype(np.int64)),
         }
+        if cfg.document_ids:
+            item["document_ids"] = torch.from_numpy(doc_id)
         if cfg.attention_mask or cfg.reset_attention_mask:
             causal = np.tril(np.ones((s, s), dtype=bool))
             if cfg.reset_attention_mask:

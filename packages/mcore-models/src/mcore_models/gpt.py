@@ -23,6 +23,7 @@ from mcore_models.spec import LayerSpec, default_spec
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.layer import TransformerLayer
+from mcore_models.transformer.packed import DocumentMask, document_mask, document_positions, mask_kwargs
 from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.tensor import (
@@ -150,6 +151,7 @@ class GPTModel(nn.Module):
         *,
         gather_logits: bool = False,
         inference_context: InferenceContext | None = None,
+        document_ids: torch.Tensor | DocumentMask | None = None,
     ) -> torch.Tensor:
         """Run this stage: :meth:`embed`, each layer in turn, then (last stage) :meth:`head`.
 
@@ -159,20 +161,41 @@ class GPTModel(nn.Module):
 
         ``inference_context`` (an engine's :class:`InferenceContext`, batch 1 of flat tokens) makes attention read
         and write the engine's KV cache; only the rows in its ``logits_index`` get logits.
+
+        ``document_ids`` (packed sequences): the document id of every token ``[b, s]``, or a
+        :class:`~mcore_models.transformer.packed.DocumentMask` made from them; attention stays inside each document,
+        and without ``position_ids`` the positions restart at every document.
         """
+        mask = self._document_mask(document_ids, inference_context)
+        if mask is not None and position_ids is None:
+            position_ids = document_positions(mask.document_ids)
         hidden, rotary = self.embed(input_ids, position_ids)
         for key, layer in self.decoder.layers.items():
             if inference_context is not None:
                 inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
             if inference_context is None and self.training and int(key) in self._full_recompute:
-                hidden = self.ctx.recompute(_LayerCall(layer), hidden, *(rotary or ()))
+                hidden = self.ctx.recompute(_LayerCall(layer, mask), hidden, *(rotary or ()))
             else:
-                hidden = layer(hidden, rotary, inference_context)
+                hidden = layer(hidden, rotary, inference_context, **mask_kwargs(mask))
         if not self.post_process:
             return hidden
         if inference_context is not None and inference_context.logits_index is not None:
             hidden = hidden.index_select(0, inference_context.logits_index)
         return self.head(hidden, labels, gather_logits=gather_logits)
+
+    def _document_mask(
+        self, document_ids: torch.Tensor | DocumentMask | None, inference_context: InferenceContext | None
+    ) -> DocumentMask | None:
+        if document_ids is None:
+            return None
+        if inference_context is not None:
+            raise ValueError("document_ids (packed sequences) are for training; an inference context was given too")
+        if "M" in (self.config.hybrid_pattern or ""):
+            raise ValueError(
+                "packed sequences (document_ids) with Mamba layers: the scan would carry state across documents; "
+                "train this hybrid_pattern unpacked"
+            )
+        return document_ids if isinstance(document_ids, DocumentMask) else document_mask(document_ids)
 
     def embed(
         self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None
@@ -315,10 +338,12 @@ def _token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size:
 
 
 class _LayerCall:
-    """``layer(hidden, (cos, sin))`` with the rotary tables as separate tensors, as checkpointing needs."""
+    """``layer(hidden, (cos, sin))`` with the rotary tables as separate tensors, as checkpointing needs (and a packed
+    micro-batch's document mask)."""
 
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
+    def __init__(self, layer: nn.Module, document_mask: DocumentMask | None = None) -> None:
+        self.layer, self.document_mask = layer, document_mask
 
     def __call__(self, hidden: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
-        return self.layer(hidden, (rotary[0], rotary[1]) if rotary else None)
+        rot = (rotary[0], rotary[1]) if rotary else None
+        return self.layer(hidden, rot, **mask_kwargs(self.document_mask))

@@ -24,6 +24,7 @@ from torch import nn
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.layer import dropout_add
+from mcore_models.transformer.packed import DocumentMask, mask_kwargs
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -131,8 +132,10 @@ class AttentionLayer(_Residual):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
+        document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        return dropout_add(self, self.self_attention(self.input_layernorm(x), rotary, inference_context), x)
+        h = self.input_layernorm(x)
+        return dropout_add(self, self.self_attention(h, rotary, inference_context, **mask_kwargs(document_mask)), x)
 
 
 class MLPLayer(_Residual):
@@ -157,6 +160,7 @@ class MLPLayer(_Residual):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
+        document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         return dropout_add(self, self.mlp(self.pre_mlp_layernorm(x)), x)
 

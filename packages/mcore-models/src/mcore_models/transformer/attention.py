@@ -8,6 +8,7 @@ rank whole groups, so no communication is needed inside attention.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -18,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.norm import build_norm
+from mcore_models.transformer.packed import DocumentMask, document_attention
 from mcore_models.transformer.qkv_rope import qkv_rope
 from mcore_models.transformer.rope import apply_rotary
 from mcore_parallel.tensor import normal_init, scaled_normal_init
@@ -83,7 +85,11 @@ class SDPACoreAttention(nn.Module):
         self.native_gqa = _TORCH_GQA and config.attention_backend != "efficient"
         self.contiguous = config.attention_contiguous
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        if document_mask is not None:
+            return self._packed(q, k, v, document_mask)
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if self.contiguous:
@@ -99,6 +105,20 @@ class SDPACoreAttention(nn.Module):
         backend = sdpa_kernel(self.backends) if self.backends is not None and q.is_cuda else nullcontext()
         with self.ctx.model_parallel_rng() if p > 0 else nullcontext(), backend:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **kwargs)
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
+        """Packed sequences: causal attention inside each document of the row (:mod:`~.packed`)."""
+        s, b, heads, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.dropout if self.training else 0.0
+        gqa = k.shape[1] != heads
+        if gqa and not self.native_gqa:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            gqa = False
+        with self.ctx.model_parallel_rng() if p > 0 else nullcontext():
+            out = document_attention(q, k, v, mask, dropout_p=p, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
@@ -147,13 +167,22 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext | None = None
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        inference_context: InferenceContext | None = None,
+        document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[s, b, hidden]`` → the QKV projection, :meth:`attend`, the output projection."""
-        return self.linear_proj(self.attend(self.linear_qkv(x), rotary, inference_context))
+        """``x`` ``[s, b, hidden]`` → the QKV projection, :meth:`attend`, the output projection (``document_mask``:
+        packed sequences, attention inside each document only)."""
+        return self.linear_proj(self.attend(self.linear_qkv(x), rotary, inference_context, document_mask))
 
     def attend(
-        self, qkv: torch.Tensor, rotary: Rotary, inference_context: InferenceContext | None = None
+        self,
+        qkv: torch.Tensor,
+        rotary: Rotary,
+        inference_context: InferenceContext | None = None,
+        document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         """The attention between the two projections: the QKV projection's output ``[s, b, groups * (heads /
         groups + 2) * d]`` (this rank's groups) → ``[s, b, heads * d]``, the output projection's input. Splits q, k
@@ -188,6 +217,9 @@ class SelfAttention(nn.Module):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_context is not None:
             return inference_context.attention(q, k, v)
+        if document_mask is not None:  # packed sequences: the core attention gets the documents' mask
+            core = partial(self.core_attention, document_mask=document_mask)
+            return self.ctx.recompute(core, q, k, v) if self.selective_recompute and self.training else core(q, k, v)
         if self.selective_recompute and self.training:
             return self.ctx.recompute(self.core_attention, q, k, v)
         return self.core_attention(q, k, v)

@@ -10,6 +10,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.packed import DocumentMask, mask_kwargs
 
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
@@ -53,8 +54,11 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
+        document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         """The layer's output ``x + attn + mlp`` for ``x`` ``[s, b, hidden]`` (``inference_context``: attention over
-        an engine's KV cache, see :class:`~mcore_models.transformer.attention.InferenceContext`)."""
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, inference_context), x)
+        an engine's KV cache, see :class:`~mcore_models.transformer.attention.InferenceContext`; ``document_mask``:
+        packed sequences, see :mod:`~mcore_models.transformer.packed`)."""
+        attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, **mask_kwargs(document_mask))
+        x = self._dropout_add(attn, x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
