@@ -94,3 +94,17 @@ def test_cp_comm_auto_rule() -> None:
     assert resolve_cp_comm("allgather", 1 << 20, 8) == "allgather"
     with pytest.raises(ValueError, match="auto, p2p or allgather"):
         resolve_cp_comm("ring", 64, 2)
+
+
+def test_context_parallel_spec_puts_ring_attention_in_the_layer_spec() -> None:
+    from mcore_models import LayerSpec
+    from mcore_models.transformer.ring_attention import RingAttention, context_parallel_spec
+
+    cp = ParallelState.initialize(ParallelConfig()).cp
+    spec = LayerSpec()
+    assert context_parallel_spec(spec, cp) is spec  # one rank: unchanged
+    cp2 = type(cp)("cp", (0, 1), 0, None)
+    ring = context_parallel_spec(spec, cp2, "allgather").core_attention
+    assert ring.func is RingAttention and ring.keywords == {"cp": cp2, "comm": "allgather"}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="needs ring attention"):
+        context_parallel_spec(LayerSpec(core_attention=RingAttention), cp2)

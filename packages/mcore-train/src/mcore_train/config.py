@@ -86,8 +86,8 @@ class TrainConfig:
 
     def layout_problems(self, world_size: int) -> list[str]:
         """What :meth:`check_layout` reports, as a list (empty when the run can start)."""
-        return [*self._batch_problems(world_size), *self._model_problems(), *self._moe_problems(),
-                *self._run_problems()]  # fmt: skip
+        return [*self._batch_problems(world_size), *self._model_problems(), *self._cp_problems(),
+                *self._moe_problems(), *self._run_problems()]  # fmt: skip
 
     def _batch_problems(self, world_size: int) -> list[str]:
         """The rank layout, and how the global batch splits into micro-batches over it."""
@@ -147,6 +147,24 @@ class TrainConfig:
                 f"data.seq_length={seq} exceeds model.max_position_embeddings={model.max_position_embeddings} "
                 "(learned positions)"
             )
+        return problems
+
+    def _cp_problems(self) -> list[str]:
+        """Context parallelism against the sequence and the model (``mcore_train.context_parallel``)."""
+        cp, tp, seq, model = self.parallel.cp, self.parallel.tp, self.data.seq_length, self.model
+        if cp == 1:
+            return []
+        problems = []
+        if seq % (2 * cp):
+            problems.append(f"data.seq_length={seq} must be divisible by 2 x parallel.cp = {2 * cp} (each cp rank "
+                            "holds two chunks of every sequence)")  # fmt: skip
+        elif self.parallel.sequence_parallel and (seq // cp) % tp:
+            problems.append(f"data.seq_length / cp = {seq // cp} must be divisible by tp={tp} with sequence_parallel")
+        if model.hybrid_pattern is not None:
+            problems.append(f"parallel.cp={cp} with a hybrid / Mamba model (model.hybrid_pattern): the SSM scan is "
+                            "not context-parallel; set parallel.cp=1")  # fmt: skip
+        if model.attention_dropout > 0:
+            problems.append(f"parallel.cp={cp}: ring attention has no dropout; set model.attention_dropout=0")
         return problems
 
     def _moe_problems(self) -> list[str]:

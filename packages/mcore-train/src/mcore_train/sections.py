@@ -78,6 +78,11 @@ class ParallelSection(ParallelConfig):
     tp_comm_chunks: int = 2
     """With tp_comm=p2p: each peer's rows are pulled in this many pieces, each multiplied (or added) as soon as it
     arrives, so less of the copy waits after the local GEMM."""
+    cp_comm: Literal["auto", "p2p", "allgather"] = "auto"
+    """With cp > 1, how ring attention moves keys and values over the context-parallel group: p2p (a ring of
+    sends to the next rank, each overlapped with a block's attention; two K/V blocks in memory), allgather (one
+    all-gather of every rank's K/V, overlapped with the local block; the whole sequence's K/V in memory for the
+    layer) or auto (p2p from 4096 tokens per cp rank, allgather below: ``mcore_parallel.context_parallel``)."""
     tp_comm_in_graph: bool = False
     """Experimental, with symmetric memory: let ``training.compile=layers`` trace the sequence-parallel linears into
     the compiled layers instead of breaking each layer's graph at them (less host work per step)."""
@@ -105,8 +110,6 @@ class ParallelSection(ParallelConfig):
                 f"tp_comm_in_graph=true traces PyTorch's fused ops (tp_comm={self.tp_comm}): set tp_comm=auto or "
                 "symmetric_memory"
             )
-        if self.cp != 1:
-            problems.append(f"cp={self.cp}: context parallelism is not implemented yet; use cp=1")
         _raise(problems)
 
 

@@ -23,16 +23,20 @@ import torch
 import torch.distributed as dist
 
 from mcore_models.moe import set_aux_loss_scale, update_expert_biases
+from mcore_parallel import Group
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import StepResult
 from mcore_parallel.pipeline import forward_backward
+from mcore_train.context_parallel import cp_forward_step
 from mcore_train.trainer import Run
 
 __all__ = ["StepOutcome", "StepClock", "train_step", "deferred_reads"]
 
 
-def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+def _forward_step(data_iterator: Any, chunk: Any, cp: Group | None = None) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
+    if cp is not None and cp.size > 1:  # this rank's chunks of the sequences (mcore_train.context_parallel)
+        return cp_forward_step(batch, chunk, cp)
     model = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
     tokens = batch["tokens"] if model.pre_process else None
     labels = batch["labels"] if model.post_process else None
@@ -80,7 +84,8 @@ def _schedule_loss(run: Run, iterators: list[Any], num_micro: int, forward_only:
     """Run the schedule; the mean loss over its micro-batches as a device scalar (None on ranks that compute none)."""
     cfg = run.config
     reported = forward_backward(
-        _forward_step, iterators, list[Any](run.ddp), num_micro, cfg.data.seq_length, cfg.training.micro_batch_size,
+        functools.partial(_forward_step, cp=run.state.cp), iterators, list[Any](run.ddp), num_micro,
+        cfg.data.seq_length // run.state.cp.size, cfg.training.micro_batch_size,
         run.model_config.hidden_size, run.state, run.model_config.dtype, forward_only,
         grad_scale_func=None if forward_only else run.optimizer.scale_loss,
     )  # fmt: skip

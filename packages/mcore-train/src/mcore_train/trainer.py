@@ -18,6 +18,8 @@ import torch
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
 from mcore_models.hybrid import stage_layers
+from mcore_models.spec import default_spec
+from mcore_models.transformer.ring_attention import context_parallel_spec
 from mcore_parallel import ParallelState, ShardedTensor
 from mcore_parallel.checkpoint import (
     CheckpointFormatError,
@@ -26,6 +28,7 @@ from mcore_parallel.checkpoint import (
     read_metadata,
 )
 from mcore_parallel.checkpoint.zarr_io import Verify
+from mcore_parallel.context_parallel import resolve_cp_comm
 from mcore_parallel.ddp import DistributedDataParallel
 from mcore_parallel.optim import MixedPrecisionOptimizer, get_optimizer
 from mcore_parallel.pipeline import sync_shared_embedding_weights
@@ -101,6 +104,8 @@ def build_model_chunks(
         compile = resolve_speed(config, state.device).compile
     par = config.parallel
     vpp = par.vpp or 1
+    cp_comm = resolve_cp_comm(par.cp_comm, config.data.seq_length, state.cp.size)
+    spec = context_parallel_spec(default_spec(), state.cp, cp_comm)  # ring attention over cp (when cp > 1)
     chunks = []
     for v in range(vpp):
         layers = stage_layers(model_config, par.pp, state.pp.rank, vpp, v, par.first_stage_layers,
@@ -118,6 +123,7 @@ def build_model_chunks(
                 ep=state.ep,
                 expert_tp=state.expert_tp,
                 balance=state.tp_dp_cp,
+                spec=spec,
             )
         )
     if compile == "layers":
