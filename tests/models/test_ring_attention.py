@@ -108,3 +108,17 @@ def test_context_parallel_spec_puts_ring_attention_in_the_layer_spec() -> None:
     assert ring.func is RingAttention and ring.keywords == {"cp": cp2, "comm": "allgather"}  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="needs ring attention"):
         context_parallel_spec(LayerSpec(core_attention=RingAttention), cp2)
+
+
+def _tiled(cp: int) -> float:
+    from mcore_models.transformer import ring_attention
+
+    ring_attention.SCORE_TILE_ELEMENTS = 3 * B * HEADS * S  # a few query rows per tile, uneven last tile
+    try:
+        return _check(cp, 2, "p2p")
+    finally:
+        ring_attention.SCORE_TILE_ELEMENTS = 1 << 28
+
+
+def test_blocks_computed_in_row_tiles_equal_causal_attention() -> None:
+    assert max(run_distributed(_tiled, 2, 2)) < 1e-10

@@ -64,15 +64,27 @@ def _blocks(r: int, j: int, c: int) -> list[Block]:
     return [(slice(c, None), slice(None), False)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """``[b, G, hg, n, m]`` scaled scores of queries ``[b, G, hg, n, d]`` and keys ``[b, G, m, d]`` (accumulation
-    dtype), the causal block's upper triangle at -inf."""
+SCORE_TILE_ELEMENTS = 1 << 28
+"""Scores computed at once (1 GiB in float32): a block's query rows are processed in tiles of at most this many
+scores, so a long block never materialises its whole score matrix (rows are independent: each has its own
+softmax over all the block's keys)."""
+
+
+def _row_tiles(q: torch.Tensor, m: int) -> list[tuple[int, int]]:
+    b, g, hg, n, _ = q.shape
+    rows = max(1, SCORE_TILE_ELEMENTS // max(1, b * g * hg * m))
+    return [(i, min(n, i + rows)) for i in range(0, n, rows)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int) -> torch.Tensor:
+    """``[b, G, hg, n, m]`` scaled scores of queries ``[b, G, hg, n, d]`` (rows ``row0`` on of the block) and keys
+    ``[b, G, m, d]`` (accumulation dtype); causal: keys after a query's row at -inf."""
     b, g, hg, n, d = q.shape
     m = k.shape[2]
     acc = _acc(q.dtype)
     s = torch.matmul(q.reshape(b, g, hg * n, d).to(acc), k.to(acc).transpose(-1, -2)).view(b, g, hg, n, m) * scale
     if causal:
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1 + row0), float("-inf"))
     return s
 
 
@@ -81,12 +93,15 @@ def block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[b, G, hg, n, d]`` over ``k``, ``v`` ``[b, G, m, d]``: (out ``[b, G, hg, n, d]``,
     log-sum-exp ``[b, G, hg, n]``), both in the accumulation dtype. ``causal`` needs ``n == m``."""
-    s = _scores(q, k, causal, scale)
-    b, g, hg, n, m = s.shape
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    out = torch.matmul(p.view(b, g, hg * n, m), v.to(s.dtype)).view(b, g, hg, n, -1)
-    return out, lse
+    outs, lses = [], []
+    for lo, hi in _row_tiles(q, k.shape[2]):
+        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo)
+        b, g, hg, n, m = s.shape
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None])
+        outs.append(torch.matmul(p.view(b, g, hg * n, m), v.to(s.dtype)).view(b, g, hg, n, -1))
+        lses.append(lse)
+    return torch.cat(outs, 3), torch.cat(lses, 3)
 
 
 def block_backward(
@@ -101,17 +116,21 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the final output's gradient ``dout`` ``[b, G, hg, n, d]``, ``delta`` =
     rowsum(dout * out) and the final log-sum-exp ``lse`` ``[b, G, hg, n]`` (the flash-attention backward)."""
-    s = _scores(q, k, causal, scale)
-    b, g, hg, n, m = s.shape
-    acc = s.dtype
-    p = torch.exp(s - lse[..., None].to(acc))
-    do = dout.to(acc).reshape(b, g, hg * n, -1)
-    dv = torch.matmul(p.view(b, g, hg * n, m).transpose(-1, -2), do)
-    dp = torch.matmul(do, v.to(acc).transpose(-1, -2)).view(b, g, hg, n, m)
-    ds = (p * (dp - delta[..., None].to(acc))).view(b, g, hg * n, m)
-    dq = torch.matmul(ds, k.to(acc)).view(b, g, hg, n, -1) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, hg * n, -1)) * scale
-    return dq, dk, dv
+    dqs, dk, dv = [], None, None
+    for lo, hi in _row_tiles(q, k.shape[2]):
+        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo)
+        b, g, hg, n, m = s.shape
+        acc = s.dtype
+        p = torch.exp(s - lse[:, :, :, lo:hi, None].to(acc))
+        do = dout[:, :, :, lo:hi].to(acc).reshape(b, g, hg * n, -1)
+        dv_t = torch.matmul(p.view(b, g, hg * n, m).transpose(-1, -2), do)
+        dp = torch.matmul(do, v.to(acc).transpose(-1, -2)).view(b, g, hg, n, m)
+        ds = (p * (dp - delta[:, :, :, lo:hi, None].to(acc))).view(b, g, hg * n, m)
+        dqs.append(torch.matmul(ds, k.to(acc)).view(b, g, hg, n, -1) * scale)
+        dk_t = torch.matmul(ds.transpose(-1, -2), q[:, :, :, lo:hi].to(acc).reshape(b, g, hg * n, -1)) * scale
+        dk, dv = (dk_t, dv_t) if dk is None or dv is None else (dk + dk_t, dv + dv_t)
+    assert dk is not None and dv is not None
+    return torch.cat(dqs, 3), dk, dv
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, lo: torch.Tensor) -> None:
