@@ -143,6 +143,10 @@ class DataSection:
     """Seed of the data shuffles."""
     eod_mask_loss: bool = False
     """No loss on end-of-document tokens."""
+    packing: bool = False
+    """Packed sequences: every sample holds documents back to back (as the dataset concatenates them), and attention
+    stays inside each document (per-document causal attention, the boundaries after every EOD token), with position
+    ids restarting per document (flex_attention with a document block mask on CUDA; see docs/training.md)."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -40,7 +40,10 @@ def _forward_step(data_iterator: Any, chunk: Any, cp: Group | None = None) -> tu
     model = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
     tokens = batch["tokens"] if model.pre_process else None
     labels = batch["labels"] if model.post_process else None
-    output = chunk(tokens, None, labels=labels)
+    if "document_ids" in batch:  # packed sequences (data.packing): attention and positions per document
+        output = chunk(tokens, batch["position_ids"], labels=labels, document_ids=batch["document_ids"])
+    else:
+        output = chunk(tokens, None, labels=labels)
 
     def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["loss_mask"]

@@ -229,6 +229,19 @@ def _check_expert_groups(config: TrainConfig, state: ParallelState) -> None:
     ])  # fmt: skip
 
 
+def _batch_config(config: TrainConfig, data: RunData) -> BatchConfig:
+    """What each micro-batch carries; ``data.packing``: each token's document and positions restarting per
+    document (from the EOD tokens)."""
+    packing = config.data.packing
+    if packing and "M" in (config.model.hybrid_pattern or ""):
+        raise ConfigError([
+            f"data.packing=true with Mamba layers (model.hybrid_pattern={config.model.hybrid_pattern!r}): the scan "
+            "would carry its state across documents; set data.packing=false"
+        ])  # fmt: skip
+    return BatchConfig(eod_id=data.tokenizer.eod, eod_mask_loss=config.data.eod_mask_loss,
+                       reset_position_ids=packing, document_ids=packing)  # fmt: skip
+
+
 def setup(config: TrainConfig) -> Run:
     """Everything a run needs, resumed from a checkpoint when one is configured or found."""
     state = ParallelState.initialize(config.parallel, backend=config.parallel.backend, device=config.training.device)
@@ -254,7 +267,7 @@ def setup(config: TrainConfig) -> Run:
     train_iters = _train_iters(config)
     scheduler = LRScheduler(config.scheduler, config.optimizer.lr, train_iters)
     data = build_run_data(config, train_iters)
-    batch_config = BatchConfig(eod_id=data.tokenizer.eod, eod_mask_loss=config.data.eod_mask_loss)
+    batch_config = _batch_config(config, data)
     manager = None
     if config.checkpoint.dir is not None:
         manager = CheckpointManager(config.checkpoint.dir, state, keep_last=config.checkpoint.keep_last,
