@@ -77,6 +77,7 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path: Path) -> None:
         ),
         (["parallel.cp=2", "model.attention_dropout=0.1"], "ring attention has no dropout"),
         (["parallel.cp=2", "parallel.cp_comm=ring"], "cp_comm"),
+        (["parallel.cp=2", "data.packing=true"], "does not take document masks"),
     ],
 )
 def test_context_parallel_configuration_problems(overrides: list[str], message: str) -> None:

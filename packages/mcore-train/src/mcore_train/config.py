@@ -165,6 +165,9 @@ class TrainConfig:
                             "not context-parallel; set parallel.cp=1")  # fmt: skip
         if model.attention_dropout > 0:
             problems.append(f"parallel.cp={cp}: ring attention has no dropout; set model.attention_dropout=0")
+        if self.data.packing:
+            problems.append(f"parallel.cp={cp} with data.packing=true: ring attention does not take document masks "
+                            "yet; set data.packing=false or parallel.cp=1")  # fmt: skip
         return problems
 
     def _moe_problems(self) -> list[str]:
