@@ -191,9 +191,9 @@ def test_the_parallel_section_is_the_parallel_config_and_holds_the_ddp_config() 
     assert "parallel.bucket_sise: unknown key; did you mean 'bucket_size'?" in exc.value.problems
     assert any(p.startswith("parallel.exchange: unknown key") for p in exc.value.problems)
     with pytest.raises(ConfigError) as exc:  # the components' own checks, named by section, with the section's
-        config("parallel.tp=0", "parallel.cp=2", "data.seq_length=1")
+        config("parallel.tp=0", "parallel.tp_comm_chunks=0", "data.seq_length=1")
     text = str(exc.value)
-    assert "parallel: tp=0 must be a positive integer" in text and "cp=2: context parallelism is not" in text
+    assert "parallel: tp=0 must be a positive integer" in text and "tp_comm_chunks=0 must be at least 1" in text
     assert "data: seq_length=1 must be at least 2" in text
     with pytest.raises(ConfigError, match="parallel: bucket_size=0 must be a positive number of elements or None"):
         config("parallel.bucket_size=0")

@@ -106,6 +106,9 @@ def build_model_chunks(
     vpp = par.vpp or 1
     cp_comm = resolve_cp_comm(par.cp_comm, config.data.seq_length, state.cp.size)
     spec = context_parallel_spec(default_spec(), state.cp, cp_comm)  # ring attention over cp (when cp > 1)
+    if state.cp.size > 1 and state.rank == 0:
+        logger.info("context parallelism: cp=%d, %d tokens per cp rank, ring attention with cp_comm=%s",
+                    state.cp.size, config.data.seq_length // state.cp.size, cp_comm)  # fmt: skip
     chunks = []
     for v in range(vpp):
         layers = stage_layers(model_config, par.pp, state.pp.rank, vpp, v, par.first_stage_layers,
