@@ -179,3 +179,20 @@ def _tp_run(tp: int, sp: bool) -> None:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_tp2_packed_equals_one_process(sp: bool) -> None:
     run_distributed(_tp_run, 2, 2, sp)
+
+
+def test_a_later_pipeline_stage_attends_per_document() -> None:
+    """Two stages (the hidden states handed over as the schedule does) with the document ids on both equal the whole
+    model: the boundaries reach every stage."""
+    torch.manual_seed(6)
+    config = CONFIGS["llama-gqa"]
+    ids = torch.randint(0, config.vocab_size, (3, 16))
+    docs = _doc_ids(LENGTHS)
+    whole = _model(config)
+    first = _model(config, layers=range(0, 1), post_process=False)
+    last = _model(config, layers=range(1, 2), pre_process=False)
+    with torch.no_grad():
+        last.set_input_tensor(first(ids, document_ids=docs))
+        torch.testing.assert_close(last(None, document_ids=docs), whole(ids, document_ids=docs), rtol=1e-10, atol=1e-10)
+        last.set_input_tensor(first(ids, document_ids=docs))
+        assert not torch.allclose(last(None), whole(ids, document_ids=docs))  # without them it does not
