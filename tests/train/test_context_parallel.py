@@ -31,6 +31,7 @@ LAYOUTS = {
     "cp2": (2, ["parallel.cp=2", "parallel.cp_comm=p2p"]),
     "cp2-allgather": (2, ["parallel.cp=2", "parallel.cp_comm=allgather"]),
     "cp2-recompute": (2, ["parallel.cp=2", "model.recompute=full"]),
+    "cp2-selective-recompute": (2, ["parallel.cp=2", "model.recompute=selective", "parallel.cp_comm=p2p"]),
     "cp4": (4, ["parallel.cp=4", "parallel.cp_comm=p2p"]),
     "cp4-allgather": (4, ["parallel.cp=4", "parallel.cp_comm=allgather"]),
     "cp2-tp2-sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -83,3 +84,15 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path: Path) -> None:
 def test_context_parallel_configuration_problems(overrides: list[str], message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):
         config(*BASE, *overrides, world_size=8).check_layout(8)
+
+
+def _eval_losses(overrides: list[str]) -> list[tuple[int, float]]:
+    result = pretrain(config(*BASE, "training.train_iters=2", "training.eval_iters=2", *overrides))
+    return result.eval_losses
+
+
+def test_evaluation_at_cp2_equals_cp1() -> None:
+    want = _eval_losses([])
+    got = run_distributed(_eval_losses, 2, ["parallel.cp=2"], timeout=300)[0]
+    assert want and [s for s, _ in got] == [s for s, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5, abs=1e-6)
