@@ -96,3 +96,11 @@ def test_evaluation_at_cp2_equals_cp1() -> None:
     got = run_distributed(_eval_losses, 2, ["parallel.cp=2"], timeout=300)[0]
     assert want and [s for s, _ in got] == [s for s, _ in want]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_layers_at_cp2_train_like_compiled_cp1() -> None:
+    """``training.compile=layers`` with ring attention inside each compiled layer."""
+    want = _losses(["training.compile=layers"])
+    got = run_distributed(_losses, 2, ["parallel.cp=2", "training.compile=layers"], timeout=500)[0]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
