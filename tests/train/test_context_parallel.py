@@ -79,6 +79,7 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path: Path) -> None:
         (["parallel.cp=2", "model.attention_dropout=0.1"], "ring attention has no dropout"),
         (["parallel.cp=2", "parallel.cp_comm=ring"], "cp_comm"),
         (["parallel.cp=2", "data.packing=true"], "does not take document masks"),
+        (["parallel.cp=2", "model.moe.aux_loss_coeff=0.1"], "use global_aux_loss"),
     ],
 )
 def test_context_parallel_configuration_problems(overrides: list[str], message: str) -> None:
@@ -104,3 +105,15 @@ def test_compiled_layers_at_cp2_train_like_compiled_cp1() -> None:
     want = _losses(["training.compile=layers"])
     got = run_distributed(_losses, 2, ["parallel.cp=2", "training.compile=layers"], timeout=500)[0]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.ep=2"]], ids=["cp2", "cp2-ep2"])
+def test_moe_with_the_global_aux_loss_at_cp2_trains_like_one_process(extra: list[str], tmp_path: Path) -> None:
+    """moe-tiny (load-balancing and z-loss on) at cp2 with and without expert parallelism: losses, gradient norms,
+    routing metrics."""
+    from tests.train.test_moe import _records, assert_same
+
+    balance = ["model.moe.load_balancing_type=global_aux_loss"]
+    want = _records(balance, str(tmp_path / "one"))
+    got = run_distributed(_records, 2, [*balance, "parallel.cp=2", *extra], str(tmp_path / "two"), timeout=300)[0]
+    assert_same(got, want, "cp2 " + " ".join(extra))

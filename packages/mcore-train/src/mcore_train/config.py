@@ -165,6 +165,11 @@ class TrainConfig:
                             "not context-parallel; set parallel.cp=1")  # fmt: skip
         if model.attention_dropout > 0:
             problems.append(f"parallel.cp={cp}: ring attention has no dropout; set model.attention_dropout=0")
+        moe = model.moe
+        if moe is not None and moe.aux_loss_coeff > 0 and moe.load_balancing_type in ("aux_loss", "seq_aux_loss"):
+            problems.append(f"parallel.cp={cp} with model.moe.load_balancing_type={moe.load_balancing_type}: its "
+                            "expert counts would cover each cp rank's chunks only; use global_aux_loss (counts over "
+                            "every rank of the stage, exact under cp) or parallel.cp=1")  # fmt: skip
         if self.data.packing:
             problems.append(f"parallel.cp={cp} with data.packing=true: ring attention does not take document masks "
                             "yet; set data.packing=false or parallel.cp=1")  # fmt: skip
