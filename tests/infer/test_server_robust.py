@@ -303,7 +303,7 @@ def test_health_and_metrics_report_load_and_kv_blocks(srv: Server) -> None:
     h = srv.http.get("/health").json()
     assert h == {"status": "ok", "running": 0, "waiting": 0, "kv_blocks": {"total": total, "free": total, "used": 0}}
     # while a request runs, its blocks are counted as used: its third model call (after the prefill and one decode
-    # step, lookahead or not, so at least one event is out) waits until the metrics are read
+    # step) waits until the metrics have shown it running
     gate, calls, real = threading.Event(), [], srv.llm.runner.execute
 
     def held(*a: Any, **k: Any) -> Any:
@@ -315,11 +315,16 @@ def test_health_and_metrics_report_load_and_kv_blocks(srv: Server) -> None:
     srv.llm.runner.execute = held  # type: ignore[method-assign]
     try:
         body = {**GREEDY, "max_tokens": 50, "stream": True, "ignore_eos": True}
-        with srv.http.stream("POST", "/v1/completions", json=body) as s:
-            next(line for line in s.iter_lines() if line.startswith("data: {"))
-            busy = parse_prometheus(srv.http.get("/metrics").text)
+        with srv.http.stream("POST", "/v1/completions", json=body) as s:  # (the headers come first)
+            deadline = time.monotonic() + 20
+            while True:  # from its admission until the held call, the request is running
+                busy = parse_prometheus(srv.http.get("/metrics").text)
+                if busy["mcore_infer_requests_running"] == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             gate.set()
-            assert busy["mcore_infer_kv_blocks_used"] > 0 and busy["mcore_infer_requests_running"] == 1
+            assert busy["mcore_infer_kv_blocks_used"] > 0 and busy["mcore_infer_requests_running"] == 1, busy
+            assert any(line.startswith("data: {") for line in s.iter_lines())
     finally:
         gate.set()
         del srv.llm.runner.execute  # the instance attribute: the method again
