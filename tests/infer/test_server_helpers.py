@@ -122,6 +122,9 @@ def test_fan_out_indices_and_seeds() -> None:
     assert [p.seed for _, _, p in jobs] == [7, 8, 9, 7, 8, 9] and jobs[0][2] is params
     unseeded = SamplingParams()
     assert all(p is unseeded for _, _, p in fan_out([[1]], unseeded, 2))
+    top = SamplingParams(seed=2**63 - 2)  # a valid seed: its later choices wrap instead of leaving the range
+    assert [p.seed for _, _, p in fan_out([[1]], top, 3)] == [2**63 - 2, 2**63 - 1, -(2**63)]
+    assert [p.seed for _, _, p in fan_out([[1]], SamplingParams(seed=-5), 2)] == [-5, -4]
 
 
 def test_merged_single_job_combines_each_batch() -> None:

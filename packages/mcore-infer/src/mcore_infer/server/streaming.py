@@ -134,14 +134,21 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- requests
+_SEED_HALF = 1 << 63
+"""Seeds are signed 64-bit integers: ``[-2**63, 2**63)``."""
+
+
 def fan_out(prompts: list[list[int]], params: SamplingParams, n: int) -> list[Job]:
-    """``n`` jobs per prompt, choice ``prompt_index * n + i``; a seeded request's ``i``-th job gets ``seed + i``."""
+    """``n`` jobs per prompt, choice ``prompt_index * n + i``; a seeded request's ``i``-th job gets ``seed + i``
+    (wrapped around the signed 64-bit range, so a valid seed near its top stays valid for every choice)."""
     jobs = []
     for pi, ids in enumerate(prompts):
         for i in range(n):
             p = params
             if params.seed is not None and i > 0:
-                p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                p = SamplingParams(
+                    **{**params.__dict__, "seed": (params.seed + i + _SEED_HALF) % (2 * _SEED_HALF) - _SEED_HALF}
+                )
             jobs.append((pi * n + i, ids, p))
     return jobs
 
