@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +69,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -
     assert err <= tol * scale and rel <= tol, f"{name}: max err {err:.3g} (scale {scale:.3g}), relative norm {rel:.3g}"
 
 
+def assert_runs_agree(t: dict[str, torch.Tensor], runs: Any, tol: float) -> None:
+    """``run_both``'s kernel run within ``tol`` of its reference: y, the final states and every input's gradient."""
+    (y, fin), (y_ref, fin_ref), grads, ref_grads = runs
+    assert_close(y, y_ref, tol, "y")
+    assert_close(fin, fin_ref, tol, "final_states")
+    for name in t:
+        assert_close(grads[name], ref_grads[name], tol, f"d {name}")
+
+
 def run_both(t, *, chunk_size, device, dtype, softplus=True, dt_limit=(0.0, math.inf), seed=1):
     """Forward and backward through the kernels (inputs cast to ``dtype`` on ``device``) and through the float64
     recurrence (of the same rounded inputs): ``(outputs, grads)`` of each, the final state's gradient included."""
@@ -106,13 +116,8 @@ def test_kernels_equal_the_float64_recurrence(device: str, case: tuple) -> None:
     softplus, limit = opts.get("softplus", True), opts.get("dt_limit", (0.0, math.inf))
     flags = {k: opts.get(k, False) for k in ("D", "bias", "init")}
     t = make_inputs(b, s, H, G, P, N, softplus=softplus, seed=s + L, **flags)
-    (y, fin), (y_ref, fin_ref), grads, ref_grads = run_both(
-        t, chunk_size=L, device=device, dtype=torch.float32, softplus=softplus, dt_limit=limit
-    )
-    assert_close(y, y_ref, 2e-5, "y")
-    assert_close(fin, fin_ref, 2e-5, "final_states")
-    for name in t:
-        assert_close(grads[name], ref_grads[name], 2e-5, f"d {name}")
+    assert_runs_agree(t, run_both(t, chunk_size=L, device=device, dtype=torch.float32, softplus=softplus,
+                                  dt_limit=limit), 2e-5)  # fmt: skip
 
 
 @needs_kernel
@@ -123,11 +128,7 @@ def test_several_blocks_per_chunk(device: str, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(ssd_triton, "_BWD_ROWS", 16)
     monkeypatch.setattr(ssd_triton, "_STATE_BLOCK", 16)  # the state pass over several tiles (P * N = 32)
     t = make_inputs(1, 50, 4, 2, 4, 8, D=True, bias=True, init=True, seed=3)
-    (y, fin), (y_ref, fin_ref), grads, ref_grads = run_both(t, chunk_size=40, device=device, dtype=torch.float32)
-    assert_close(y, y_ref, 2e-5, "y")
-    assert_close(fin, fin_ref, 2e-5, "final_states")
-    for name in t:
-        assert_close(grads[name], ref_grads[name], 2e-5, f"d {name}")
+    assert_runs_agree(t, run_both(t, chunk_size=40, device=device, dtype=torch.float32), 2e-5)
 
 
 @needs_kernel

@@ -27,6 +27,22 @@ TINY_MODEL = [
     "scheduler.warmup_iters=2",
 ]
 
+CPU_RUN = [
+    "data.mock=true",
+    "data.seq_length=32",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=8",
+    "training.train_iters=3",
+    "training.eval_iters=0",
+    "training.generate_at_end=0",
+    "training.device=cpu",
+    "logging.progress_bar=false",
+    "logging.log_interval=1",
+    "scheduler.warmup_iters=0",
+    "optimizer.lr=0.01",
+]
+"""Three logged steps of a recipe's own model on mock data, on the CPU (the MoE and hybrid layout tests)."""
+
 
 def config(*overrides: str, **kw: Any) -> TrainConfig:
     return load_config(recipe="tiny", overrides=[*TINY_MODEL, *overrides], **kw)

@@ -13,21 +13,9 @@ import pytest
 from mcore_parallel.checkpoint import latest_checkpoint, read_metadata
 from mcore_parallel.testing import run_distributed
 from mcore_train import ConfigError, load_config, pretrain
+from tests.train._util import CPU_RUN
 
-RUN = [
-    "data.mock=true",
-    "data.seq_length=32",
-    "training.micro_batch_size=2",
-    "training.global_batch_size=8",
-    "training.train_iters=3",
-    "training.eval_iters=0",
-    "training.generate_at_end=0",
-    "training.device=cpu",
-    "logging.progress_bar=false",
-    "logging.log_interval=1",
-    "scheduler.warmup_iters=0",
-    "optimizer.lr=0.01",
-]
+RUN = CPU_RUN
 STAGES = "model.hybrid_pattern=M*|-M-"  # two pipeline stages of 2 and 3 layers
 
 

@@ -14,25 +14,11 @@ import torch
 from mcore_parallel.checkpoint import latest_checkpoint, read_metadata, read_region
 from mcore_parallel.testing import run_distributed
 from mcore_train import ConfigError, load_config, pretrain
+from tests.train._util import CPU_RUN
 from tests.train.test_resume import arrays
 
 # the moe-tiny model (2 layers, hidden 64, 8 experts, top-2) with a load-balancing and a z-loss worth training on
-MOE = [
-    "data.mock=true",
-    "data.seq_length=32",
-    "training.micro_batch_size=2",
-    "training.global_batch_size=8",
-    "training.train_iters=3",
-    "training.eval_iters=0",
-    "training.generate_at_end=0",
-    "training.device=cpu",
-    "logging.progress_bar=false",
-    "logging.log_interval=1",
-    "scheduler.warmup_iters=0",
-    "optimizer.lr=0.01",
-    "model.moe.aux_loss_coeff=0.1",
-    "model.moe.z_loss_coeff=0.001",
-]
+MOE = [*CPU_RUN, "model.moe.aux_loss_coeff=0.1", "model.moe.z_loss_coeff=0.001"]
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe/layer1/load_min")
 
 

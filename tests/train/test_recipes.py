@@ -71,32 +71,19 @@ for _name, (_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save) in _RUNS.
     }
 EXPECTED["llama3-8b"]["parallel"] = {"tp": 2, "pp": 1, "sequence_parallel": True}
 EXPECTED["moe-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
-_MOE_RUNS = {
+_LAYOUT_RUNS = {
     "moe-8x4k": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
     "moe-32x1k": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
     "mixtral-8x7b": ((4096, 3e-4, 2000, 1, 256, 100000, 2000, 500), {"pp": 4, "ep": 8}),
     "qwen3-moe-30b-a3b": ((4096, 3e-4, 2000, 1, 256, 100000, 2000, 500), {"ep": 8}),
     "deepseek-v3": ((4096, 2.2e-4, 2000, 1, 2048, 100000, 2000, 500),
                     {"pp": 16, "ep": 64, "first_stage_layers": 3, "last_stage_layers": 2}),
-}  # fmt: skip
-for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parallel) in _MOE_RUNS.items():
-    EXPECTED[_name] = {
-        "data": {**_PRETRAINING["data"], "seq_length": _seq},
-        "optimizer": {**_PRETRAINING["optimizer"], "lr": _lr},
-        "scheduler": {**_PRETRAINING["scheduler"], "warmup_iters": _warmup, "min_lr": _lr / 10},
-        "training": dict(micro_batch_size=_micro, global_batch_size=_global, train_iters=_iters, eval_interval=_eval),
-        "checkpoint": {**_PRETRAINING["checkpoint"], "save_interval": _save},
-        "parallel": _parallel,
-    }
-
-EXPECTED["hybrid-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
-_SSM_RUNS = {
     "mamba2-130m": ((2048, 3e-3, 1000, 16, 256, 100000, 2000, 1000), {}),
     "mamba2-1.3b": ((2048, 1e-3, 2000, 8, 256, 100000, 2000, 1000), {}),
     "hybrid-1b": ((4096, 3e-4, 2000, 4, 256, 100000, 2000, 1000), {}),
     "nemotron-h-8b": ((8192, 3e-4, 2000, 1, 128, 100000, 2000, 500), {"tp": 2, "sequence_parallel": True}),
 }  # fmt: skip
-for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parallel) in _SSM_RUNS.items():
+for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parallel) in _LAYOUT_RUNS.items():
     EXPECTED[_name] = {
         "data": {**_PRETRAINING["data"], "seq_length": _seq},
         "optimizer": {**_PRETRAINING["optimizer"], "lr": _lr},
@@ -105,6 +92,7 @@ for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parall
         "checkpoint": {**_PRETRAINING["checkpoint"], "save_interval": _save},
         "parallel": _parallel,
     }
+EXPECTED["hybrid-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
 
 
 def test_the_recipes_are_the_ones_there_were() -> None:

@@ -20,6 +20,7 @@ scan, the output projection; d_i = expand * h inner width, G groups of state siz
 from __future__ import annotations
 
 from mcore_models.config import TransformerConfig
+from mcore_models.mamba_config import MambaConfig
 from mcore_parallel.tensor import padded_vocab_size
 
 __all__ = ["num_parameters", "training_flops_per_token"]
@@ -65,13 +66,17 @@ def _mlp_parameters(c: TransformerConfig, moe: bool) -> int:
     return h * up * f + up * f * int(bias) + f * h + h * int(bias)
 
 
-def _mamba_parameters(c: TransformerConfig) -> int:
+def _mamba_sizes(c: TransformerConfig) -> tuple[MambaConfig, int, int, int, int]:
+    """``(mamba, h, d_inner, heads, G * N)`` of a model with Mamba layers."""
     mc = c.mamba
     if mc is None:
         raise ValueError("a Mamba layer (M in hybrid_pattern) needs TransformerConfig.mamba")
     h = c.hidden_size
-    di = mc.expand * h
-    heads, gn = di // mc.head_dim, mc.n_groups * mc.d_state
+    return mc, h, mc.d_inner(h), mc.nheads(h), mc.n_groups * mc.d_state
+
+
+def _mamba_parameters(c: TransformerConfig) -> int:
+    mc, h, di, heads, gn = _mamba_sizes(c)
     conv_channels = di + 2 * gn
     conv = conv_channels * mc.d_conv + (conv_channels if mc.conv_bias else 0)
     # in_proj, conv1d, dt_bias + A_log + D, the gated norm, out_proj
@@ -117,11 +122,5 @@ def _mlp_flops(c: TransformerConfig, moe: bool) -> float:
 
 
 def _mamba_flops(c: TransformerConfig) -> float:
-    mc = c.mamba
-    if mc is None:
-        raise ValueError("a Mamba layer (M in hybrid_pattern) needs TransformerConfig.mamba")
-    h = c.hidden_size
-    di = mc.expand * h
-    heads = di // mc.head_dim
-    gn = mc.n_groups * mc.d_state
+    mc, h, di, heads, gn = _mamba_sizes(c)
     return 3.0 * (2 * h * (2 * di + 2 * gn + heads) + 7 * di * mc.d_state + 2 * di * h)

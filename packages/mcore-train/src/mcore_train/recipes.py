@@ -166,11 +166,11 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-moe-30b-a3b": qwen3_moe_30b_a3b,
     "deepseek-v3": deepseek_v3,
-    "hybrid-tiny": hybrid_tiny,
     "mamba2-130m": mamba2_130m,
     "mamba2-1.3b": mamba2_1_3b,
     "hybrid-1b": hybrid_1b,
     "nemotron-h-8b": nemotron_h_8b,
+    "hybrid-tiny": hybrid_tiny,
 }
 
 
