@@ -4,6 +4,9 @@ mcore-export hf --checkpoint runs/llama/step_001000 --out exports/llama-hf [--dt
 mcore-export import-hf --model exports/llama-hf --out ckpts/llama-imported [--tp 2 --pp 2]
 mcore-export trtllm --checkpoint runs/llama --out exports/llama-trt --tp 2 --pp 1 [--dtype fp16]
 mcore-export trtllm-build --checkpoint exports/llama-trt --out engines/llama   (needs tensorrt_llm)
+mcore-export import-megatron --checkpoint megatron/checkpoints --out ckpts/llama [--iteration N] [--optimizer]
+                             [-- --num-layers 32 ...   (Megatron flags, for checkpoints without saved args)]
+mcore-export megatron --checkpoint runs/llama --out megatron/checkpoints --tp 2 --pp 1
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 
 from mcore_export.errors import ExportError
 from mcore_export.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, import_hf
+from mcore_export.megatron import export_megatron, import_megatron
 from mcore_export.trtllm import build_engine, export_trtllm
 from mcore_models import MCoreModelsError
 from mcore_parallel.checkpoint import CheckpointFormatError
@@ -71,6 +75,27 @@ def _parser() -> argparse.ArgumentParser:
     trt.add_argument("--dtype", choices=dtypes, help="weight dtype (default: the checkpoint's params_dtype)")
     trt.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
+    meg = sub.add_parser("import-megatron", help="convert a Megatron-LM checkpoint (torch_dist or legacy) to mcore")
+    meg.add_argument("--checkpoint", required=True, help="Megatron --save directory, or one iter_NNNNNNN in it")
+    meg.add_argument("--out", required=True, help="checkpoint directory to write")
+    meg.add_argument("--iteration", type=int, help="which iter_NNNNNNN (default: latest_checkpointed_iteration.txt)")
+    meg.add_argument("--optimizer", action="store_true", help="also import Adam's state (torch_dist) to resume")
+    meg.add_argument("--vocab-size", type=int, help="true vocabulary size: drop Megatron's padding rows beyond it")
+    meg.add_argument("--tp", type=int, default=1, help="chunk the arrays for this tensor-parallel size")
+    meg.add_argument("--pp", type=int, default=1, help="pipeline size to check the layer count against")
+    meg.add_argument("--dtype", choices=dtypes, help="params_dtype (default: the run's --bf16/--fp16)")
+    meg.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    meg.add_argument("flags", nargs=argparse.REMAINDER, help="Megatron flags after -- (checkpoints without args)")
+
+    mex = sub.add_parser("megatron", help="export an mcore checkpoint as a Megatron-Core torch_dist checkpoint")
+    mex.add_argument("--checkpoint", required=True, help="checkpoint directory, or run directory with 'latest'")
+    mex.add_argument("--out", required=True, help="Megatron save directory to write (iter_NNNNNNN inside)")
+    mex.add_argument("--tp", type=int, default=1, help="the Megatron run's --tensor-model-parallel-size")
+    mex.add_argument("--pp", type=int, default=1, help="the Megatron run's --pipeline-model-parallel-size")
+    mex.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron's vocabulary padding")
+    mex.add_argument("--dtype", choices=dtypes, help="weight dtype (default: the checkpoint's params_dtype)")
+    mex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
     eng = sub.add_parser("trtllm-build", help="build a TensorRT engine from an export (needs tensorrt_llm)")
     eng.add_argument("--checkpoint", required=True, help="a directory written by 'mcore-export trtllm'")
     eng.add_argument("--out", required=True, help="engine directory")
@@ -97,6 +122,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "trtllm":
             out = export_trtllm(
                 args.checkpoint, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite
+            )
+        elif args.command == "import-megatron":
+            out = import_megatron(
+                args.checkpoint,
+                args.out,
+                iteration=args.iteration,
+                optimizer=args.optimizer,
+                flags=[a for a in args.flags if a != "--"],
+                vocab_size=args.vocab_size,
+                tp=args.tp,
+                pp=args.pp,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+            )
+        elif args.command == "megatron":
+            out = export_megatron(
+                args.checkpoint,
+                args.out,
+                tp=args.tp,
+                pp=args.pp,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
             )
         else:
             extra = [a for a in args.extra if a != "--"]

@@ -8,7 +8,6 @@ Outputs are written into a temporary directory renamed into place at the end, so
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -19,12 +18,13 @@ from typing import Any
 import torch
 
 from mcore_export._hf_files import HFTensors
+from mcore_export._mcore_writer import check_layout, import_attrs, layout_infos, start_checkpoint, write_parameter
 from mcore_export._safetensors import SafetensorsWriter, TensorEntry
 from mcore_export._source import CheckpointReader, resolve_dtype
 from mcore_export._staging import check_output, staged_output
 from mcore_export._tokenizer import export_tokenizer, import_tokenizer
-from mcore_export.errors import ExportError, LayoutError
-from mcore_models import DTYPES, ConversionError, GPTModel, TransformerConfig
+from mcore_export.errors import ExportError
+from mcore_models import DTYPES, ConversionError, TransformerConfig
 from mcore_models.hf import (
     gpt2_config_from_hf,
     gpt2_config_to_hf,
@@ -36,9 +36,6 @@ from mcore_models.hf import (
 )
 from mcore_models.hf_moe import MOE_ARCHITECTURES, MOE_MODEL_TYPES, moe_config_from_hf, moe_config_to_hf
 from mcore_models.hf_ssm import SSM_ARCHITECTURES, SSM_MODEL_TYPES, ssm_config_from_hf, ssm_config_to_hf
-from mcore_parallel import Group
-from mcore_parallel.checkpoint import FORMAT_VERSION
-from mcore_parallel.checkpoint.zarr_io import ArraySpec, write_array_metadata, write_chunk, write_group_metadata
 from mcore_parallel.sharding import ShardedTensor
 
 __all__ = ["export_hf", "import_hf", "hf_config_for", "plan_shards", "DEFAULT_MAX_SHARD_SIZE"]
@@ -194,33 +191,21 @@ def import_hf(
     params = resolve_dtype(dtype, DTYPES.get(str(stored), torch.float32))
     config = _config_from_hf(hf_cfg, _DTYPE_JSON[params])
     hf_architecture(config)
-    problems = config.problems(tp)
-    if tp < 1 or pp < 1 or pp > config.num_layers or problems:
-        raise LayoutError(
-            f"tp={tp}, pp={pp} does not fit the model ({config.num_layers} layers): "
-            + "; ".join(problems or ["tp and pp must be at least 1 and pp at most num_layers"])
-        )
+    check_layout(config, tp, pp)
     out_path = Path(out)
     check_output(out_path.absolute(), overwrite)
-    # MoE layers under tp > 1 need sequence parallelism; it marks parameters but does not change their chunks
-    tp_group = Group("tp", tuple(range(tp)), 0, None)
-    meta_model = GPTModel(config, tp=tp_group, sequence_parallel=config.moe is not None, device="meta")
-    layout = meta_model.sharded_state_dict()
-    infos: dict[str, ShardedTensor] = {}
-    for info in layout.values():
-        infos.setdefault(info.key, info)
+    infos = layout_infos(config, tp)
     with HFTensors(src) as tensors:
         _check_planned(src, config, tensors, infos)
         with staged_output(out_path, overwrite) as tmp:
             tokenizer = import_tokenizer(src, tmp)
-            attrs = _import_attrs(src, out_path, config, tp, pp)
+            source = {"format": "huggingface", "path": str(src.absolute()), "architecture": hf_architecture(config)}
+            attrs = import_attrs(out_path, config, tp, pp, source)
             if tokenizer is not None:
                 attrs["tokenizer"] = tokenizer
-            write_group_metadata(tmp, attrs)
-            write_group_metadata(tmp / "model")
-            write_group_metadata(tmp / "optimizer")
+            start_checkpoint(tmp, attrs)
             for key, tensor in hf_to_mcore(config, tensors.get):
-                _write_parameter(tmp / "model" / key, infos[key], tensor.to(params))
+                write_parameter(tmp / "model" / key, infos[key], tensor.to(params))
         unused = sorted(set(tensors.keys()) - tensors.used)
     if unused:
         logger.info("tensors of %s not used by the conversion: %s", src, unused)
@@ -239,31 +224,3 @@ def _check_planned(src: Path, config: TransformerConfig, tensors: HFTensors, inf
             f"unexpected {sorted(set(planned) - set(infos))}, "
             f"missing {sorted(set(infos) - set(planned))}"
         )
-
-
-def _import_attrs(src: Path, out_path: Path, config: TransformerConfig, tp: int, pp: int) -> dict[str, Any]:
-    """The checkpoint's top-level metadata for an import (step 0, the layout its chunks follow, the source)."""
-    return {
-        "format": "mcore-checkpoint",
-        "format_version": FORMAT_VERSION,
-        "name": out_path.name,
-        "saved_layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1},
-        "step": 0,
-        "consumed_samples": 0,
-        "model": config.to_dict(),
-        "imported_from": {
-            "format": "huggingface",
-            "path": str(src.absolute()),
-            "architecture": hf_architecture(config),
-        },
-    }
-
-
-def _write_parameter(array_dir: Path, info: ShardedTensor, tensor: torch.Tensor) -> None:
-    """One global parameter as a zarr array chunked as a run of the chosen layout would save it."""
-    chunk = tuple(max(c, 1) for c in (info.chunk_shape or info.global_shape))
-    spec = ArraySpec(info.global_shape, tensor.dtype, chunk)
-    write_array_metadata(array_dir, spec, {"kind": "parameter"})
-    for index in itertools.product(*(range(n) for n in spec.grid())):
-        region = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))
-        write_chunk(array_dir, spec, index, tensor[region])
