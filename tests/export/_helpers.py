@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mcore_models import GPTModel, TransformerConfig
-from mcore_models.checkpoint import save_weights
+from mcore_models.checkpoint import load_weights, model_config_from_checkpoint, save_weights
 from mcore_parallel import ParallelConfig, ParallelState
 from tests._model_configs import gpt2 as base_gpt2
 from tests._model_configs import llama as base_llama
@@ -81,3 +82,23 @@ def cached_checkpoint(cache: dict, root: Path, name: str, config: TransformerCon
     if (name, tp, pp) not in cache:
         cache[(name, tp, pp)] = save(config, root / f"{name}-tp{tp}pp{pp}", tp, pp)
     return cache[(name, tp, pp)]
+
+
+def load_and_run(ckpt: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Logits (gathered) of a checkpoint loaded at tp x pp (one gloo rank each; None on non-last stages)."""
+    state = ParallelState.initialize(ParallelConfig(tp=tp, pp=pp))
+    config = model_config_from_checkpoint(ckpt)
+    n = config.num_layers // pp
+    s = state.pp.rank
+    model = GPTModel(config.replace(seed=99), tp=state.tp, pre_process=state.is_first_stage,
+                     post_process=state.is_last_stage, layers=range(s * n, (s + 1) * n)).eval()  # fmt: skip
+    load_weights(model, ckpt)
+    with torch.no_grad():
+        if pp == 1:
+            return model(ids, gather_logits=True)
+        hidden = model(ids) if state.is_first_stage else torch.empty(ids.shape[1], ids.shape[0], config.hidden_size)
+        dist.broadcast(hidden, src=state.pp.ranks[0], group=state.pp.pg)
+        if state.is_first_stage:
+            return None
+        model.set_input_tensor(hidden)
+        return model(ids, gather_logits=True)

@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore_export import ExportError, LayoutError, MissingTensorError, export_hf, import_hf
 from mcore_models import ConversionError, GPTModel
 from mcore_models.checkpoint import load_weights, model_config_from_checkpoint, tokenizer_spec_from_checkpoint
-from mcore_parallel import ParallelConfig, ParallelState
 from mcore_parallel.checkpoint import read_array_spec, read_metadata
 from mcore_parallel.testing import run_distributed
+from tests.export._helpers import load_and_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,31 +87,12 @@ def test_import_gives_hf_logits_at_tp1(name: str, tmp_path: Path) -> None:
     assert read_array_spec(ckpt / "model" / "decoder.layers.0.input_layernorm.weight").chunk_shape == (32,)
 
 
-def _load_and_run(ckpt: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor | None:
-    state = ParallelState.initialize(ParallelConfig(tp=tp, pp=pp))
-    config = model_config_from_checkpoint(ckpt)
-    n = config.num_layers // pp
-    s = state.pp.rank
-    model = GPTModel(config.replace(seed=99), tp=state.tp, pre_process=state.is_first_stage,
-                     post_process=state.is_last_stage, layers=range(s * n, (s + 1) * n)).eval()  # fmt: skip
-    load_weights(model, ckpt)
-    with torch.no_grad():
-        if pp == 1:
-            return model(ids, gather_logits=True)
-        hidden = model(ids) if state.is_first_stage else torch.empty(ids.shape[1], ids.shape[0], config.hidden_size)
-        dist.broadcast(hidden, src=state.pp.ranks[0], group=state.pp.pg)
-        if state.is_first_stage:
-            return None
-        model.set_input_tensor(hidden)
-        return model(ids, gather_logits=True)
-
-
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
 def test_import_serves_at_tp2_and_tp2pp2(tp: int, pp: int, tmp_path: Path) -> None:
     hf = _hf_model("llama")
     ckpt = import_hf(_save(hf, tmp_path / "hf"), tmp_path / "ckpt")  # saved at tp1: loads at any layout
     ids = _ids(LLAMA["vocab_size"])  # type: ignore[arg-type]
-    results = run_distributed(_load_and_run, tp * pp, str(ckpt), tp, pp, ids)
+    results = run_distributed(load_and_run, tp * pp, str(ckpt), tp, pp, ids)
     expected = _hf_logits(hf, ids)
     outputs = [r for r in results if r is not None]
     assert len(outputs) == tp

@@ -54,7 +54,6 @@ MODEL_FLAGS: list[tuple[str, str, Any]] = [
     ("--add-qkv-bias", "add_qkv_bias", None),
     ("--qk-layernorm", "qk_layernorm", None),
     ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", None),
-    ("--padded-vocab-size", "padded_vocab_size", int),
     ("--vocab-size", "vocab_size", int),
     ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", int),
     ("--init-method-std", "init_method_std", float),
@@ -212,6 +211,17 @@ def _dtype(args: Any) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32")
 
 
+def _padded_vocab(args: Any, where: str) -> int:
+    """``args.padded_vocab_size``, else Megatron's padding of ``--vocab-size`` (to ``--make-vocab-size-divisible-by``
+    times the tensor-parallel size)."""
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is not None:
+        return int(padded)
+    vocab = _need(args, "vocab_size", where)
+    multiple = int(_get(args, "make_vocab_size_divisible_by", 128)) * int(_get(args, "tensor_model_parallel_size", 1))
+    return -(-int(vocab) // multiple) * multiple
+
+
 def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> TransformerConfig:
     """The ``TransformerConfig`` of a Megatron GPT model described by ``args`` (``where`` names the source in errors).
 
@@ -225,7 +235,7 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> Tr
     rope = None
     if position == "rope" and _get(args, "use_rope_scaling", False):
         rope = RopeScaling(factor=float(_get(args, "rope_scaling_factor", 8.0)))
-    padded = _need(args, "padded_vocab_size", where)
+    padded = _padded_vocab(args, where)
     if vocab_size is not None and not 0 < vocab_size <= padded:
         raise MegatronFormatError(f"{where}: --vocab-size {vocab_size} must be in [1, {padded}] (the padded vocab)")
     fields: dict[str, Any] = dict(

@@ -41,8 +41,8 @@ def megatron_config(
 ) -> tuple[Any, TransformerConfig]:
     """The opened checkpoint and the ``TransformerConfig`` its args (and ``flags``) describe."""
     ckpt = open_checkpoint(checkpoint, iteration)
-    args = merge_flags(ckpt.args, parse_megatron_flags(flags), str(ckpt.path))
-    return ckpt, config_from_args(args, str(ckpt.path), vocab_size)
+    ckpt.args = merge_flags(ckpt.args, parse_megatron_flags(flags), str(ckpt.path))  # what the reader goes by, too
+    return ckpt, config_from_args(ckpt.args, str(ckpt.path), vocab_size)
 
 
 def import_megatron(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def resolve_iteration_dir(path: str | Path, iteration: int | None = None) -> Pat
             return wanted
         have = sorted(d.name for d in p.glob("iter_*") if d.is_dir())
         raise MegatronFormatError(f"{wanted}: no checkpoint of iteration {iteration} (found: {have or 'none'})")
-    if _checkpoint_format(p) is not None:
+    if _checkpoint_format(p) is not None or re.fullmatch(r"iter_\d+|release", p.name):
         return p
     tracker = p / TRACKER
     if tracker.exists():
@@ -102,6 +103,13 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> Any:
     )
 
 
+def _load(state: dict[str, Any], reader: FileSystemReader, planner: DefaultLoadPlanner | None = None) -> None:
+    """``torch.distributed.checkpoint.load`` in this one process (its warning about that is expected here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(state, storage_reader=reader, planner=planner, no_dist=True)
+
+
 class _RawBytes(DefaultLoadPlanner):
     """Keeps a bytes item's raw bytes (the default planner would ``torch.load`` them, importing megatron's classes)."""
 
@@ -149,7 +157,7 @@ class TorchDistCheckpoint:
 
     def _bytes(self, key: str) -> bytes:
         planner = _RawBytes()
-        dcp_load({key: io.BytesIO()}, storage_reader=self._reader, planner=planner, no_dist=True)
+        _load({key: io.BytesIO()}, self._reader, planner)
         return planner.raw[key]
 
     def read(self, key: str) -> torch.Tensor:
@@ -157,7 +165,7 @@ class TorchDistCheckpoint:
         md = self.tensors[key]
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         try:
-            dcp_load({key: out}, storage_reader=self._reader, no_dist=True)
+            _load({key: out}, self._reader)
         except Exception as e:
             raise MegatronFormatError(f"{self.path}: tensor {key!r} cannot be read ({type(e).__name__}: {e})") from None
         return out
