@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -69,10 +70,12 @@ class HTTPServer:
         self.thread.join(timeout=60)
 
 
-def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]:
+def http_run(port: int, conc: int, procs: int, seed: int = 99, client: str = "httpx") -> dict[str, Any]:
     """``conc`` streaming clients against the server on ``port``, spread over ``procs`` client processes (their
     Python work is not the server's: real clients run elsewhere), started together after a warm-up request per client
-    process (each client with its connection open already)."""
+    (each client with its connection open already). ``client``: ``httpx`` (``httpx.AsyncClient``) or ``raw`` (one
+    asyncio connection per client writing a request prepared before the start and counting the events of the chunked
+    response: the least a client can spend, so the server's share of the time shows)."""
     import multiprocessing as mp
 
     ps = prompts(conc, 32768, seed)
@@ -80,7 +83,8 @@ def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]
     ctx = mp.get_context("spawn")
     queue, go = ctx.Queue(), ctx.Event()
     parts = [ps[i::procs] for i in range(procs)]
-    workers = [ctx.Process(target=_http_clients_process, args=(port, part, go, queue)) for part in parts]
+    workers = [ctx.Process(target=_http_clients_process, args=(port, part, go, queue, client))
+               for part in parts]
     for w in workers:
         w.start()
     ready = [queue.get(timeout=600) for _ in workers]
@@ -98,16 +102,19 @@ def http_run(port: int, conc: int, procs: int, seed: int = 99) -> dict[str, Any]
     ttft = [(f - s) * 1e3 for s, f, _, _, _ in res]
     tpot = [(e - f) * 1e3 / (GEN - 1) for _, f, e, _, _ in res]
     events = sum(n for _, _, _, n, _ in res)
-    row = {**latency_row(conc, wall, ttft, tpot), "client_processes": procs, "events_per_request": events / conc}
+    starts = [s for s, *_ in res]
+    row = {**latency_row(conc, wall, ttft, tpot), "client_processes": procs, "events_per_request": events / conc,
+           "start_spread_ms": (max(starts) - min(starts)) * 1e3}  # fmt: skip
     served_by = sorted({w for *_, w in res if w})
     if served_by:  # how the kernel spread the connections over the front-end workers
         row["requests_per_worker"] = {w: sum(1 for *_, x in res if x == w) for w in served_by}
     return row
 
 
-def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any) -> None:
+def _http_clients_process(port: int, ps: list[list[int]], go: Any, queue: Any, client: str = "httpx") -> None:
     try:
-        queue.put(asyncio.run(_http_clients(port, ps, go, queue)))
+        run = _raw_clients if client == "raw" else _http_clients
+        queue.put(asyncio.run(run(port, ps, go, queue)))
     except Exception as e:  # the parent reports it
         queue.put(f"{type(e).__name__}: {e}")
 
@@ -153,6 +160,57 @@ async def _http_clients(
         queue.put("ready")
         await asyncio.to_thread(go.wait)
         return list(await asyncio.gather(*(one(client, p) for p in ps)))
+
+
+def _request(port: int, p: list[int], gen: int) -> bytes:
+    body = json.dumps({"model": "llama-1b", "prompt": p, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()  # fmt: skip
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+async def _raw_one(conn: tuple[Any, Any], request: bytes) -> tuple[float, float, float, int, str]:
+    """One streamed completion on an open connection: its start, first-event and end times, events, worker."""
+    reader, writer = conn
+    t0 = time.perf_counter()
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1]
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+    headers = {k.lower(): v for k, v in headers.items()}
+    if status != b"200" or headers.get(b"transfer-encoding") != b"chunked":
+        body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
+        raise RuntimeError(f"HTTP {status.decode()}: {body[:300]!r}")
+    first, n = None, 0
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        chunk = await reader.readexactly(size + 2)
+        if not size:
+            break
+        k = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+        if k and first is None:
+            first = time.perf_counter()
+        n += k
+    assert first is not None
+    return t0, first, time.perf_counter(), n, headers.get(b"x-mcore-worker", b"").decode()
+
+
+async def _raw_clients(
+    port: int, ps: list[list[int]], go: Any, queue: Any
+) -> list[tuple[float, float, float, int, str]]:
+    """As :func:`_http_clients` with the raw client: a connection per client opened and warmed up by a two-token
+    request, the timed requests' bytes made before ``go``."""
+    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in ps]
+    await asyncio.gather(*(_raw_one(c, _request(port, p, 2)) for c, p in zip(conns, ps)))
+    reqs = [_request(port, p, GEN) for p in ps]
+    queue.put("ready")
+    await asyncio.to_thread(go.wait)
+    try:
+        return list(await asyncio.gather(*(_raw_one(c, r) for c, r in zip(conns, reqs))))
+    finally:
+        for _, w in conns:
+            w.close()
 
 
 def py_spy(args: argparse.Namespace, pids: dict[str, int], tag: str) -> list[Any]:

@@ -29,8 +29,10 @@ import sys
 import time
 from typing import Any
 
+import _engine_trace
 import torch
 from _serve_http import GEN, HTTPServer, http_run, latency_row, prompts, py_spy
+from _serve_profile import prefill_profile, profile_run
 
 PROMPT = 128
 
@@ -166,25 +168,6 @@ def hf_baseline(batch_sizes: list[int], deadline_s: float) -> list[dict[str, Any
     return out
 
 
-def profile_run(llm: Any, path: str) -> None:
-    """Where the time of batch-1 decoding goes: kernel time against wall time, hottest GPU and host ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        r = engine_run(llm, 1, 7)
-    ka = prof.key_averages()
-    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
-    with open(path, "w") as f:
-        f.write(json.dumps(r) + "\n")
-        f.write(f"total self device time {gpu_us / 1e3:.2f} ms over wall {r['wall_s'] * 1e3:.2f} ms\n\n")
-        if torch.cuda.is_available():
-            f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
-        f.write("\n\n")
-        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
-    print(f"profile written to {path}", flush=True)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-1b", help="the model (random weights): llama-1b, mamba2-1.3b, ...")
@@ -195,6 +178,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(serve --engine-process); process-h11: the same with uvicorn's h11/asyncio fallback; workers: "
                     "--api-workers front-end processes over one engine process (serve --api-workers N)")  # fmt: skip
     ap.add_argument("--http-repeats", type=int, default=3, help="HTTP runs per concurrency; the median is reported")
+    ap.add_argument("--http-client", default="httpx",
+                    help="the HTTP clients (a list: each level runs with each): httpx (httpx.AsyncClient) or raw (a "
+                    "prepared request on an asyncio connection: the least client time)")  # fmt: skip
     ap.add_argument("--client-processes", type=int, default=8, help="processes the HTTP clients are spread over")
     ap.add_argument("--engine-process-timeout", type=float, default=600.0)
     ap.add_argument("--engine-process-only", default=None, help=argparse.SUPPRESS)
@@ -206,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="sample the engine and front-end processes with py-spy during the HTTP runs at 64 (raw "
                     "collapsed stacks into DIR)")  # fmt: skip
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write each engine's timeline of adds and steps, with a summary per run, into DIR "
+                    "(engine.json, process.json, workersN.json)")  # fmt: skip
     ap.add_argument("--plain-http", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3, help="engine runs per concurrency; the median is reported")
     ap.add_argument("--block-size", type=int, default=32)
@@ -224,7 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-deadline", type=float, default=150.0)
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here, and prefill-only step times with a "
+                    "profile of one prefill of 6 requests to PATH.prefill")
     return ap
 
 
@@ -238,6 +228,7 @@ def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) 
     to ``results["engine"]`` (written to ``--out`` after each concurrency)."""
     for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
         engine_run(llm, c, 1)
+    trace = _engine_trace.StepTrace(llm.engine) if args.trace else None
     for c in args.concurrency:
         # the median of a few runs by throughput (one batch-1 run is 128 decode steps, ~0.15 s: noisy alone)
         runs = sorted((engine_run(llm, c, 2 + c + 1000 * i) for i in range(args.repeats)),
@@ -252,25 +243,29 @@ def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) 
             print("stream", json.dumps(r), flush=True)
             results.setdefault("engine_stream", []).append(r)
         _dump(results, args.out)
+    if trace is not None:
+        trace.dump(os.path.join(args.trace, "engine.json"))
 
 
 def http_levels(
     port: int, args: argparse.Namespace, levels: list[int], pids: dict[str, int] | None = None
 ) -> list[dict[str, Any]]:
-    """At each concurrency of ``levels``: one run whose prefill shapes may still compile kernels (its tokens/s kept
-    as ``first_run_output_tok_s``), then the run of median throughput of ``--http-repeats``."""
+    """At each concurrency of ``levels`` and with each ``--http-client``: one run whose prefill shapes may still
+    compile kernels (its tokens/s kept as ``first_run_output_tok_s``), then the run of median throughput of
+    ``--http-repeats``."""
     rows = []
     for c in levels:
-        first = http_run(port, c, args.client_processes, seed=50 + c)
-        spies = py_spy(args, pids or {}, f"c{c}") if c == 64 else []
-        runs = sorted((http_run(port, c, args.client_processes, seed=60 + c + 1000 * i)
-                       for i in range(args.http_repeats)), key=lambda x: x["output_tok_s"])  # fmt: skip
-        for sp in spies:
-            sp.wait(timeout=60)
-        r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs],
-             "first_run_output_tok_s": first["output_tok_s"]}  # fmt: skip
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+        for client in args.http_client:
+            first = http_run(port, c, args.client_processes, seed=50 + c, client=client)
+            spies = py_spy(args, pids or {}, f"c{c}_{client}") if c == 64 else []
+            runs = sorted((http_run(port, c, args.client_processes, seed=60 + c + 1000 * i, client=client)
+                           for i in range(args.http_repeats)), key=lambda x: x["output_tok_s"])  # fmt: skip
+            for sp in spies:
+                sp.wait(timeout=60)
+            r = {**runs[len(runs) // 2], "client": client, "runs_output_tok_s": [x["output_tok_s"] for x in runs],
+                 "first_run_output_tok_s": first["output_tok_s"]}  # fmt: skip
+            print(json.dumps(r), flush=True)
+            rows.append(r)
     return rows
 
 
@@ -307,6 +302,9 @@ def warm_llm(args: argparse.Namespace) -> Any:
     llm = build_llm(args)
     for c in (1, 8, 64):
         engine_run(llm, c, 1)
+    if args.trace:  # written when the engine process shuts its LLM down
+        tag = f"workers{args.api_workers}" if args.workers_only else "process"
+        _engine_trace.install(llm, os.path.join(args.trace, f"{tag}.json"))
     return llm
 
 
@@ -424,6 +422,9 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.http_concurrency = [int(c) for c in args.http_concurrency.split(",") if c.strip()]
     args.api_workers = [int(n) for n in str(args.api_workers).split(",")]
+    args.http_client = [c for c in args.http_client.split(",") if c]
+    if bad := [c for c in args.http_client if c not in ("httpx", "raw")]:
+        raise SystemExit(f"--http-client: unknown client {bad[0]!r} (httpx or raw)")
     if args.workers_only:
         args.api_workers = args.api_workers[-1]
     args.max_seqs = max(args.concurrency + args.http_concurrency)
@@ -447,7 +448,8 @@ def main() -> None:
     results["row_kernels"] = {k: getattr(plan, k) for k in ("swiglu_down", "proj_partials", "row_gemv")}
     engine_results(llm, args, results)
     if args.profile:
-        profile_run(llm, args.profile)
+        profile_run(llm, args.profile, engine_run)
+        prefill_profile(llm, args.profile + ".prefill")
     if "inprocess" in paths:
         http_inprocess(llm, args, results)
     if args.hf:

@@ -271,3 +271,18 @@ def test_requests_joining_and_aborting_with_lookahead(model, lookahead: bool) ->
     assert llm.runner.blocks.num_free == llm.runner.blocks.capacity
     if lookahead:
         assert eng.num_lookahead_steps > 0
+
+
+def test_step_graph_sizes_cover_the_step_budget() -> None:
+    """Step graphs double from 32 tokens up to the first count that holds a whole step (at most 2048); a step
+    budget below the running batch is the batch's; ``()`` captures none and a count below 1 is refused."""
+    from mcore_infer import EngineConfig
+
+    assert EngineConfig().step_graph_sizes() == [32, 64, 128, 256, 512, 1024, 2048]
+    assert EngineConfig(max_num_batched_tokens=32, max_num_seqs=4).step_graph_sizes() == [32]
+    assert EngineConfig(max_num_batched_tokens=100, max_num_seqs=8).step_graph_sizes() == [32, 64, 128]
+    assert EngineConfig(max_num_batched_tokens=16, max_num_seqs=200).step_graph_sizes()[-1] == 256
+    assert EngineConfig(step_graph_tokens=(64, 16, 64)).step_graph_sizes() == [16, 64]
+    assert EngineConfig(step_graph_tokens=()).step_graph_sizes() == []
+    with pytest.raises(ValueError, match="step_graph_tokens"):
+        EngineConfig(step_graph_tokens=(0, 32))

@@ -97,16 +97,46 @@ def test_cuda_graph_decode_matches_eager() -> None:
         dec.add([7 + i], 19 + i, t, 16, "last")
     assert dec.decode_only
     graphed = r.execute(dec).clone()
-    saved, r.graphs = r.graphs, {}
+    saved, r.graphs, steps, r.step_graphs = r.graphs, {}, r.step_graphs, {}
     eager = r.execute(dec)
-    r.graphs = saved
+    r.graphs, r.step_graphs = saved, steps
     assert torch.allclose(graphed, eager, atol=1e-5), (graphed - eager).abs().max()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_step_graphs_match_eager(compiled: bool) -> None:
+    """Steps that are not decode-only (prefill chunks of several requests, with and without decode tokens, and a
+    chunk continuing a cached prefix) replay the step graph of the next token count up: the same logits as the
+    eager step, in float32; the KV written by a graphed prefill serves the next steps as the eager one does."""
+    cfg = EngineConfig(block_size=16, num_blocks=96, max_num_seqs=8, attention_backend="triton", compile=compiled,
+                       step_graph_tokens=(32, 128))  # fmt: skip
+    results = []
+    for graphs in (True, False):
+        llm = LLM(model=tiny_model().cuda(), config=replace(cfg, cuda_graphs=graphs))
+        r = llm.runner
+        assert bool(r.step_graphs) == graphs and sorted(r.step_graphs) == ([32, 128] if graphs else [])
+        tables = [r.blocks.allocate(5) for _ in range(4)]
+        pre = StepBatch()  # 3 + 21 + 40 = 64 tokens: the 128-token graph
+        for i, n in enumerate((3, 21, 40)):
+            pre.add(list(range(1 + i, 1 + i + n)), 0, tables[i], 16, "last")
+        mixed = StepBatch()  # two decode tokens, a chunk after a cached prefix, a fresh prompt: 2 + 9 + 17 = 28
+        mixed.add([5], 3, tables[0], 16, "last")
+        mixed.add([6], 21, tables[1], 16, "last")
+        mixed.add(list(range(50, 59)), 40, tables[2], 16, "last")
+        mixed.add(list(range(70, 87)), 0, tables[3], 16, "last")
+        dec = StepBatch()
+        for i, pos in enumerate((4, 22, 49, 17)):
+            dec.add([9 + i], pos, tables[i], 16, "last")
+        results.append([r.execute(b).float().clone() for b in (pre, mixed, dec)])
+    for graphed, eager in zip(*results):
+        assert graphed.shape == eager.shape
+        assert torch.allclose(graphed, eager, atol=2e-4, rtol=1e-4), (graphed - eager).abs().max()
 
 
 def test_gpu_engine_greedy_matches_recompute() -> None:
     model = tiny_model().cuda()
     llm = LLM(model=model, config=EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
-    assert llm.runner.backend == "triton" and llm.runner.graphs
+    assert llm.runner.backend == "triton" and llm.runner.graphs and sorted(llm.runner.step_graphs) == [32]
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     for p, g in zip(prompts, res):

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from mcore_infer.decode import DecodeKernels, DecodePlan, check_decode_kernels
 
-__all__ = ["EngineConfig"]
+__all__ = ["STEP_GRAPH_MAX_TOKENS", "EngineConfig"]
+
+STEP_GRAPH_MAX_TOKENS = 2048
+"""The largest step graph by default: a step of more tokens is GPU-bound, its host launches hidden behind it."""
 
 
 @dataclass
@@ -32,7 +35,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``plain`` (gather + SDPA), ``triton`` (paged kernel) or ``auto`` (triton on CUDA when installed)."""
     cuda_graphs: bool = True
-    """Capture decode steps as CUDA graphs (GPU only)."""
+    """Capture steps as CUDA graphs (GPU, Triton attention backend): decode steps by batch size
+    (``graph_batch_sizes``), other steps by token count (``step_graph_tokens``)."""
     lookahead: bool = True
     """Launch the next decode step before the host has read this step's tokens (the sampled ids feed the next step
     on the device), so scheduling and bookkeeping overlap the GPU. Only in steady decoding (no prefill, nobody
@@ -53,6 +57,12 @@ class EngineConfig:
     ``auto`` is an error for a model that cannot take one of its fusions."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes to capture; None: 1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``."""
+    step_graph_tokens: tuple[int, ...] | None = None
+    """Token counts of the step graphs: a step that is not decode-only (prefill chunks, alone or with decode
+    tokens) of at most that many tokens, at most ``max_num_seqs`` requests and as many logits rows replays the graph
+    of the next count up instead of launching each kernel from the host (:mod:`mcore_infer.graphs`; not for models
+    with Mamba layers). None: 32, 64, ... doubling up to the first count that holds a whole step's token budget, at
+    most 2048 (longer steps keep the GPU busy on their own). ``()``: none."""
     seed: int = 0
     """Seed of the generator used by requests without their own seed."""
 
@@ -72,10 +82,22 @@ class EngineConfig:
             problems.append(str(e))
         if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
             problems.append("max_num_batched_tokens must be positive")
+        if self.step_graph_tokens is not None and any(int(t) < 1 for t in self.step_graph_tokens):
+            problems.append(f"step_graph_tokens={self.step_graph_tokens}: token counts must be positive")
         if self.attention_backend not in ("auto", "plain", "triton"):
             problems.append(f"attention_backend={self.attention_backend!r}: use auto, plain or triton")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def step_graph_sizes(self) -> list[int]:
+        """The step graphs' token counts (see ``step_graph_tokens``)."""
+        if self.step_graph_tokens is not None:
+            return sorted({t for t in self.step_graph_tokens if t > 0})
+        budget = max(self.max_num_batched_tokens, self.max_num_seqs)
+        sizes = [32]
+        while sizes[-1] < min(budget, STEP_GRAPH_MAX_TOKENS):
+            sizes.append(sizes[-1] * 2)
+        return sizes
 
     def graph_sizes(self) -> list[int]:
         if self.graph_batch_sizes is not None:

@@ -5,7 +5,8 @@ the caller's model with ``EngineConfig.decode_kernels``' fusions, sharing its pa
 per-layer wrappers are compiled, never the caller's layers). A step arrives as a :class:`StepBatch` (host lists made by the
 scheduler); the runner packs them into one int64 array, copies it to the device once, and calls the model with a
 :class:`~mcore_infer.attention.PagedAttentionContext`. Steps made only of decode tokens replay a CUDA graph captured
-for the next larger batch size (GPU, triton backend); padded rows write to the scratch block and attend to nothing.
+for the next larger batch size, other steps of up to 2048 tokens one captured for the next larger token count (GPU,
+triton backend; :mod:`mcore_infer.graphs`); padded rows write to the scratch block and attend to nothing.
 Models whose steps read device values on the host (MoE layers outside ``grouped_mm``'s conditions, see
 :func:`graph_blockers`) are not captured: their steps run eagerly.
 
@@ -36,6 +37,7 @@ from mcore_infer._triton_attention import triton_available
 from mcore_infer.attention import PagedAttentionContext, Segment
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
+from mcore_infer.graphs import StaticInputs, capture_graphs, replay_decode, replay_step, step_graph_fits
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
 from mcore_models import GPTModel
@@ -159,9 +161,12 @@ class ModelRunner:
         )
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """Decode graphs by batch size (:mod:`mcore_infer.graphs`)."""
+        self.step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        """Step graphs by token count: the graph, its logits and how many logits rows it makes."""
         self._graph_sizes: list[int] = []
-        self._static: dict[str, torch.Tensor] = {}
-        self._host_copied: torch.cuda.Event | None = None
+        self.decode_inputs: StaticInputs | None = None
+        self.step_inputs: StaticInputs | None = None
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
 
     # ------------------------------------------------------------------------------------------------- sizing
@@ -249,7 +254,9 @@ class ModelRunner:
     def _run(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(batch.tokens)
         if batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
-            return self._replay(batch, device_ids)
+            return replay_decode(self, batch, device_ids)
+        if self.step_graphs and step_graph_fits(self, batch):
+            return replay_step(self, batch, device_ids)
         s = len(batch.segments)
         width = max((len(t) for t in batch.block_tables), default=1) or 1
         r = len(batch.logits_index)
@@ -301,97 +308,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------- CUDA graphs
     def capture_graphs(self) -> None:
-        """Capture decode steps for the configured batch sizes (CUDA + triton backend only; else a no-op). A model
-        whose steps cannot be captured (:func:`graph_blockers`) is left to run eagerly, with a warning that says
-        why."""
+        """Capture decode steps by batch size and other steps by token count (:mod:`mcore_infer.graphs`; CUDA +
+        triton backend only, else a no-op). A model whose steps cannot be captured (:func:`graph_blockers`) is left
+        to run eagerly, with a warning that says why."""
         if self.device.type != "cuda" or self.backend != "triton" or not self.config.cuda_graphs:
             return
         blockers = graph_blockers(self.model)
         if blockers:
-            log.warning("decode CUDA graphs off, every step runs eagerly: %s", "; ".join(blockers))
+            log.warning("CUDA graphs off, every step runs eagerly: %s", "; ".join(blockers))
             return
-        sizes = self.config.graph_sizes()
-        mx, w = sizes[-1], self.max_blocks_per_seq
-        buf = torch.zeros(6 * mx + mx * w, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros_like(buf, device="cpu").pin_memory()
-        self._static = {
-            "buf": buf,
-            "ids": buf[:mx],
-            "pos": buf[mx : 2 * mx],
-            "slots": buf[2 * mx : 3 * mx],
-            "tseq": buf[3 * mx : 4 * mx],
-            "tctx": buf[4 * mx : 5 * mx],
-            "state_slots": buf[5 * mx : 6 * mx],
-            "bt": buf[6 * mx :].view(mx, w),
-        }
-        st = self._static
-        st["tseq"].copy_(torch.arange(mx, device=self.device))
-        self._host[3 * mx : 4 * mx] = torch.arange(mx)
-        pool = None
-        with torch.inference_mode():
-            for b in sorted(sizes, reverse=True):
-                ctx = PagedAttentionContext(
-                    self.cache,
-                    self.model.layer_numbers.start,
-                    st["slots"][:b],
-                    st["bt"][:b],
-                    st["tseq"][:b],
-                    st["tctx"][:b],
-                    None,
-                    backend="triton",
-                    fuse_rotary=self.plan.rope_in_attention,
-                    fuse_kv_write=self.plan.kv_write_in_attention,  # decode graphs: one new token per request
-                    kv_layers=self.kv_layers,
-                    mamba=None if self.mamba is None else MambaStepView(self.mamba, st["state_slots"][:b]),
-                )
-                args = (st["ids"][:b][None], st["pos"][:b][None])
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self.decode(*args, gather_logits=True, inference_context=ctx)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.decode(*args, gather_logits=True, inference_context=ctx)
-                pool = graph.pool()
-                self.graphs[b] = (graph, out[0])
-        torch.cuda.synchronize(self.device)
-        self._graph_sizes = sorted(self.graphs)
-        log.info("captured decode CUDA graphs for batch sizes %s", self._graph_sizes)
-
-    def _replay(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        n = len(batch.tokens)
-        b = next(s for s in self._graph_sizes if s >= n)
-        mx = self._graph_sizes[-1]
-        w = self.max_blocks_per_seq
-        if self._host_copied is not None:  # the previous step's copy out of the pinned buffer must have run
-            self._host_copied.synchronize()
-        h = self._host.numpy()
-        h[: 3 * mx] = 0
-        h[4 * mx : 6 * mx] = 0
-        h[:n] = batch.tokens
-        h[mx : mx + n] = batch.positions
-        h[2 * mx : 2 * mx + n] = batch.slots
-        h[4 * mx : 4 * mx + n] = np.asarray(batch.positions) + 1
-        h[5 * mx : 5 * mx + n] = batch.state_slots  # padded rows: the scratch slot 0
-        bt = h[6 * mx :].reshape(mx, w)
-        bt[:b] = 0
-        for i, t in enumerate(batch.block_tables):
-            bt[i, : len(t)] = t
-        used = 6 * mx + b * w
-        self._static["buf"][:used].copy_(self._host[:used], non_blocking=True)
-        self._host_copied = torch.cuda.Event()
-        self._host_copied.record()
-        if device_ids is not None:
-            self._static["ids"][:n].copy_(device_ids)
-        if self.mamba is not None and batch.fresh_slots:  # (one-token prompts) zeroed before the graph runs
-            self.mamba.reset(torch.tensor(batch.fresh_slots, device=self.device))
-        graph, out = self.graphs[b]
-        graph.replay()
-        if len(batch.logits_index) == n:
-            return out[:n]
-        return out[torch.tensor(batch.logits_index, device=out.device)]
+        capture_graphs(self)
 
     def free_blocks(self, table: list[int]) -> None:
         self.blocks.free(table)
