@@ -26,7 +26,7 @@ __all__ = ["MegatronObject", "load_pickled", "MegatronFormatError"]
 logger = logging.getLogger(__name__)
 
 _STANDIN_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "nvidia_resiliency_ext.", "modelopt.")
-_SAFE = [argparse.Namespace, signal.Signals, collections.OrderedDict, collections.defaultdict, getattr]
+_SAFE: list[Any] = [argparse.Namespace, signal.Signals, collections.OrderedDict, collections.defaultdict]
 
 
 class MegatronFormatError(ExportError, ValueError):

@@ -208,7 +208,7 @@ def _dtype(args: Any) -> str:
     if _get(args, "fp16", False):
         return "float16"
     stored = getattr(args, "params_dtype", None)
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32")
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32") if stored else "float32"
 
 
 def _padded_vocab(args: Any, where: str) -> int:

@@ -129,10 +129,10 @@ class LegacyCheckpoint:
             files = self._stage(p, tp, pp, ep)
             for v in range(vp):
                 name = "model" if vp == 1 else f"model{v}"
-                pieces = {k: sd.get(name) for k, sd in files.items()}
-                missing = [k for k, sd in pieces.items() if not isinstance(sd, dict)]
+                missing = [k for k, sd in files.items() if not isinstance(sd.get(name), dict)]
                 if missing:
                     raise MegatronFormatError(f"{self.path}: rank files {missing} of stage {p} have no {name!r}")
+                pieces: dict[tuple[int, int], dict[str, Any]] = {k: sd[name] for k, sd in files.items()}
                 yield from self._merge(pieces, chunks[v * pp + p].start, tp, ep)
 
     def _merge(

@@ -225,9 +225,3 @@ class TorchDistCheckpoint:
     def has_master_weights(self) -> bool:
         """Whether the optimizer state holds fp32 master weights (runs in bf16/fp16 do; fp32 runs need none)."""
         return any(re.match(r"^optimizer\.state\.(fp32_param|param)\.", k) for k in self.tensors)
-
-    def optimizer_step(self) -> int | None:
-        """Adam's step count saved with the optimizer's parameter groups, if any."""
-        groups = ((self.common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") or []
-        steps = [g.get("step") for g in groups if isinstance(g, dict) and g.get("step") is not None]
-        return int(steps[0]) if steps else None
