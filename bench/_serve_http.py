@@ -83,8 +83,7 @@ def http_run(port: int, conc: int, procs: int, seed: int = 99, client: str = "ht
     ctx = mp.get_context("spawn")
     queue, go = ctx.Queue(), ctx.Event()
     parts = [ps[i::procs] for i in range(procs)]
-    workers = [ctx.Process(target=_http_clients_process, args=(port, part, go, queue, client))
-               for part in parts]
+    workers = [ctx.Process(target=_http_clients_process, args=(port, part, go, queue, client)) for part in parts]
     for w in workers:
         w.start()
     ready = [queue.get(timeout=600) for _ in workers]

@@ -213,8 +213,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-deadline", type=float, default=150.0)
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one batch-1 request here, and prefill-only step times with a "
-                    "profile of one prefill of 6 requests to PATH.prefill")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="write a torch.profiler table of one batch-1 request here, and prefill-only step times with a "
+        "profile of one prefill of 6 requests to PATH.prefill",
+    )
     return ap
 
 

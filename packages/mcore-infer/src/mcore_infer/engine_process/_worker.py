@@ -24,13 +24,13 @@ import contextlib
 import logging
 import os
 import pickle
+import selectors
 import signal
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from mcore_infer.engine import LLMEngine, RequestOutput
@@ -289,12 +289,21 @@ class _FrontEnds:
         self.commands, self.outputs = commands, outputs
         self.open = list(range(len(commands)))
         self.owner: dict[str, int] = {}
+        # several front ends: one selector over their command pipes, registered once (not a select set per poll)
+        self.selector: selectors.BaseSelector | None = None
+        if len(commands) > 1:
+            self.selector = selectors.DefaultSelector()
+            for i, conn in enumerate(commands):
+                self.selector.register(conn.fileno(), selectors.EVENT_READ, i)
 
     def close(self, engine: LLMEngine, i: int, why: str) -> None:
         """Front end ``i`` is gone: abort its requests (their blocks are freed at the next step)."""
         if i not in self.open:
             return
         self.open.remove(i)
+        if self.selector is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.selector.unregister(self.commands[i].fileno())
         gone = [rid for rid, owner in self.owner.items() if owner == i]
         log.warning("front end %d %s; aborting its %d requests", i, why, len(gone))
         for rid in gone:
@@ -321,11 +330,9 @@ def _apply(engine: LLMEngine, fronts: _FrontEnds, i: int, cmd: tuple[Any, ...], 
 
 def _ready(fronts: _FrontEnds, wait: float | None) -> list[int]:
     """The open front ends with commands (or a closed pipe) to read, after up to ``wait`` s (None: until one)."""
-    conns = [fronts.commands[i] for i in fronts.open]
-    if len(conns) == 1:  # the usual single front end: no select set to build
-        return list(fronts.open) if conns[0].poll(wait) else []
-    got = wait_for(conns, wait)
-    return [i for i in fronts.open if fronts.commands[i] in got]
+    if fronts.selector is None:  # the usual single front end
+        return list(fronts.open) if fronts.open and fronts.commands[fronts.open[0]].poll(wait) else []
+    return sorted(key.data for key, _ in fronts.selector.select(wait) if key.data in fronts.open)
 
 
 def _take_commands(engine: LLMEngine, fronts: _FrontEnds, wait: float | None) -> tuple[list[Any], list[int], bool]:

@@ -8,7 +8,8 @@ route, 405 for a wrong method, 413 for an oversized body, 500 for a bug, 503 whe
 overloaded or shutting down.
 
 One module per route family (``completions``, ``chat``, ``models``, ``megatron``), each listing its ``ROUTES``;
-``errors`` holds the HTTP error type and the exception handlers, ``streaming`` the shared helpers (body reading,
+``app`` the FastAPI subclass that dispatches the completion routes without its middleware, ``errors`` holds the
+HTTP error type and the exception handlers, ``streaming`` the shared helpers (body reading,
 fan-out and merging of ``n`` > 1 streams, SSE framing, usage, logprobs shapes), ``protocols`` uvicorn's HTTP protocol with JSON answers to unparsable requests, ``context`` the
 :class:`~mcore_infer.server.context.ServingContext` that every handler reads from ``request.app.state.serving``.
 
@@ -55,16 +56,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def build_app(engine: AsyncEngine, tokenizer: Any, model_name: str, shutdown_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app; starting it starts the engine loop, stopping it drains and stops the engine."""
     _require("fastapi")
-    from fastapi import FastAPI
-
     from mcore_infer.server import chat, completions, megatron, models
+    from mcore_infer.server.app import ServingApp
     from mcore_infer.server.context import ServingContext
     from mcore_infer.server.errors import exception_handlers
 
-    app = FastAPI(title="mcore-infer", lifespan=_lifespan, exception_handlers=exception_handlers())
+    app = ServingApp(title="mcore-infer", lifespan=_lifespan, exception_handlers=exception_handlers())
     app.state.serving = ServingContext(engine, tokenizer, model_name, shutdown_timeout=shutdown_timeout)
     for path, endpoint, method in (*models.ROUTES, *completions.ROUTES, *chat.ROUTES, *megatron.ROUTES):
         app.add_api_route(path, endpoint, methods=[method])
+    for path, endpoint, method in (*completions.ROUTES, *chat.ROUTES):  # the hot routes skip the middleware
+        if method == "POST":
+            app.direct_routes[path] = endpoint
     return app
 
 
