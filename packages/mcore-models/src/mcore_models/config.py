@@ -117,6 +117,33 @@ class TransformerConfig:
     """Training loss: run the output projection and the cross-entropy chunk by chunk over the tokens, recomputing the
     logits in backward, so float32 logits never exist for the whole micro-batch (saves ~6 bytes x tokens x vocab / tp
     of activation memory for one extra output-layer matmul). Same loss and gradients up to float rounding."""
+    backend: str = "auto"
+    """Layer backend (:mod:`mcore_models.backends`): torch (PyTorch's bf16 linears), fp8 (the linears of the attention
+    and MLP in FP8 through torch._scaled_mm), or auto (fp8 when ``fp8`` is set, else torch). Parameter names are the
+    same for every backend, so checkpoints are interchangeable."""
+    fp8: str | None = None
+    """FP8 training: e4m3 (every operand E4M3) or hybrid (E4M3 forward, E5M2 gradients); None = bf16."""
+    fp8_recipe: str = "tensorwise"
+    """How FP8 operands are scaled: tensorwise (each tensor by its own maximum), rowwise (per token / per output
+    feature; needs fp8=e4m3) or delayed (from the maxima of the last fp8_amax_history_len steps)."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: optimizer steps of absolute maxima kept per tensor."""
+    fp8_amax_compute_algo: str = "max"
+    """Delayed scaling: scale from the history's max or its most_recent entry."""
+    fp8_margin: int = 0
+    """FP8 scales are lowered by 2**fp8_margin."""
+    fp8_modules: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
+    """Which linears of an FP8 layer run in FP8: qkv (attention's input projection), proj (its output projection),
+    fc1, fc2 (the MLP's); the others stay bf16."""
+    fp8_first_layers_bf16: int = 1
+    """The first this many layers stay bf16 (published FP8 recipes keep the first and last layers in bf16)."""
+    fp8_last_layers_bf16: int = 1
+    """The last this many layers stay bf16."""
+    fp8_allgather: bool = False
+    """Under sequence parallelism: cast a column-parallel linear's input to FP8 before the all-gather (FP8 bytes on
+    the wire) instead of after a bf16 all-gather."""
+    fp8_wgrad: bool = True
+    """Weight gradients as FP8 GEMMs (tensorwise and delayed scaling; rowwise keeps them bf16); false: bf16."""
     moe: MoEConfig | None = None
     """Mixture of experts (:class:`~mcore_models.moe.MoEConfig`): which layers get routed experts, and how; None =
     every layer has a dense MLP."""
@@ -144,6 +171,8 @@ class TransformerConfig:
             if unknown:
                 raise ConfigError([f"unknown mamba field(s) {unknown}"])
             object.__setattr__(self, "mamba", MambaConfig(**self.mamba))
+        if isinstance(self.fp8_modules, list):  # a YAML list or a checkpoint's JSON
+            object.__setattr__(self, "fp8_modules", tuple(self.fp8_modules))
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
@@ -172,6 +201,13 @@ class TransformerConfig:
     @property
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def layer_backend(self) -> str:
+        """``backend`` with ``auto`` resolved: fp8 when ``fp8`` is set, else torch."""
+        if self.backend == "auto":
+            return "torch" if self.fp8 is None else "fp8"
+        return self.backend
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready fields (the form stored in checkpoint metadata under ``"model"``)."""
@@ -231,6 +267,7 @@ class TransformerConfig:
             p.append(f"init_method_std={self.init_method_std} must be positive")
         if self.rope_scaling is not None and self.position_embedding != "rope":
             p.append("rope_scaling is set but position_embedding is not 'rope'")
+        p.extend(self._fp8_problems())
         if not ok:
             return p
         p.extend(self._hybrid_problems(tp_size))
@@ -269,6 +306,11 @@ class TransformerConfig:
                 p.append(f"moe.shared_expert_ffn_hidden_size={shared} is not divisible by the tensor-parallel size "
                          f"{tp_size}")  # fmt: skip
         return p
+
+    def _fp8_problems(self) -> list[str]:
+        from mcore_models.backends import backend_problems
+
+        return backend_problems(self)
 
     @property
     def hybrid_layers(self) -> str | None:

@@ -10,12 +10,14 @@ calls it). Activations inside are ``[sequence, batch, hidden]``; inputs and outp
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mcore_models.backends import check_backend_device, layer_spec
 from mcore_models.config import TransformerConfig
 from mcore_models.embedding import LanguageModelEmbedding
 from mcore_models.hybrid import hybrid_spec
@@ -26,6 +28,7 @@ from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.packed import DocumentMask, document_mask, document_positions, mask_kwargs
 from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
+from mcore_parallel.fp8 import DelayedScaling
 from mcore_parallel.tensor import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -69,6 +72,7 @@ class GPTModel(nn.Module):
         super().__init__()
         tp = tp or Group.single("tp")
         config.check_parallel(tp.size)
+        check_backend_device(config, device)
         layers = range(config.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
             raise ValueError(f"layers={layers} must be a contiguous range inside [0, {config.num_layers})")
@@ -88,8 +92,9 @@ class GPTModel(nn.Module):
         if config.position_embedding == "rope":
             rot = int(config.head_dim * config.rotary_percent)
             self.rotary = RotaryEmbedding(rot, config.rotary_base, config.rope_scaling, device)
+        specs = {i: layer_spec(spec, config, i) for i in layers}  # the backend's classes (mcore_models.backends)
         self.decoder = TransformerBlock(
-            {str(i): spec.layer(config, self.ctx, spec, i, f"decoder.layers.{i}") for i in layers},
+            {str(i): specs[i].layer(config, self.ctx, specs[i], i, f"decoder.layers.{i}") for i in layers},
             spec.norm(config, config.hidden_size, device, self.ctx.sequence_parallel) if post_process else None,
         )
         if post_process:
@@ -289,6 +294,19 @@ class GPTModel(nn.Module):
                 continue
             group = self.ctx.expert_tensor_parallel if getattr(param, "expert_parallel", False) else self.ctx.tp
             out[name] = shard_info(name, param, group)
+        return out
+
+    def runtime_state_dict(self) -> dict[str, ShardedTensor]:
+        """The state beyond the parameters that a training checkpoint keeps: the FP8 backend's delayed-scaling
+        buffers (amax histories and scales, ``...linear_qkv.fp8_scaling.amax_history``). Each is the same on every
+        rank of the stage (the step reduces it), so it is saved once as a replicated array and loads at any layout;
+        each is optional, so a checkpoint without it (another backend or recipe) loads and leaves it fresh."""
+        out: dict[str, ShardedTensor] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, DelayedScaling):
+                for buf_name, buf in module.saved_buffers().items():
+                    key = f"{name}.{buf_name}"
+                    out[key] = dataclasses.replace(shard_info(key, buf, self.ctx.tp), optional=True)
         return out
 
     def load_global_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -42,6 +42,9 @@ class ShardedTensor:
     """A chunking of the global tensor in which every piece starts on a chunk boundary (None: one chunk)."""
     expert_parallel: bool = False
     """An expert parameter: its copies are identical over ``expert_dp``, not ``dp_cp`` (see data_parallel_group)."""
+    optional: bool = False
+    """State a checkpoint may lack (e.g. FP8 scaling histories, which only some backends keep): a load leaves the
+    tensor as it is when the checkpoint has no array for it, instead of failing."""
 
     def scatter_into(self, full: torch.Tensor) -> None:
         """Write this rank's pieces into a global-shaped tensor (for tests and small models)."""

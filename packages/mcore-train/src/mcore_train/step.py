@@ -1,9 +1,10 @@
 """One training step: :func:`train_step` runs a whole optimizer step and returns its :class:`StepOutcome`.
 
 A step is the learning rate from the schedule, the forward and backward passes over the step's micro-batches
-(through the pipeline schedule, the gradient reduction overlapped with backward; MoE layers' auxiliary losses scaled
-like the main loss, and their expert biases moved after the backward), one small all-reduce in which the
-ranks agree on the loss and on whether to stop, then clipping and the update. When the optimizer can drop a
+(through the pipeline schedule, the gradient reduction overlapped with backward; FP8 layers' weight casts cached for
+the step and their delayed scaling rolled after it, :func:`mcore_parallel.fp8.fp8_step`; MoE layers' auxiliary
+losses scaled like the main loss, and their expert biases moved after the backward), one small all-reduce in which
+the ranks agree on the loss and on whether to stop, then clipping and the update. When the optimizer can drop a
 non-finite step on the device (AdamW's fused kernel without fp16 loss scaling, the default on GPUs) nothing in it
 waits for the device: the loss, stop votes, skip flag, gradient norm and zero count are copied to pinned host memory
 behind the step's work and read only when the outcome is first asked for them. Otherwise the loss is read before the
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from mcore_models.moe import set_aux_loss_scale, update_expert_biases
 from mcore_parallel import Group
 from mcore_parallel.ddp import DistributedDataParallel
+from mcore_parallel.fp8 import fp8_step
 from mcore_parallel.optim import StepResult
 from mcore_parallel.pipeline import forward_backward
 from mcore_train.context_parallel import cp_forward_step
@@ -99,7 +101,8 @@ def _schedule_loss(run: Run, iterators: list[Any], num_micro: int, forward_only:
 
 def eval_loss(run: Run, iterators: list[Any], num_micro: int) -> float:
     """The loss of one forward-only global batch, agreed over the ranks (read on the host)."""
-    loss = _schedule_loss(run, iterators, num_micro, True)
+    with fp8_step(run.chunks, update_scaling=False):  # FP8 weights cast once for the batch
+        loss = _schedule_loss(run, iterators, num_micro, True)
     loss_sum, stops = _agree_start(run, 0.0 if loss is None else float(loss.item()), False).tolist()
     return _agree_values(loss_sum, stops, run.state.dp_size, run.state.cp.size)[0]
 
@@ -259,12 +262,16 @@ def _step_now(run: Run, t: torch.Tensor, logged: bool) -> tuple[StepResult | Non
                                  nan if zeros is None else zeros], dtype=torch.float64)  # fmt: skip
 
 
-def _set_aux_loss_scale(run: Run, num_micro: int) -> None:
-    """The MoE layers' auxiliary losses get the gradient the schedule gives the main loss: it backpropagates
-    ``loss / num_micro`` times the fp16 loss scale (``optimizer.scale_loss``), so the same factor (a host value: no
-    sync)."""
+def _loss_weight(run: Run, num_micro: int) -> float:
+    """The factor the schedule backpropagates each micro-batch's loss with: ``1 / num_micro`` times the fp16 loss
+    scale (``optimizer.scale_loss``; a host value: no sync)."""
     scaler = run.optimizer.scaler
-    set_aux_loss_scale(run.chunks, (1.0 if scaler is None else float(scaler.scale)) / num_micro)
+    return (1.0 if scaler is None else float(scaler.scale)) / num_micro
+
+
+def _set_aux_loss_scale(run: Run, num_micro: int) -> None:
+    """The MoE layers' auxiliary losses get the gradient the schedule gives the main loss (:func:`_loss_weight`)."""
+    set_aux_loss_scale(run.chunks, _loss_weight(run, num_micro))
 
 
 def train_step(
@@ -286,7 +293,10 @@ def train_step(
     moe = run.model_config.moe is not None
     if moe:
         _set_aux_loss_scale(run, num_micro)
-    local_loss = _schedule_loss(run, iterators, num_micro, False)
+    # FP8 layers: weights cast once for the step's micro-batches; delayed scaling rolled over the stage's ranks, its
+    # gradient maxima per unit of the loss weight the schedule backpropagates (so they do not depend on dp)
+    with fp8_step(run.chunks, st.tp_dp_cp, grad_weight=_loss_weight(run, num_micro)):
+        local_loss = _schedule_loss(run, iterators, num_micro, False)
     if moe:  # aux-loss-free balancing: the step's tokens per expert move the expert biases (no-op without them)
         update_expert_biases(run.chunks, st.tp_dp_cp)
     t = _agree_start(run, local_loss, stop_vote is not None and stop_vote())

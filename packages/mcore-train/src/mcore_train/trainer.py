@@ -17,6 +17,7 @@ import torch
 
 from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
+from mcore_models.backends import describe_backend
 from mcore_models.hybrid import stage_layers
 from mcore_models.spec import default_spec
 from mcore_models.transformer.ring_attention import context_parallel_spec
@@ -70,9 +71,12 @@ class Run:
 
     @property
     def items(self) -> dict[str, ShardedTensor]:
+        """What a checkpoint holds of the model: every parameter, and the backend's runtime state (FP8 scaling
+        histories; optional, so a checkpoint of another backend or recipe still loads)."""
         out: dict[str, ShardedTensor] = {}
         for chunk in self.chunks:
             out.update(chunk.sharded_state_dict())
+            out.update(chunk.runtime_state_dict())
         return out
 
     def train_iterators(self) -> list[MicroBatchIterator]:
@@ -257,6 +261,7 @@ def setup(config: TrainConfig) -> Run:
     speed = resolve_speed(config, state.device)
     if state.rank == 0:
         logger.info("%s", describe(speed))
+        logger.info("%s", describe_backend(model_config))
     chunks = build_model_chunks(config, model_config, state, tracker, compile=speed.compile)
     ddp_config = dataclasses.replace(
         config.parallel.ddp,
@@ -314,10 +319,13 @@ def _resume(run: Run, path: Path) -> None:
     logger.info("resumed from %s at step %d (%d samples consumed)", path, run.step, run.consumed_samples)
 
 
-# settings that change how the model runs, not what its weights are: a resumed run may change them
+# settings that change how the model runs, not what its weights are: a resumed run may change them (the layer
+# backend too: every backend has the same parameters, and FP8 scaling state is optional in a checkpoint)
 _RUNTIME_FIELDS = ("recompute", "recompute_num_layers", "cross_entropy_fusion", "attention_backend",
                    "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout",
-                   "hidden_dropout", "seed")  # fmt: skip
+                   "hidden_dropout", "seed", "backend", "fp8", "fp8_recipe", "fp8_amax_compute_algo", "fp8_margin",
+                   "fp8_modules", "fp8_first_layers_bf16", "fp8_last_layers_bf16", "fp8_allgather",
+                   "fp8_wgrad")  # fmt: skip
 _RUNTIME_MOE_FIELDS = ("token_dispatcher",)
 _RUNTIME_MAMBA_FIELDS = ("scan", "chunk_size")  # how the scan is computed, not what
 _SUBCONFIG_RUNTIME = {"moe": _RUNTIME_MOE_FIELDS, "mamba": _RUNTIME_MAMBA_FIELDS}
@@ -328,7 +336,10 @@ def _model_diffs(saved: TransformerConfig, configured: TransformerConfig) -> lis
     out: list[str] = []
     for f in dataclasses.fields(saved):
         a, b = getattr(saved, f.name), getattr(configured, f.name)
-        if f.name in _RUNTIME_FIELDS or a == b:
+        if f.name == "fp8_amax_history_len" and a != b and _delayed(saved) and _delayed(configured):
+            out.append(f"model.fp8_amax_history_len: checkpoint has {a}, config has {b} (the saved amax histories "
+                       f"have {a} steps); set model.fp8_amax_history_len={a}")  # fmt: skip
+        if f.name in _RUNTIME_FIELDS or f.name == "fp8_amax_history_len" or a == b:
             continue
         if f.name == "hybrid_pattern" and a is not None and b is not None and a.replace("|", "") == b.replace("|", ""):
             continue  # the same layers; '|' only places them on pipeline stages
@@ -340,6 +351,10 @@ def _model_diffs(saved: TransformerConfig, configured: TransformerConfig) -> lis
             continue
         out.append(f"model.{f.name}: checkpoint has {a!r}, config has {b!r}")
     return out
+
+
+def _delayed(config: TransformerConfig) -> bool:
+    return config.layer_backend == "fp8" and config.fp8_recipe == "delayed"
 
 
 def _reseed_master(run: Run) -> None:

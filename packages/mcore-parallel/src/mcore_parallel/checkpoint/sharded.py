@@ -370,7 +370,7 @@ def check_arrays(
         array_dir = root / name
         if not (array_dir / "zarr.json").exists():
             missing.append(name)
-            if not allow_missing:
+            if not (allow_missing or info.optional):
                 problems.append(f"{array_dir / 'zarr.json'}: missing (no saved tensor for {info.key!r})")
             continue
         try:
@@ -415,7 +415,8 @@ def load_model(
     verify: Verify = True,
     checked: Mapping[str, ArraySpec] | None = None,
 ) -> list[str]:
-    """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys.
+    """Fill every parameter in ``items`` from checkpoint ``root`` (any saving layout). Returns missing keys (an
+    ``optional`` item the checkpoint lacks is left as it is and not reported).
 
     Every array's metadata and chunk files are checked before any tensor is touched (``checked``: the specs that a
     :func:`check_arrays` of these arrays returned already)."""
@@ -425,7 +426,7 @@ def load_model(
     else:
         specs = {n: checked[n] for n in arrays if n in checked}
         missing_arrays = [n for n in arrays if n not in checked]
-    missing = sorted({arrays[m].key for m in missing_arrays})
+    missing = sorted({arrays[m].key for m in missing_arrays if not arrays[m].optional})
     if strict and missing:
         raise CheckpointFormatError(f"{root}: no saved tensor for {missing}")
     for name, spec in specs.items():

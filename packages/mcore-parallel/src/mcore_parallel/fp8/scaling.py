@@ -1,0 +1,194 @@
+"""Scaling math: absolute maxima, scales, the FP8 cast, and the delayed-scaling state of one linear.
+
+A tensor ``t`` is stored as ``q = cast(t * scale)`` with ``scale = fmt.max / amax(t) / 2**margin``, so its largest
+element lands on the format's largest value; ``t ≈ q * scale_inv`` with ``scale_inv = 1 / scale`` (what
+``torch._scaled_mm`` takes). The cast rounds to nearest and saturates at ``±fmt.max`` (values a delayed scale
+pushes beyond the range are clamped, never turned into NaN). An all-zero tensor (or row) gets scale 1; a non-finite
+maximum gives a non-finite result, so a diverged step still shows up in the loss.
+
+Operands are 2-D and keep the contraction dimension last (``[rows, K]``): the layout both operands of
+``torch._scaled_mm`` need (the second one is passed transposed, i.e. column-major). Tensorwise scales are 0-d,
+rowwise scales ``[rows, 1]``.
+
+On CUDA the amax and cast run as ``torch.compile``-generated kernels (one reduction, one pass that writes the FP8
+tensor and, where asked, its transpose), called from the eager FP8 linear; elsewhere as plain PyTorch ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mcore_parallel.fp8.recipe import Fp8Format
+from mcore_parallel.state import Group
+from mcore_parallel.tensor import _comm
+
+__all__ = ["Fp8Tensor", "DelayedScaling", "amax_of", "scale_from_amax", "quantize", "current_scale", "ROLES"]
+
+ROLES = ("input", "weight", "grad")
+"""The tensors of one linear that delayed scaling tracks, in the order of its buffers' columns."""
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _kernel(name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``fn`` compiled (once, shape-dynamic) for CUDA tensors; ``fn`` itself elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """``data`` (float8, ``[rows, K]``) times ``scale_inv`` (float32: 0-d, or ``[rows, 1]`` per row)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    fmt: Fp8Format
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scale_inv.dim() > 0
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+
+    def t(self) -> Fp8Tensor:
+        """The transpose ``[K, rows]``, contiguous (tensorwise only: a rowwise scale would run along ``K``)."""
+        if self.rowwise:
+            raise ValueError("the transpose of a rowwise-scaled FP8 tensor needs a new quantisation, not a copy")
+        return Fp8Tensor(self.data.t().contiguous(), self.scale_inv, self.fmt)
+
+
+def _amax(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    a = t.abs()
+    return (a.amax(dim=-1, keepdim=True) if rowwise else a.amax()).to(torch.float32)
+
+
+def amax_of(t: torch.Tensor, rowwise: bool = False, group: Group | None = None) -> torch.Tensor:
+    """The largest ``|t|`` (float32; per row of a 2-D ``t`` with ``rowwise``), the maximum over ``group`` when given
+    (the tensor's elements are split over its ranks)."""
+    m = _kernel("amax_rowwise" if rowwise else "amax", _amax, t.device)(t, rowwise)
+    if group is not None and group.size > 1:
+        m = _comm.all_reduce(m.contiguous(), group, op=dist.ReduceOp.MAX)
+    return m
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> torch.Tensor:
+    """``fmt.max / amax / 2**margin`` (float32), 1 where ``amax`` is 0 (an all-zero tensor is stored exactly)."""
+    amax = amax.to(torch.float32)
+    return torch.where(amax > 0, (fmt.max / 2.0**margin) / amax, torch.ones_like(amax))
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype, transpose: bool) -> Any:
+    q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return (q, q.t().contiguous()) if transpose else q
+
+
+def quantize(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> Fp8Tensor:
+    """``t`` (2-D, ``[rows, K]``) in ``fmt`` with ``scale`` (0-d, or ``[rows, 1]``)."""
+    q = _kernel("cast", _cast, t.device)(t, scale, fmt.max, fmt.dtype, False)
+    return Fp8Tensor(q, scale.reciprocal(), fmt)
+
+
+def quantize_with_transpose(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """``quantize(t)`` and its transpose from one pass (tensorwise ``scale`` only)."""
+    q, qt = _kernel("cast_t", _cast, t.device)(t, scale, fmt.max, fmt.dtype, True)
+    inv = scale.reciprocal()
+    return Fp8Tensor(q, inv, fmt), Fp8Tensor(qt, inv, fmt)
+
+
+def current_scale(t: torch.Tensor, fmt: Fp8Format, rowwise: bool, margin: int, group: Group | None) -> torch.Tensor:
+    """The scale of ``t`` from its own absolute maximum (over ``group`` when its elements are split there)."""
+    return scale_from_amax(amax_of(t, rowwise, group), fmt, margin)
+
+
+class DelayedScaling(nn.Module):
+    """The delayed-scaling state of one linear: for its input, weight and output gradient (:data:`ROLES`), the
+    absolute maxima of the last ``history_len`` optimizer steps and the scales computed from them.
+
+    ``amax_history`` (``[history_len, 3]``, newest first) and ``scale`` (``[3]``; 0 = no history yet) are
+    persistent buffers, saved in checkpoints; ``amax`` (``[3]``) collects the current step's maxima (the largest over
+    its micro-batches, recomputed forwards included) until :meth:`roll` pushes them into the history. The maxima
+    are local to a rank while a step runs: :func:`~mcore_parallel.fp8.fp8_step` reduces them over the ranks that hold
+    pieces or copies of the layer's tensors before rolling, so every rank keeps the same history, the history of the
+    whole (unsharded) tensor.
+
+    Gradient maxima are kept per unit of loss weight: a pipeline schedule backpropagates each micro-batch's loss
+    times ``grad_weight`` (1 / micro-batches per rank, times an fp16 loss scale), which depends on the data-parallel
+    size, so the history holds ``|g| / grad_weight`` and the scale is taken back by the current weight. The
+    histories then do not depend on the layout: a checkpoint resumes at another dp size with the right scales.
+    """
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+
+    def __init__(
+        self, history_len: int, algo: str, margin: int, formats: tuple[Fp8Format, Fp8Format, Fp8Format], device: Any
+    ) -> None:
+        super().__init__()
+        self.algo, self.margin, self.formats = algo, margin, formats
+        self.register_buffer("amax_history", torch.zeros(history_len, 3, device=device))
+        self.register_buffer("scale", torch.zeros(3, device=device))
+        self.register_buffer("amax", torch.zeros(3, device=device), persistent=False)
+        self.initialized = False
+        """Whether the scales hold values (after a roll or a load); read from the buffer once while false."""
+        self.grad_weight = 1.0
+        """The weight of each micro-batch's loss in this step's backward (set by ``fp8_step``)."""
+
+    def saved_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a checkpoint keeps (the current step's maxima are not: a checkpoint is taken between
+        steps)."""
+        return {"amax_history": self.amax_history, "scale": self.scale}
+
+    def ready(self) -> bool:
+        """Whether the stored scales are set (one host read while they were not)."""
+        if not self.initialized:
+            self.initialized = bool((self.scale > 0).all().item())
+        return self.initialized
+
+    def record(self, role: int, amax: torch.Tensor) -> None:
+        """Keep ``amax`` (a 0-d tensor) if it is the largest of ``role`` in this step so far."""
+        slot = self.amax[role : role + 1]
+        torch.maximum(slot, amax.reshape(1).to(slot.dtype), out=slot)
+
+    def scale_for(self, role: int, t: torch.Tensor, group: Group | None) -> torch.Tensor:
+        """The scale to cast ``t`` (this step's tensor of ``role``) with; records ``t``'s absolute maximum. Before
+        any history exists, ``t``'s own maximum over ``group``."""
+        fmt = self.formats[role]
+        weight = self.grad_weight if role == 2 else 1.0
+        if not self.ready():
+            a = amax_of(t, False, group)
+            self.record(role, a / weight)
+            return scale_from_amax(a, fmt, self.margin)
+        a = amax_of(t)
+        self.record(role, a / weight)
+        stored = self.scale[role] / weight
+        return torch.where(stored > 0, stored, scale_from_amax(a, fmt, self.margin))
+
+    def roll(self, amax: torch.Tensor) -> None:
+        """End of a step: push ``amax`` (``[3]``, this step's maxima reduced over the ranks; non-finite entries
+        count as 0) into the history and recompute the scales (a tensor whose reference maximum is 0 keeps its
+        scale)."""
+        with torch.no_grad():
+            amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).to(self.amax_history.dtype)
+            history = torch.roll(self.amax_history, 1, 0)
+            history[0] = amax
+            self.amax_history.copy_(history)
+            ref = history.amax(0) if self.algo == "max" else history[0]
+            fmax = torch.tensor([f.max for f in self.formats], dtype=ref.dtype, device=ref.device)
+            new = (fmax / 2.0**self.margin) / ref
+            self.scale.copy_(torch.where(ref > 0, new, self.scale))
+            self.amax.zero_()
+        self.initialized = True
+
+    def extra_repr(self) -> str:
+        return f"history={self.amax_history.shape[0]}, algo={self.algo}, margin={self.margin}"
