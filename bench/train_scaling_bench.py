@@ -64,6 +64,8 @@ CASES: dict[str, Case] = {
                               "the same switches at micro-batch 4, global batch 16: the memory point, and the "
                               "one-GPU reference of dp2 and tp2-sp"),
     "llama-1b/eager-mb4": Case(1, (*_batch(4, 16), *EAGER), "eager layers, no weight-gradient fusion, micro-batch 4"),
+    "llama-1b/fp8": Case(1, (*_batch(8, 256), *FAST, "model.fp8=hybrid"),
+                         "llama-1b/best with FP8 linears (hybrid: E4M3 forward, E5M2 gradients; tensorwise scaling)"),
     "dp2": Case(2, (*_batch(4, 32), *FAST), "data parallel on 2 GPUs, ZeRO-1, overlapped gradient reduction"),
     "dp4": Case(4, (*_batch(4, 64), *FAST), "data parallel on 4 GPUs"),
     "dp8": Case(8, (*_batch(4, 128), *FAST), "data parallel on 8 GPUs"),
@@ -71,6 +73,8 @@ CASES: dict[str, Case] = {
                    "tensor parallel 2 with sequence parallelism, micro-batch 8"),
     "llama3-8b/tp2-sp": Case(2, ("parallel.tp=2", *_SP, *_batch(1, 8), *FAST),
                              "llama3-8b, tensor parallel 2 + sequence parallelism", **_8B),
+    "llama3-8b/tp2-sp-fp8": Case(2, ("parallel.tp=2", *_SP, *_batch(1, 8), *FAST, "model.fp8=hybrid"),
+                                 "llama3-8b/tp2-sp with FP8 linears (hybrid, tensorwise)", **_8B),
     "llama3-8b/pp2": Case(2, ("parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
                               *_batch(1, 16), *FAST), "llama3-8b, pipeline parallel 2 (1F1B), no tensor parallelism",
                           **_8B),

@@ -1,0 +1,135 @@
+"""The FP8 suites of ``bench/run.py`` (``model.fp8``, ``mcore_parallel.fp8``): FP8 against bf16 through the real
+training loop in the same call, on one GPU (each recipe), on two (tensor parallelism, the FP8 all-gather on and
+off), and the loss curves of a 500-step run on text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _harness import PY, Context, Step, Suite, table
+from _train_suites import _MFU_NOTE, _TRAIN, case_row, run_cases
+
+VARIANTS = {
+    "fp8 hybrid, tensorwise": ["model.fp8=hybrid"],
+    "fp8 e4m3, tensorwise": ["model.fp8=e4m3"],
+    "fp8 hybrid, delayed": ["model.fp8=hybrid", "model.fp8_recipe=delayed"],
+    "fp8 e4m3, rowwise": ["model.fp8=e4m3", "model.fp8_recipe=rowwise"],
+    "fp8 hybrid, bf16 weight gradient": ["model.fp8=hybrid", "model.fp8_wgrad=false"],
+}
+"""Label -> the overrides added to the bf16 case (each one run of the case)."""
+ALLGATHER = {
+    "fp8 hybrid, bf16 all-gather then cast": ["model.fp8=hybrid", "model.fp8_allgather=false"],
+    "fp8 hybrid, cast then FP8 all-gather": ["model.fp8=hybrid", "model.fp8_allgather=true"],
+}
+_FLOPS_NOTE = ("model TFLOP/s counts the bf16 model's FLOPs (Megatron's formula) for every row, FP8 or not: "
+               "bf16-equivalent, so the column compares like tokens/s does")  # fmt: skip
+_FP8_NOTE = ("FP8 runs the attention's QKV and output projections and the MLP's two linears of layers 2..L-1 through "
+             "torch._scaled_mm; the first and last layers, attention itself, norms, embedding and output layer stay "
+             "bf16; fp32 master weights")  # fmt: skip
+
+
+def _against_bf16(ctx: Context, case: str, variants: dict[str, list[str]], *extra: str) -> list[dict[str, Any]]:
+    """The bf16 case and each variant of it in one ``train_scaling_bench.py`` call; rows with ``vs_bf16``."""
+    flags = [a for v in variants.values() for a in ("--variant", *v)]
+    step, results = run_cases(ctx, [case], *extra, *flags)
+    base = results.get(case)
+    rows = [case_row(ctx, step, f"{case}, bf16", base)]
+    for label, overrides in variants.items():
+        rows.append(case_row(ctx, step, f"{case}, {label}", results.get(f"{case}+{' '.join(overrides)}")))
+    good = base is not None and "error" not in base
+    for row in rows:
+        if good and row.get("tokens_s_gpu"):
+            row["vs_bf16"] = row["tokens_s_gpu"] / base["tokens_per_s_per_gpu"]  # type: ignore[index]
+    return rows
+
+
+_COLS = [c for c in _TRAIN if c[0] != "vs_1gpu"] + [("vs_bf16", "vs bf16", ".3f")]
+
+
+def train_fp8(ctx: Context) -> list[dict[str, Any]]:
+    variants = {k: v for k, v in VARIANTS.items() if not ctx.quick or k == "fp8 hybrid, tensorwise"}
+    rows = _against_bf16(ctx, "llama-1b/best", variants, "--extra", "training.global_batch_size=64")
+    notes = [_MFU_NOTE, _FLOPS_NOTE, _FP8_NOTE,
+             "llama-1b/best (compiled layers, weight-gradient fusion, micro-batch 8) at global batch 64, sequence "
+             "4096, mock data; target of issue 28: 1.35x bf16's tokens/s",
+             "tp > 1 (the FP8 all-gather): suite train-fp8-tp2"]  # fmt: skip
+    return [table("FP8 against bf16 on one GPU (llama-1b, seq 4096)", _COLS, rows, notes)]
+
+
+def train_fp8_tp2(ctx: Context) -> list[dict[str, Any]]:
+    case = "tp2-sp" if ctx.quick else "llama3-8b/tp2-sp"
+    rows = _against_bf16(ctx, case, ALLGATHER)
+    notes = [_MFU_NOTE, _FLOPS_NOTE, _FP8_NOTE,
+             "tp2 + sequence parallelism: the column-parallel linears all-gather their input over the sequence; "
+             "model.fp8_allgather=true casts it to FP8 first (half the bytes on the wire, one scalar all-reduce of "
+             "its maximum) instead of gathering bf16 and casting the gathered input",
+             f"{case}; llama3-8b at sequence 8192, micro-batch 1, global batch 8; target of issue 28: 14,000 tokens/s "
+             "per GPU for llama3-8b"]  # fmt: skip
+    return [table(f"FP8 against bf16 at tp2 + SP ({case})", _COLS, rows, notes)]
+
+
+CURVE_EXTRA = ["model.preset=llama-1b", "data.seq_length=1024", "training.micro_batch_size=4",
+               "training.global_batch_size=8", "scheduler.warmup_iters=50", "training.compile=layers",
+               "parallel.gradient_accumulation_fusion=true"]  # fmt: skip
+
+
+def _tail_mean(losses: list[float], n: int = 20) -> float:
+    tail = losses[-n:]
+    return sum(tail) / len(tail)
+
+
+def _curve_rows(ctx: Context, step: Step, steps: int) -> list[dict[str, Any]]:
+    d = step.data or {}
+    a, b = d.get("loss_a") or [], d.get("loss_b") or []
+    ok = len(a) == len(b) == steps
+    end_a, end_b = (_tail_mean(a), _tail_mean(b)) if ok else (None, None)
+    rel = abs(end_b - end_a) / end_a if end_a and end_b is not None else None
+    summary = ctx.row(step, measured=ok, name="bf16 (A) against FP8 hybrid (B)", steps=steps,
+                      end_a=end_a, end_b=end_b, rel=rel, within=None if rel is None else rel <= 0.015,
+                      max_diff=d.get("max_abs_diff"), loss_a=a, loss_b=b)  # fmt: skip
+    every = max(1, steps // 10)
+    points = [ctx.row(step, measured=ok, name=f"step {s}", a=a[s - 1], b=b[s - 1], diff=b[s - 1] - a[s - 1])
+              for s in range(every, steps + 1, every)] if ok else []  # fmt: skip
+    return [summary, *points]
+
+
+def train_fp8_curves(ctx: Context) -> list[dict[str, Any]]:
+    demo = ctx.path("demo")
+    prep = ctx.run([PY, "-m", "mcore_train.cli", "prepare-demo", "--out", demo, "--workers", "8"], timeout=900)
+    steps = 60 if ctx.quick else 500
+    out = ctx.path("fp8-curves.json")
+    data = ["data.mock=false", f"data.path={demo}/stdlib_text", "data.tokenizer=byte"]
+    step = ctx.run([PY, "bench/compare_runs.py", "--steps", str(steps), "--timeout", "1200", "--a", "--b",
+                    "model.fp8=hybrid", "--extra", *CURVE_EXTRA, *data, "--out", out],
+                   timeout=2700, out=out) if prep.ok or ctx.dry_run else prep  # fmt: skip
+    rows = _curve_rows(ctx, step, steps)
+    cols = [("name", "runs", ""), ("steps", "steps", "d"), ("end_a", "bf16 loss, last 20 steps", ".4f"),
+            ("end_b", "FP8 loss, last 20 steps", ".4f"), ("rel", "relative difference", ".2%"),
+            ("within", "within 1.5%", ""), ("max_diff", "largest |A - B| at a step", ".3f")]  # fmt: skip
+    point_cols = [
+        ("name", "step", ""),
+        ("a", "bf16 loss", ".4f"),
+        ("b", "FP8 loss", ".4f"),
+        ("diff", "FP8 - bf16", "+.4f"),
+    ]
+    notes = ["llama-1b, sequence 1024, micro-batch 4, global batch 8 (8,192 tokens a step), warm-up 50 steps then "
+             "the recipe's cosine decay; the demo corpus (Python's standard library, byte tokens); same seed, data "
+             "and initialisation; compiled layers and weight-gradient fusion in both",
+             "B: model.fp8=hybrid (E4M3 forward, E5M2 gradients, tensorwise current scaling); target of issue 28: "
+             "within 1.5% at the end",
+             "both curves, every step, are in this result's JSON (loss_a, loss_b of the first row)"]  # fmt: skip
+    return [
+        table("500-step loss curves, FP8 against bf16, on text", cols, rows[:1], notes),
+        table("the curves every 50 steps", point_cols, rows[1:]),
+    ]
+
+
+FP8_SUITES = [
+    Suite("train-fp8", "llama-1b's fastest one-GPU case (seq 4096) in bf16 and with FP8 linears: hybrid and e4m3, "
+          "tensorwise, delayed and rowwise scaling, FP8 or bf16 weight gradients",
+          "the same case in bf16, same call", 6, 1, train_fp8),
+    Suite("train-fp8-tp2", "llama3-8b (seq 8192) at tp2 + SP in bf16 and FP8, the FP8 all-gather on and off "
+          "(--quick: llama-1b)", "the same case in bf16, same call", 9, 2, train_fp8_tp2),
+    Suite("train-fp8-curves", "500 steps of llama-1b on the demo corpus: FP8 (hybrid) loss curve against bf16",
+          "the bf16 run, same seed, data and initialisation, same call", 8, 1, train_fp8_curves),
+]  # fmt: skip
