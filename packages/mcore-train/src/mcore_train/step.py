@@ -294,8 +294,9 @@ def train_step(
     if moe:
         _set_aux_loss_scale(run, num_micro)
     # FP8 layers: weights cast once for the step's micro-batches; delayed scaling rolled over the stage's ranks, its
-    # gradient maxima per unit of the loss weight the schedule backpropagates (so they do not depend on dp)
-    with fp8_step(run.chunks, st.tp_dp_cp, grad_weight=_loss_weight(run, num_micro)):
+    # gradient maxima per unit of the loss weight each rank backpropagates (times cp: a cp rank's loss is its share
+    # times cp, mcore_train.context_parallel), so the histories do not depend on dp or cp
+    with fp8_step(run.chunks, st.tp_dp_cp, grad_weight=_loss_weight(run, num_micro) * st.cp.size):
         local_loss = _schedule_loss(run, iterators, num_micro, False)
     if moe:  # aux-loss-free balancing: the step's tokens per expert move the expert biases (no-op without them)
         update_expert_biases(run.chunks, st.tp_dp_cp)

@@ -57,6 +57,9 @@ def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bo
         raise ValueError("scaled_mm: both operands tensorwise or both rowwise")
     if a.rowwise and (a.fmt is not E4M3 or b.fmt is not E4M3):
         raise ValueError("scaled_mm: rowwise scaling takes E4M3 operands only")
+    if a.rowwise and a.data.is_cuda and out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"scaled_mm: rowwise-scaled GEMMs on GPUs write bf16 or fp16, not {out_dtype}; train with "
+                         "model.params_dtype=bfloat16 or use model.fp8_recipe=tensorwise")  # fmt: skip
     scale_a, scale_b = a.scale_inv, b.scale_inv.reshape(1, -1) if b.rowwise else b.scale_inv
     if a.data.device.type == "cpu" and not a.rowwise and a.fmt is E4M3 and b.fmt is E4M3:
         # torch's CPU kernel for tensorwise E4M3 x E4M3 is a reference loop (~1000x slower than its rowwise one at

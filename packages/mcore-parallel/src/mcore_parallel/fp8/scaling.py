@@ -10,8 +10,9 @@ Operands are 2-D and keep the contraction dimension last (``[rows, K]``): the la
 ``torch._scaled_mm`` need (the second one is passed transposed, i.e. column-major). Tensorwise scales are 0-d,
 rowwise scales ``[rows, 1]``.
 
-On CUDA the amax and cast run as ``torch.compile``-generated kernels (one reduction, one pass that writes the FP8
-tensor and, where asked, its transpose), called from the eager FP8 linear; elsewhere as plain PyTorch ops.
+On CUDA the amax (with the scale) and the cast run as ``torch.compile``-generated kernels (one reduction, one pass
+that writes the FP8 tensor and, where asked, its transpose), called from the eager FP8 linear (each helper is a
+function of its own, so each has its own compile cache); elsewhere as plain PyTorch ops.
 """
 
 from __future__ import annotations
@@ -81,33 +82,50 @@ def amax_of(t: torch.Tensor, rowwise: bool = False, group: Group | None = None) 
     return m
 
 
+def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    amax = amax.to(torch.float32)
+    return torch.where(amax > 0, top / amax, torch.ones_like(amax))
+
+
 def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> torch.Tensor:
     """``fmt.max / amax / 2**margin`` (float32), 1 where ``amax`` is 0 (an all-zero tensor is stored exactly)."""
-    amax = amax.to(torch.float32)
-    return torch.where(amax > 0, (fmt.max / 2.0**margin) / amax, torch.ones_like(amax))
+    return _scale(amax, fmt.max / 2.0**margin)
 
 
-def _cast(t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype, transpose: bool) -> Any:
+def _amax_scale(t: torch.Tensor, rowwise: bool, top: float) -> torch.Tensor:
+    return _scale(_amax(t, rowwise), top)
+
+
+def current_scale(t: torch.Tensor, fmt: Fp8Format, rowwise: bool, margin: int, group: Group | None) -> torch.Tensor:
+    """The scale of ``t`` from its own absolute maximum (over ``group`` when its elements are split there); one
+    kernel on CUDA when no group is involved."""
+    if group is None or group.size == 1:
+        return _kernel("amax_scale", _amax_scale, t.device)(t, rowwise, fmt.max / 2.0**margin)
+    return scale_from_amax(amax_of(t, rowwise, group), fmt, margin)
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
-    return (q, q.t().contiguous()) if transpose else q
+    return q, scale.reciprocal()
+
+
+def _cast_transposed(
+    t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return q, q.t().contiguous(), scale.reciprocal()
 
 
 def quantize(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> Fp8Tensor:
     """``t`` (2-D, ``[rows, K]``) in ``fmt`` with ``scale`` (0-d, or ``[rows, 1]``)."""
-    q = _kernel("cast", _cast, t.device)(t, scale, fmt.max, fmt.dtype, False)
-    return Fp8Tensor(q, scale.reciprocal(), fmt)
+    q, inv = _kernel("cast", _cast, t.device)(t, scale, fmt.max, fmt.dtype)
+    return Fp8Tensor(q, inv, fmt)
 
 
 def quantize_with_transpose(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
     """``quantize(t)`` and its transpose from one pass (tensorwise ``scale`` only)."""
-    q, qt = _kernel("cast_t", _cast, t.device)(t, scale, fmt.max, fmt.dtype, True)
-    inv = scale.reciprocal()
+    q, qt, inv = _kernel("cast_t", _cast_transposed, t.device)(t, scale, fmt.max, fmt.dtype)
     return Fp8Tensor(q, inv, fmt), Fp8Tensor(qt, inv, fmt)
-
-
-def current_scale(t: torch.Tensor, fmt: Fp8Format, rowwise: bool, margin: int, group: Group | None) -> torch.Tensor:
-    """The scale of ``t`` from its own absolute maximum (over ``group`` when its elements are split there)."""
-    return scale_from_amax(amax_of(t, rowwise, group), fmt, margin)
 
 
 class DelayedScaling(nn.Module):
@@ -122,8 +140,8 @@ class DelayedScaling(nn.Module):
     whole (unsharded) tensor.
 
     Gradient maxima are kept per unit of loss weight: a pipeline schedule backpropagates each micro-batch's loss
-    times ``grad_weight`` (1 / micro-batches per rank, times an fp16 loss scale), which depends on the data-parallel
-    size, so the history holds ``|g| / grad_weight`` and the scale is taken back by the current weight. The
+    times ``grad_weight`` (1 / micro-batches per rank, times an fp16 loss scale and the context-parallel size in
+    mcore-train), which depends on the layout, so the history holds ``|g| / grad_weight`` and the scale is taken back by the current weight. The
     histories then do not depend on the layout: a checkpoint resumes at another dp size with the right scales.
     """
 

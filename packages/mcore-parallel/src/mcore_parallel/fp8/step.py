@@ -49,7 +49,7 @@ def fp8_step(
     """Run one optimizer step's forward and backward passes of ``models``' FP8 linears: weight casts cached for the
     step, delayed scaling rolled at the end over ``group`` (unless ``update_scaling`` is false, or the body raised).
     ``grad_weight``: the factor each micro-batch's loss is backpropagated with (1 / micro-batches per rank, times an
-    fp16 loss scale), so that gradient histories stay per unit loss (see
+    fp16 loss scale; mcore-train's context-parallel loss also times cp), so that gradient histories stay per unit loss (see
     :class:`~mcore_parallel.fp8.scaling.DelayedScaling`). Yields the layers. Nothing happens for models without FP8
     linears."""
     layers = fp8_linears(models)
