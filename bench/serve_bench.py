@@ -312,32 +312,60 @@ def warm_llm(args: argparse.Namespace) -> Any:
     return llm
 
 
-def engine_process_only(args: argparse.Namespace) -> None:
-    """``--engine-process-only OUT``: the engine in a process of its own (``EngineClient``), this process the HTTP
-    front end, as ``mcore-infer serve --engine-process``; ``--plain-http`` hides httptools and uvloop so uvicorn
-    falls back to h11 and asyncio."""
+def _serve_default_main(args: argparse.Namespace, port: int) -> None:
+    """``mcore-infer serve``'s default layout at ``--tp 1``, in this (child) process: the engine in a process of its
+    own (``EngineClient``), this process's main thread the HTTP front end (uvicorn), until SIGTERM."""
     if args.plain_http:
         sys.modules["httptools"] = None  # type: ignore[assignment]
         sys.modules["uvloop"] = None  # type: ignore[assignment]
-    from mcore_infer.engine_process import EngineClient, EngineSpec
+    from mcore_infer.engine_process import EngineClient, EngineSpec, WorkerHeader
+    from mcore_infer.server import build_app, serve
 
-    out: dict[str, Any] = {"front_end": {"http": "h11", "loop": "asyncio"} if args.plain_http else front_end_info()}
+    client = EngineClient(EngineSpec(warm_llm, (args,))).launch()
     try:
-        t0 = time.perf_counter()
-        client = EngineClient(EngineSpec(warm_llm, (args,))).launch()
-        out["engine_ready_s"] = time.perf_counter() - t0
-        srv = HTTPServer(client, client.tokenizer)
-        try:
-            pids = {"engine": client.pid or 0, "frontend": os.getpid()}
-            out["rows"] = http_levels(srv.port, args, args.http_concurrency, pids)
-        finally:
-            srv.stop()
-            client.shutdown(5.0)
-    except Exception as e:
-        out["error"] = repr(e)
-        print("engine-process http failed:", repr(e), flush=True)
+        serve(WorkerHeader(build_app(client, client.tokenizer, "llama-1b", 5.0), 0), "127.0.0.1", port, "warning")
+    finally:
+        client.shutdown(0.0)
+
+
+def engine_process_only(args: argparse.Namespace) -> None:
+    """``--engine-process-only OUT``: ``mcore-infer serve``'s default layout (:func:`_serve_default_main` in a child
+    process: the engine in a process of its own, the front end in the child's main thread), measured from this
+    process at each ``--http-concurrency``; ``--plain-http`` hides httptools and uvloop so uvicorn falls back to h11
+    and asyncio."""
+    out: dict[str, Any] = {"front_end": {"http": "h11", "loop": "asyncio"} if args.plain_http else front_end_info()}
+    _measure_server(args, out, _serve_default_main)
     with open(args.engine_process_only, "w") as f:
         json.dump(out, f, indent=1)
+
+
+def _measure_server(args: argparse.Namespace, out: dict[str, Any], main: Any) -> None:
+    """Start ``main(args, port)`` in a child process, wait for its ``/health``, measure it into ``out["rows"]`` (its
+    error into ``out["error"]``), stop it with SIGTERM."""
+    import multiprocessing as mp
+    import signal
+
+    from _serve_http import free_port
+
+    from mcore_infer.engine_process import wait_until_serving
+
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=main, args=(args, port))
+    proc.start()
+    try:
+        t0 = time.perf_counter()
+        wait_until_serving(f"http://127.0.0.1:{port}/health", timeout=args.engine_process_timeout)
+        out["engine_ready_s"] = time.perf_counter() - t0
+        out["rows"] = http_levels(port, args, args.http_concurrency, {"server": proc.pid or 0})
+    except Exception as e:
+        out["error"] = repr(e)
+        print("http failed:", repr(e), flush=True)
+    finally:
+        if proc.pid is not None and proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _serve_workers_main(args: argparse.Namespace, port: int) -> None:
@@ -349,31 +377,8 @@ def _serve_workers_main(args: argparse.Namespace, port: int) -> None:
 def workers_only(args: argparse.Namespace) -> None:
     """``--workers-only OUT``: ``mcore-infer serve --api-workers N``'s layout (``serve_workers`` in a child process:
     the engine process and N front-end processes on one socket), measured at each ``--http-concurrency``."""
-    import multiprocessing as mp
-    import signal
-
-    from _serve_http import free_port
-
-    from mcore_infer.engine_process import wait_until_serving
-
     out: dict[str, Any] = {"front_end": front_end_info(), "api_workers": args.api_workers}
-    port = free_port()
-    proc = mp.get_context("spawn").Process(target=_serve_workers_main, args=(args, port))
-    proc.start()
-    try:
-        t0 = time.perf_counter()
-        wait_until_serving(f"http://127.0.0.1:{port}/health", timeout=args.engine_process_timeout)
-        out["engine_ready_s"] = time.perf_counter() - t0
-        out["rows"] = http_levels(port, args, args.http_concurrency)
-    except Exception as e:
-        out["error"] = repr(e)
-        print("workers http failed:", repr(e), flush=True)
-    finally:
-        if proc.pid is not None and proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+    _measure_server(args, out, _serve_workers_main)
     with open(args.workers_only, "w") as f:
         json.dump(out, f, indent=1)
 
