@@ -13,7 +13,7 @@ import torch
 
 from mcore_models import ConfigError, GPTModel, TransformerConfig
 from mcore_models.backends import backend_classes, describe_backend, fp8_layers, layer_spec
-from mcore_models.checkpoint import load_weights, save_weights
+from mcore_models.checkpoint import load_weights, model_config_from_checkpoint, save_weights
 from mcore_models.spec import default_spec
 from mcore_models.transformer.attention import SDPACoreAttention
 from mcore_parallel import Group, ParallelConfig, ParallelState
@@ -131,6 +131,9 @@ def test_checkpoints_interchange_between_backends(tmp_path: Path) -> None:
     back = GPTModel(BASE.replace(seed=7))
     load_weights(back, tmp_path / "fp8")
     _assert_same_parameters(back, fp8_model)
+    # serving and export rebuild an FP8-trained checkpoint with the torch layers; a trainer may keep the backend
+    assert model_config_from_checkpoint(tmp_path / "fp8") == BASE.replace(seed=99)
+    assert model_config_from_checkpoint(tmp_path / "fp8", keep_backend=True).layer_backend == "fp8"
 
 
 def _items(model: GPTModel) -> dict[str, Any]:

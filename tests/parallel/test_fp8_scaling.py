@@ -184,3 +184,19 @@ def test_compiled_cast_kernels_equal_the_eager_ops(monkeypatch: pytest.MonkeyPat
                         _, qt = quantize_with_transpose(t, fmt, s)
                         assert torch.equal(qt.data.view(torch.uint8), q_eager.data.t().contiguous().view(torch.uint8))
     assert set(scaling._COMPILED) == {"amax_scale", "cast", "cast_t"}
+
+
+def test_an_evaluation_leaves_the_history_alone() -> None:
+    from mcore_parallel import Group
+    from mcore_parallel.fp8 import Fp8RowParallelLinear, fp8_step
+
+    layer = Fp8RowParallelLinear(32, 16, tp=Group.single(), recipe=Fp8Recipe("hybrid", "delayed"), seed=1)
+    with fp8_step([layer]):
+        layer(torch.ones(4, 32, requires_grad=True)).sum().backward()
+    history = layer.fp8_scaling.amax_history.clone()
+    with torch.no_grad(), fp8_step([layer], update_scaling=False):
+        layer(torch.full((4, 32), 100.0))
+    assert layer.fp8_scaling.amax.tolist() == [0.0, 0.0, 0.0] and torch.equal(layer.fp8_scaling.amax_history, history)
+    with fp8_step([layer]):
+        layer(torch.full((4, 32), 3.0, requires_grad=True)).sum().backward()
+    assert layer.fp8_scaling.amax_history[0, 0].item() == 3.0  # training records again

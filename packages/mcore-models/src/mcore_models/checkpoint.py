@@ -37,12 +37,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def model_config_from_checkpoint(path: str | Path) -> TransformerConfig:
+def model_config_from_checkpoint(path: str | Path, keep_backend: bool = False) -> TransformerConfig:
+    """The checkpoint's model, with the torch (bf16) layer backend unless ``keep_backend``: the backend is how a run
+    trained (``model.fp8``), not what its weights are (every backend has the same parameters), so serving and export
+    rebuild a model trained in FP8 with PyTorch's layers."""
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     if "model" not in meta:
         raise CheckpointFormatError(f"{ckpt}/zarr.json has no 'model' entry: it was not written by mcore-train")
-    return TransformerConfig.from_dict(meta["model"])
+    config = TransformerConfig.from_dict(meta["model"])
+    if keep_backend or config.layer_backend == "torch":
+        return config
+    return config.replace(backend="auto" if config.backend == "auto" else "torch", fp8=None)
 
 
 def tokenizer_spec_from_checkpoint(path: str | Path) -> dict[str, Any] | None:

@@ -161,6 +161,8 @@ class DelayedScaling(nn.Module):
         """Whether the scales hold values (after a roll or a load); read from the buffer once while false."""
         self.grad_weight = 1.0
         """The weight of each micro-batch's loss in this step's backward (set by ``fp8_step``)."""
+        self.recording = True
+        """Whether casts record their maxima (off inside an evaluation's ``fp8_step(update_scaling=False)``)."""
 
     def saved_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a checkpoint keeps (the current step's maxima are not: a checkpoint is taken between
@@ -174,7 +176,9 @@ class DelayedScaling(nn.Module):
         return self.initialized
 
     def record(self, role: int, amax: torch.Tensor) -> None:
-        """Keep ``amax`` (a 0-d tensor) if it is the largest of ``role`` in this step so far."""
+        """Keep ``amax`` (a 0-d tensor) if it is the largest of ``role`` in this step so far (while recording)."""
+        if not self.recording:
+            return
         slot = self.amax[role : role + 1]
         torch.maximum(slot, amax.reshape(1).to(slot.dtype), out=slot)
 

@@ -53,15 +53,18 @@ def fp8_step(
     :class:`~mcore_parallel.fp8.scaling.DelayedScaling`). Yields the layers. Nothing happens for models without FP8
     linears."""
     layers = fp8_linears(models)
+    states = [m.fp8_scaling for m in layers if m.fp8_scaling is not None]
     for m in layers:
         m.begin_weight_cache()
-        if m.fp8_scaling is not None:
-            m.fp8_scaling.grad_weight = grad_weight
+    for s in states:
+        s.grad_weight, s.recording = grad_weight, update_scaling  # an evaluation's maxima stay out of the history
     try:
         yield layers
     finally:
         for m in layers:
             m.end_weight_cache()
+        for s in states:
+            s.recording = True
     if update_scaling:
         roll_delayed_scaling(layers, group)
 
