@@ -46,6 +46,24 @@ def _against_bf16(ctx: Context, case: str, variants: dict[str, list[str]], *extr
 _COLS = [c for c in _TRAIN if c[0] != "vs_1gpu"] + [("vs_bf16", "vs bf16", ".3f")]
 
 
+_LINEAR_COLS = [("linear", "linear", ""), ("in", "in", "d"), ("out", "out", "d"), ("bf16_ms", "bf16 ms", ".2f"),
+                ("bf16_tflops", "bf16 TFLOP/s", ".0f"), ("hybrid_ms", "hybrid ms", ".2f"),
+                ("hybrid_tflops", "hybrid TFLOP/s", ".0f"), ("hybrid_vs_bf16", "hybrid vs bf16", ".2f"),
+                ("hybrid-delayed_vs_bf16", "delayed vs bf16", ".2f"), ("e4m3-rowwise_vs_bf16", "rowwise vs bf16", ".2f"),
+                ("casts_ms", "hybrid casts alone ms", ".2f")]  # fmt: skip
+
+
+def _linear_table(ctx: Context) -> dict[str, Any]:
+    out = ctx.path("fp8-linear.json")
+    step = ctx.run([PY, "bench/fp8_linear_bench.py", "--iters", "2" if ctx.quick else "5", "--out", out],
+                   timeout=900, out=out)  # fmt: skip
+    rows = [ctx.row(step, **r) for r in (step.data or {}).get("rows", [])] or [ctx.row(step, linear="all")]
+    notes = ["one micro-batch of 8 x 4096 tokens, forward + backward (6 x tokens x in x out FLOPs), the weight cast "
+             "once per step of 4 micro-batches; casts: the input's E4M3 and the output gradient's E5M2 cast, each "
+             "with its transpose (the part of the FP8 linear that is not a GEMM)"]  # fmt: skip
+    return table("one linear of llama-1b, FP8 against bf16 (bench/fp8_linear_bench.py)", _LINEAR_COLS, rows, notes)
+
+
 def train_fp8(ctx: Context) -> list[dict[str, Any]]:
     variants = {k: v for k, v in VARIANTS.items() if not ctx.quick or k == "fp8 hybrid, tensorwise"}
     rows = _against_bf16(ctx, "llama-1b/best", variants, "--extra", "training.global_batch_size=64")
@@ -53,7 +71,7 @@ def train_fp8(ctx: Context) -> list[dict[str, Any]]:
              "llama-1b/best (compiled layers, weight-gradient fusion, micro-batch 8) at global batch 64, sequence "
              "4096, mock data; target of issue 28: 1.35x bf16's tokens/s",
              "tp > 1 (the FP8 all-gather): suite train-fp8-tp2"]  # fmt: skip
-    return [table("FP8 against bf16 on one GPU (llama-1b, seq 4096)", _COLS, rows, notes)]
+    return [table("FP8 against bf16 on one GPU (llama-1b, seq 4096)", _COLS, rows, notes), _linear_table(ctx)]
 
 
 def train_fp8_tp2(ctx: Context) -> list[dict[str, Any]]:

@@ -1,0 +1,89 @@
+"""One FP8 linear against the bf16 one at llama-1b's shapes, forward + backward, one GPU (not a test).
+
+For each of llama-1b's four linears (QKV 2048 -> 3072, output projection 2048 -> 2048, FC1 2048 -> 16384 with
+SwiGLU's two halves, FC2 8192 -> 2048) and one micro-batch of ``--tokens`` tokens: milliseconds and TFLOP/s
+(6 * tokens * in * out per forward + backward) of mcore's bf16 ``ColumnParallelLinear`` and of
+``Fp8ColumnParallelLinear`` with each recipe, the FP8 weight cast kept for the step (``fp8_step`` around
+``--micro`` micro-batches, as training runs it), and what the casts alone cost (the input's and the output
+gradient's quantisation). Where the FP8 linear is slower than its GEMMs, the casts are why.
+
+    python3 bench/fp8_linear_bench.py --out fp8_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from _timing import cuda_seconds
+
+from mcore_parallel import Group
+from mcore_parallel.fp8 import E4M3, E5M2, Fp8ColumnParallelLinear, Fp8Recipe, fp8_step
+from mcore_parallel.fp8.scaling import current_scale, quantize_with_transpose
+from mcore_parallel.tensor import ColumnParallelLinear
+
+SHAPES = {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)}
+RECIPES = {"hybrid": Fp8Recipe("hybrid"), "hybrid-delayed": Fp8Recipe("hybrid", "delayed"),
+           "e4m3-rowwise": Fp8Recipe("e4m3", "rowwise")}  # fmt: skip
+
+
+def _step(layer: Any, x: torch.Tensor, g: torch.Tensor, micro: int) -> None:
+    with fp8_step([layer]):
+        for _ in range(micro):
+            layer(x).backward(g)
+
+
+def _cast_seconds(x: torch.Tensor, g: torch.Tensor, iters: int) -> float:
+    """The input's (E4M3) and the output gradient's (E5M2) cast, each with its transpose, as the hybrid recipe does."""
+
+    def casts() -> None:
+        quantize_with_transpose(x, E4M3, current_scale(x, E4M3, False, 0, None))
+        quantize_with_transpose(g, E5M2, current_scale(g, E5M2, False, 0, None))
+
+    return cuda_seconds(casts, iters)
+
+
+def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
+    k, n = SHAPES[name]
+    kw: dict[str, Any] = dict(tp=Group.single(), bias=False, dtype=torch.bfloat16, device="cuda", seed=1)
+    x = torch.randn(tokens, 1, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, 1, n, device="cuda", dtype=torch.bfloat16)
+    flops = 6 * tokens * k * n
+    bf16 = ColumnParallelLinear(k, n, **kw)
+    row: dict[str, Any] = {"linear": name, "in": k, "out": n, "tokens": tokens}
+    s = cuda_seconds(lambda: _step(bf16, x, g, micro), iters) / micro
+    row["bf16_ms"], row["bf16_tflops"] = s * 1e3, flops / s / 1e12
+    for label, recipe in RECIPES.items():
+        layer = Fp8ColumnParallelLinear(k, n, recipe=recipe, **kw)
+        s = cuda_seconds(lambda layer=layer: _step(layer, x, g, micro), iters) / micro
+        row[f"{label}_ms"], row[f"{label}_tflops"] = s * 1e3, flops / s / 1e12
+        row[f"{label}_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
+    row["casts_ms"] = _cast_seconds(x.detach().view(tokens, k), g.view(tokens, n), iters) * 1e3
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per micro-batch (llama-1b/best: 8 x 4096)")
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per step (one weight cast per step)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (compute capability 8.9 or newer)")
+    rows = [measure(name, args.tokens, args.micro, args.iters) for name in SHAPES]
+    heads = ["bf16", *RECIPES]
+    print("| linear | in -> out | " + " | ".join(f"{h} ms (TFLOP/s)" for h in heads) + " | casts ms |")
+    print("|---|---|" + "---|" * (len(heads) + 1))
+    for r in rows:
+        cells = [f"{r[f'{h}_ms']:.2f} ({r[f'{h}_tflops']:.0f})" for h in heads]
+        print(f"| {r['linear']} | {r['in']} -> {r['out']} | " + " | ".join(cells) + f" | {r['casts_ms']:.2f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"tokens": args.tokens, "micro": args.micro, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
