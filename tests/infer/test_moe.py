@@ -113,7 +113,7 @@ def test_cuda_graphs_are_refused_where_an_moe_step_syncs(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="mcore_infer.runner"):
         runner.capture_graphs()
     assert runner.graphs == {}
-    assert "decode CUDA graphs off, every step runs eagerly: MoE layers 1: the experts' weights" in caplog.text
+    assert "CUDA graphs off, every step runs eagerly: MoE layers 1: the experts' weights" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------- checkpoints, server
