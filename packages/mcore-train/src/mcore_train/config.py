@@ -170,9 +170,6 @@ class TrainConfig:
             problems.append(f"parallel.cp={cp} with model.moe.load_balancing_type={moe.load_balancing_type}: its "
                             "expert counts would cover each cp rank's chunks only; use global_aux_loss (counts over "
                             "every rank of the stage, exact under cp) or parallel.cp=1")  # fmt: skip
-        if self.data.packing:
-            problems.append(f"parallel.cp={cp} with data.packing=true: ring attention does not take document masks "
-                            "yet; set data.packing=false or parallel.cp=1")  # fmt: skip
         return problems
 
     def _moe_problems(self) -> list[str]:

@@ -3,7 +3,8 @@
 The data-parallel iterator gives the cp ranks of one data-parallel rank the same micro-batches; each keeps chunks
 ``r`` and ``2cp-1-r`` (of ``2cp``) of the tokens, labels, loss mask and position ids
 (:func:`mcore_parallel.context_parallel.cp_split`), and the position ids go to the model, so RoPE rotates every
-token by its place in the whole sequence. Attention spans the whole sequence through the ring
+token by its place in the whole sequence (packed sequences, ``data.packing``: in its document, and the document ids
+are split too; the ring masks other documents with every rank's ids, gathered once per micro-batch). Attention spans the whole sequence through the ring
 (:mod:`mcore_models.transformer.ring_attention`); everything else is per token.
 
 The loss: a rank's loss is the sum of its tokens' losses over the loss tokens of the *whole* micro-batch, times
@@ -18,23 +19,21 @@ from typing import Any
 
 import torch
 
+from mcore_models.transformer.ring_attention import ring_document_mask
 from mcore_parallel import Group
 from mcore_parallel.context_parallel import cp_split
 from mcore_parallel.ddp import DistributedDataParallel
 
 __all__ = ["cp_batch", "cp_forward_step"]
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 
 
 def cp_batch(batch: dict[str, torch.Tensor], cp: Group) -> dict[str, torch.Tensor]:
     """This cp rank's chunks of a micro-batch (``[b, s]`` tensors → ``[b, s / cp]``)."""
     other = sorted(set(batch) - set(SEQUENCE_KEYS))
     if other:
-        raise NotImplementedError(
-            f"context parallelism splits {', '.join(SEQUENCE_KEYS)}; the batch also has {other} (packed sequences "
-            "with cp > 1 are not supported yet)"
-        )
+        raise ValueError(f"context parallelism splits {', '.join(SEQUENCE_KEYS)}; the batch also has {other}")
     return {k: cp_split(v, cp, dim=1) for k, v in batch.items()}
 
 
@@ -46,7 +45,11 @@ def cp_forward_step(batch: dict[str, torch.Tensor], chunk: Any, cp: Group) -> tu
     model = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
     tokens = local["tokens"] if model.pre_process else None
     labels = local["labels"] if model.post_process else None
-    output = chunk(tokens, local["position_ids"], labels=labels)
+    if "document_ids" in local:  # packed sequences: ring attention masks other documents across the ring
+        mask = ring_document_mask(local["document_ids"], cp)
+        output = chunk(tokens, local["position_ids"], labels=labels, document_ids=mask)
+    else:
+        output = chunk(tokens, local["position_ids"], labels=labels)
 
     def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (per_token * local["loss_mask"]).sum() / loss_tokens * cp.size

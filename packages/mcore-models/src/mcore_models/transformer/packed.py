@@ -42,6 +42,9 @@ class DocumentMask:
     """``flex``: the ``BlockMask`` of the document-causal mask."""
     dense: torch.Tensor | None = None
     """``dense``: ``[b, 1, s, s]`` bool, True where a query may attend to a key."""
+    ring_ids: torch.Tensor | None = None
+    """Context parallelism: ``[cp, b, s]`` the document ids of every cp rank's chunks (``document_ids`` this rank's),
+    read by ring attention (:func:`~mcore_models.transformer.ring_attention.ring_document_mask`)."""
 
 
 def _backend(backend: PackedBackend, device: torch.device) -> str:

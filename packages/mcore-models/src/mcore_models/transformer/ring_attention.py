@@ -14,7 +14,10 @@ With the balanced chunks, the block of rank ``r`` against the K/V of rank ``j`` 
 * ``j < r``: every local query against the first K/V chunk (``j``) in full; the second (``2cp-1-j``) is later;
 * ``j > r``: the second local chunk's queries (``2cp-1-r``) against both K/V chunks in full; the first sees none.
 
-so every step but the first costs the same half block on every rank. The backward runs the same ring: the K/V
+so every step but the first costs the same half block on every rank. Packed sequences add each token's document:
+a key of another document is masked in every block (the queries' ids are this rank's, the keys' those of the rank
+the K/V came from, all gathered once per micro-batch by :func:`ring_document_mask`); a query with no key of its
+document in a block gets nothing from it, and the causal structure above is unchanged. The backward runs the same ring: the K/V
 rotate again and the dK/dV of each block travel with them, accumulated by every rank they pass, and reach their
 owner after the last step (one more send); ``allgather`` gathers K/V again and reduce-scatters dK/dV. Grouped-query
 attention keeps K/V at their ``groups`` heads throughout: queries are viewed as ``[b, groups, heads / groups * s,
@@ -38,6 +41,7 @@ from torch import nn
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.attention import SDPACoreAttention
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.packed import DocumentMask
 from mcore_parallel import Group
 from mcore_parallel.context_parallel import CP_COMMS, ring_exchange, wait_all
 from mcore_parallel.tensor import _comm
@@ -45,10 +49,20 @@ from mcore_parallel.tensor import _comm
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
 
-__all__ = ["RingAttention", "context_parallel_spec", "ring_attention", "block_forward", "block_backward"]
+__all__ = [
+    "RingAttention",
+    "block_backward",
+    "block_forward",
+    "context_parallel_spec",
+    "ring_attention",
+    "ring_document_mask",
+]
 
 Block = tuple[slice, slice, bool]
 """(query rows, key rows, causal) of one block of a ring step."""
+
+RingDocs = tuple[torch.Tensor, torch.Tensor] | None
+"""Packed sequences: this rank's document ids ``[b, n]`` and every cp rank's ``[cp, b, n]`` (None: unpacked)."""
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -76,29 +90,42 @@ def _row_tiles(q: torch.Tensor, m: int) -> list[tuple[int, int]]:
     return [(i, min(n, i + rows)) for i in range(0, n, rows)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int) -> torch.Tensor:
+Docs = tuple[torch.Tensor, torch.Tensor] | None
+"""Packed sequences: the document ids ``[b, n]`` of a block's queries and ``[b, m]`` of its keys (None: unpacked)."""
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int, docs: Docs = None
+            ) -> torch.Tensor:  # fmt: skip
     """``[b, G, hg, n, m]`` scaled scores of queries ``[b, G, hg, n, d]`` (rows ``row0`` on of the block) and keys
-    ``[b, G, m, d]`` (accumulation dtype); causal: keys after a query's row at -inf."""
+    ``[b, G, m, d]`` (accumulation dtype); causal: keys after a query's row at -inf; ``docs``: keys of another
+    document than the query's at -inf too."""
     b, g, hg, n, d = q.shape
     m = k.shape[2]
     acc = _acc(q.dtype)
     s = torch.matmul(q.reshape(b, g, hg * n, d).to(acc), k.to(acc).transpose(-1, -2)).view(b, g, hg, n, m) * scale
     if causal:
         s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1 + row0), float("-inf"))
+    if docs is not None:
+        qd, kd = docs
+        other = qd[:, row0 : row0 + n, None] != kd[:, None, :]  # [b, n, m]
+        s = s.masked_fill(other[:, None, None], float("-inf"))
     return s
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, docs: Docs = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[b, G, hg, n, d]`` over ``k``, ``v`` ``[b, G, m, d]``: (out ``[b, G, hg, n, d]``,
-    log-sum-exp ``[b, G, hg, n]``), both in the accumulation dtype. ``causal`` needs ``n == m``."""
+    log-sum-exp ``[b, G, hg, n]``), both in the accumulation dtype. ``causal`` needs ``n == m``. A query that may
+    attend to none of the keys (``docs``: none of its document here) gets out 0 and log-sum-exp -inf, which the
+    merge passes over."""
     outs, lses = [], []
     for lo, hi in _row_tiles(q, k.shape[2]):
-        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo)
+        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo, docs)
         b, g, hg, n, m = s.shape
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., None])
+        safe = lse.masked_fill(lse == float("-inf"), 0.0) if docs is not None else lse
+        p = torch.exp(s - safe[..., None])
         outs.append(torch.matmul(p.view(b, g, hg * n, m), v.to(s.dtype)).view(b, g, hg, n, -1))
         lses.append(lse)
     return torch.cat(outs, 3), torch.cat(lses, 3)
@@ -113,12 +140,14 @@ def block_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    docs: Docs = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the final output's gradient ``dout`` ``[b, G, hg, n, d]``, ``delta`` =
-    rowsum(dout * out) and the final log-sum-exp ``lse`` ``[b, G, hg, n]`` (the flash-attention backward)."""
+    rowsum(dout * out) and the final log-sum-exp ``lse`` ``[b, G, hg, n]`` (the flash-attention backward; the final
+    log-sum-exp is finite: every query attends at least to itself)."""
     dqs, dk, dv = [], None, None
     for lo, hi in _row_tiles(q, k.shape[2]):
-        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo)
+        s = _scores(q[:, :, :, lo:hi], k, causal, scale, lo, docs)
         b, g, hg, n, m = s.shape
         acc = s.dtype
         p = torch.exp(s - lse[:, :, :, lo:hi, None].to(acc))
@@ -141,13 +170,22 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, l
     lse[:, :, :, rows] = new
 
 
-def _attend_source(
-    q: torch.Tensor, kv: torch.Tensor, r: int, j: int, scale: float, acc: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_docs(docs: RingDocs, j: int, rows: slice, keys: slice) -> Docs:
+    """The document ids of a block's queries (this rank's ``rows``) and keys (rank ``j``'s ``keys``)."""
+    if docs is None:
+        return None
+    local, every = docs
+    return local[:, rows], every[j][:, keys]
+
+
+def _attend_source(q: torch.Tensor, kv: torch.Tensor, r: int, j: int, scale: float,
+                   acc: tuple[torch.Tensor, torch.Tensor] | None, docs: RingDocs = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Fold the blocks of rank ``j``'s K/V ``kv`` (``[2, b, G, n, d]``) into the running (out, lse) ``acc``."""
     c = q.shape[3] // 2
     for rows, keys, causal in _blocks(r, j, c):
-        o, lo = block_forward(q[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale)
+        bd = _block_docs(docs, j, rows, keys)
+        o, lo = block_forward(q[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale, bd)
         if acc is None:  # the diagonal block comes first and covers every query
             acc = (o, lo)
         else:
@@ -156,13 +194,14 @@ def _attend_source(
     return acc
 
 
-def _forward_p2p(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_p2p(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     acc, cur = None, kv
     for i in range(cp.size):
         last = i == cp.size - 1
         if not last:
             nxt, reqs = ring_exchange(cur, cp)  # the next K/V travel while this block is computed
-        acc = _attend_source(q, cur, cp.rank, (cp.rank - i) % cp.size, scale, acc)
+        acc = _attend_source(q, cur, cp.rank, (cp.rank - i) % cp.size, scale, acc, docs)
         if not last:
             wait_all(reqs)
             cur = nxt
@@ -175,36 +214,37 @@ def _gather_start(kv: torch.Tensor, cp: Group) -> tuple[torch.Tensor, Any]:
     return gathered, handle
 
 
-def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     gathered, handle = _gather_start(kv, cp)
-    acc = _attend_source(q, kv, cp.rank, cp.rank, scale, None)  # the local block while the others arrive
+    acc = _attend_source(q, kv, cp.rank, cp.rank, scale, None, docs)  # the local block while the others arrive
     if handle is not None:
         handle.wait()
     every = gathered.view(cp.size, *kv.shape)
     for i in range(1, cp.size):
         j = (cp.rank - i) % cp.size
-        acc = _attend_source(q, every[j], cp.rank, j, scale, acc)
+        acc = _attend_source(q, every[j], cp.rank, j, scale, acc, docs)
     return acc
 
 
-def _grads_source(
-    saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor
-) -> torch.Tensor:
+def _grads_source(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor,
+                  docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     """Add the blocks against rank ``j``'s K/V to ``dq`` (in place) and return their dK/dV ``[2, b, G, n, d]``."""
     q, dout, delta, lse = saved
     c = q.shape[3] // 2
     dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)
     for rows, keys, causal in _blocks(r, j, c):
         dqb, dkb, dvb = block_backward(dout[:, :, :, rows], delta[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, keys],
-                                       kv[1][:, :, keys], lse[:, :, :, rows], causal, scale)  # fmt: skip
+                                       kv[1][:, :, keys], lse[:, :, :, rows], causal, scale,
+                                       _block_docs(docs, j, rows, keys))  # fmt: skip
         dq[:, :, :, rows] += dqb
         dkv[0][:, :, keys] += dkb
         dkv[1][:, :, keys] += dvb
     return dkv
 
 
-def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float, dq: torch.Tensor
-                  ) -> torch.Tensor:  # fmt: skip
+def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float, dq: torch.Tensor,
+                  docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     """The ring again: K/V rotate, each block's dK/dV travel one step behind them to the next rank, which adds its
     own; after the last step the dK/dV of every rank's K/V reach their owner."""
     cur, pending = kv, None
@@ -213,7 +253,7 @@ def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, 
         last = i == cp.size - 1
         if not last:
             nxt, kv_reqs = ring_exchange(cur, cp)
-        dkv = _grads_source(saved, cur, cp.rank, (cp.rank - i) % cp.size, scale, dq)
+        dkv = _grads_source(saved, cur, cp.rank, (cp.rank - i) % cp.size, scale, dq, docs)
         if pending is not None:
             wait_all(dkv_reqs)
             dkv += pending
@@ -227,30 +267,30 @@ def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, 
 
 
 def _backward_allgather(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float,
-                        dq: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                        dq: torch.Tensor, docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     gathered, handle = _gather_start(kv, cp)
     every_dkv = torch.zeros((cp.size, *kv.shape), dtype=dq.dtype, device=dq.device)
-    every_dkv[cp.rank] = _grads_source(saved, kv, cp.rank, cp.rank, scale, dq)
+    every_dkv[cp.rank] = _grads_source(saved, kv, cp.rank, cp.rank, scale, dq, docs)
     if handle is not None:
         handle.wait()
     every = gathered.view(cp.size, *kv.shape)
     for j in range(cp.size):
         if j != cp.rank:
-            every_dkv[j] = _grads_source(saved, every[j], cp.rank, j, scale, dq)
+            every_dkv[j] = _grads_source(saved, every[j], cp.rank, j, scale, dq, docs)
     return _comm.reduce_scatter(every_dkv.view(cp.size * kv.shape[0], *kv.shape[1:]), cp)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group, comm: str, scale: float
-                ) -> torch.Tensor:  # fmt: skip
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group, comm: str, scale: float,
+                docs: RingDocs) -> torch.Tensor:  # fmt: skip
         q = q.contiguous()
         kv = torch.stack([k, v])  # one buffer per exchange: [2, b, G, n, d]
         run = _forward_p2p if comm == "p2p" else _forward_allgather
-        out, lse = run(q, kv, cp, scale)
+        out, lse = run(q, kv, cp, scale, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.cp, ctx.comm, ctx.scale = cp, comm, scale
+        ctx.cp, ctx.comm, ctx.scale, ctx.docs = cp, comm, scale, docs
         return out
 
     @staticmethod
@@ -261,16 +301,23 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         run = _backward_p2p if ctx.comm == "p2p" else _backward_allgather
-        dkv = run((q, dout, delta, lse), kv, ctx.cp, ctx.scale, dq)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
+        dkv = run((q, dout, delta, lse), kv, ctx.cp, ctx.scale, dq, ctx.docs)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group, comm: str = "p2p", scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: Group,
+    comm: str = "p2p",
+    scale: float | None = None,
+    document_mask: DocumentMask | None = None,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``[s, b, heads, d]`` over the whole sequence's keys and values
     (this rank's ``[s, b, groups, d]``; ``s`` = its two chunks), ``[s, b, heads * d]`` out. ``comm``: ``p2p`` (ring)
-    or ``allgather``."""
+    or ``allgather``. ``document_mask`` (packed sequences, from :func:`ring_document_mask`): attention stays inside
+    each token's document across the ring."""
     if comm not in CP_COMMS:
         raise ValueError(f"comm={comm!r} must be one of {CP_COMMS}")
     s, b, heads, d = q.shape
@@ -279,8 +326,25 @@ def ring_attention(
         raise ValueError(f"heads={heads} must be a multiple of groups={groups} and s={s} even (two chunks)")
     qq = q.view(s, b, groups, heads // groups, d).permute(1, 2, 3, 0, 4)  # [b, G, hg, s, d]
     kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, G, s, d]
-    out = _RingAttention.apply(qq, kk, vv, cp, comm, 1.0 / math.sqrt(d) if scale is None else scale)
+    docs: RingDocs = None
+    if document_mask is not None:
+        if document_mask.ring_ids is None or document_mask.ring_ids.shape != (cp.size, b, s):
+            raise ValueError(
+                "ring attention over packed sequences needs the document ids of every cp rank's chunks "
+                f"([{cp.size}, {b}, {s}]): build the mask with ring_document_mask"
+            )
+        docs = (document_mask.document_ids, document_mask.ring_ids)
+    out = _RingAttention.apply(qq, kk, vv, cp, comm, 1.0 / math.sqrt(d) if scale is None else scale, docs)
     return out.permute(3, 0, 1, 2, 4).reshape(s, b, heads * d)
+
+
+def ring_document_mask(document_ids: torch.Tensor, cp: Group) -> DocumentMask:
+    """The document mask of this cp rank's chunks ``[b, s]`` (its tokens' document ids, split as the tokens are) for
+    :func:`ring_attention`: with the ids of every cp rank's chunks, gathered once per micro-batch (a ``[cp, b, s]``
+    integer all-gather) for the K/V that visit."""
+    ids = document_ids.long().contiguous()
+    every = _comm.all_gather(ids[None], cp) if cp.size > 1 else ids[None]
+    return DocumentMask(ids, ring_ids=every.view(cp.size, *ids.shape))
 
 
 class RingAttention(nn.Module):
@@ -296,10 +360,10 @@ class RingAttention(nn.Module):
             raise ValueError(f"cp_comm={comm!r} must be one of {CP_COMMS}")
         self.ctx, self.cp, self.comm = ctx, cp, comm
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: Any = None) -> torch.Tensor:
-        if document_mask is not None:
-            raise NotImplementedError("packed sequences (a document mask) with context parallelism are not supported")
-        return ring_attention(q, k, v, self.cp, self.comm)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        return ring_attention(q, k, v, self.cp, self.comm, document_mask=document_mask)
 
 
 def context_parallel_spec(spec: LayerSpec, cp: Group, comm: str = "p2p") -> LayerSpec:
