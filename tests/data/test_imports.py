@@ -16,6 +16,10 @@ CORE = [
     "mcore_data.tokenizer",
     "mcore_data.cli",
     "mcore_data.torch",
+    "mcore_data.chat",
+    "mcore_data.multimodal",
+    "mcore_data.multimodal_prep",
+    "mcore_data.multimodal_torch",
 ]
 
 

@@ -8,6 +8,7 @@ from mcore_data.builder import build_gpt_datasets, parse_blend
 from mcore_data.errors import (
     ConfigError,
     EmptyInputError,
+    ImageDecodeError,
     IndexFormatError,
     InputFormatError,
     MCoreDataError,
@@ -36,6 +37,7 @@ __all__ = [
     "GPTDataset",
     "GPTDatasetConfig",
     "HFTokenizer",
+    "ImageDecodeError",
     "IndexFormatError",
     "IndexedDataset",
     "IndexedDatasetWriter",

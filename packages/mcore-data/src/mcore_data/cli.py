@@ -1,4 +1,4 @@
-"""The ``mcore-data`` command: preprocess, train-tokenizer, build-index, inspect, merge, demo-corpus.
+"""The ``mcore-data`` command: preprocess, train-tokenizer, build-index, inspect, merge, demo-corpus, multimodal.
 
 Only this module configures logging handlers and writes to stdout. Heavy imports happen inside each subcommand so
 that start-up stays fast.
@@ -109,6 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="input prefixes")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("multimodal", help="images + JSONL captions/conversations (or synthetic ones) into tar shards")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="a JSONL file of {image, caption|conversations} records, or a directory of them")
+    src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic pattern images with their captions")
+    p.add_argument("--output", required=True, help="prefix: writes PREFIX-000000.tar, ... and PREFIX.json")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
+    p.add_argument("--image-size", type=int, default=32, help="--synthetic: image side in pixels")
+    p.add_argument("--seed", type=int, default=0, help="--synthetic: seed of the patterns")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("demo-corpus", help="export the Python standard library's sources as a JSONL corpus")
     p.add_argument("--out", required=True)
@@ -328,6 +339,20 @@ def _cmd_demo_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_multimodal(args: argparse.Namespace) -> int:
+    from mcore_data.multimodal_prep import preprocess_multimodal, write_synthetic
+
+    if args.synthetic is not None:
+        s = write_synthetic(args.output, args.synthetic, size=args.image_size, seed=args.seed,
+                            shard_size=args.shard_size, overwrite=args.overwrite, progress=not args.no_progress)  # fmt: skip
+    else:
+        s = preprocess_multimodal(args.input, args.output, shard_size=args.shard_size, overwrite=args.overwrite,
+                                  progress=not args.no_progress)  # fmt: skip
+    _out(f"samples {s.samples:,}  shards {s.shards}  image bytes {s.image_bytes:,}")
+    _out(f"wrote {args.output}-000000.tar ... and {s.manifest}")
+    return 0
+
+
 _COMMANDS = {
     "preprocess": _cmd_preprocess,
     "train-tokenizer": _cmd_train_tokenizer,
@@ -335,6 +360,7 @@ _COMMANDS = {
     "inspect": _cmd_inspect,
     "merge": _cmd_merge,
     "demo-corpus": _cmd_demo_corpus,
+    "multimodal": _cmd_multimodal,
 }
 
 

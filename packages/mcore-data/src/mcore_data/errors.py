@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "EmptyInputError",
+    "ImageDecodeError",
     "IndexFormatError",
     "InputFormatError",
     "MCoreDataError",
@@ -63,3 +64,7 @@ class ConfigError(MCoreDataError, ValueError):
 
 class EmptyInputError(MCoreDataError, ValueError):
     """The inputs hold no document (empty files, or only blank or malformed lines)."""
+
+
+class ImageDecodeError(MCoreDataError, ValueError):
+    """An image of a multimodal sample could not be decoded; names the shard and sample key."""

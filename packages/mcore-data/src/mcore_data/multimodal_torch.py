@@ -1,0 +1,209 @@
+"""The torch side of multimodal data: a map-style dataset of pixels + chat tokens, and a resumable DataLoader.
+
+Imports torch when used (``pip install 'mcore-data[torch]'``). Sample ``i`` of a :class:`MultimodalDataset` is a
+function of ``(seed, i)`` only: epoch ``e = i // N`` of an ``N``-sample set visits the samples in the order of
+``numpy.random.default_rng([seed, e]).permutation(N)``. With :func:`build_multimodal_dataloader` (the same
+:class:`~mcore_data.torch.ResumableSampler` as text data) a run resumed from its consumed-samples count sees
+exactly the batches it would have seen, bit for bit, whatever the number of workers.
+
+Decoding (PNG with mcore-data's own decoder, anything else with Pillow when it is installed) and resizing to
+``image_size x image_size`` (bilinear with antialiasing; the image is stretched, not cropped) run in
+``__getitem__``, that is in the DataLoader's worker processes, and the batches come back in pinned memory when a
+GPU is present, so the training loop does not wait on images.
+
+Each item: ``pixels`` float32 ``[3, S, S]`` in [0, 1] (or normalized with ``mean``/``std``), ``tokens``, ``labels``
+(int64 ``[seq_length]``, labels shifted by one), ``loss_mask`` float32 (1 on the targets trained on: assistant
+turns and the final EOD by default), ``position_ids``, ``image_positions`` (int64 ``[image_tokens]``: where the
+image token ids sit in ``tokens``, for splicing the image embeddings) and ``sample_index`` (the stored sample).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from mcore_data._png import decode_png
+from mcore_data.chat import IMAGE_PLACEHOLDER, caption_conversation, tokenize_conversation
+from mcore_data.errors import ConfigError, ImageDecodeError
+from mcore_data.multimodal import ShardReader
+from mcore_data.tokenizer import Tokenizer
+from mcore_data.torch import ResumableSampler, _torch
+
+__all__ = ["MultimodalConfig", "MultimodalDataset", "build_multimodal_dataloader", "decode_image", "sample_order"]
+
+
+@dataclass
+class MultimodalConfig:
+    """What each multimodal item holds."""
+
+    image_token_id: int
+    """Token id standing for the image (its embeddings are spliced in by the model); best outside the text vocab."""
+    seq_length: int = 512
+    """Tokens per item (longer conversations are cut, shorter ones padded with loss 0)."""
+    image_size: int = 224
+    """Images are resized to ``image_size x image_size``."""
+    image_tokens: int = 1
+    """Copies of ``image_token_id`` per image (1 when the model expands it; the patch count when the data does)."""
+    loss_on: str = "assistant"
+    """``assistant`` (answers and the final EOD) or ``all`` (every text token); image tokens never carry loss."""
+    caption_prompt: str = IMAGE_PLACEHOLDER
+    """The user turn that a caption record answers."""
+    seed: int = 1234
+    """Seed of the sample order."""
+    pad_id: int | None = None
+    """Padding token (default: the tokenizer's pad, else its EOD)."""
+    mean: tuple[float, float, float] | None = None
+    """With ``std``: ``pixels = (pixels - mean) / std`` per channel (e.g. CLIP's)."""
+    std: tuple[float, float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 2 or self.image_size < 1:
+            raise ConfigError(f"seq_length must be >= 2 and image_size >= 1, got {self.seq_length}, {self.image_size}")
+        if (self.mean is None) != (self.std is None):
+            raise ConfigError("give both mean and std, or neither")
+
+
+def sample_order(num_stored: int, epoch: int, seed: int) -> npt.NDArray[np.int64]:
+    """The stored-sample order of one epoch."""
+    return np.random.default_rng([seed, epoch]).permutation(num_stored).astype(np.int64)
+
+
+def _pillow_decode(data: bytes) -> npt.NDArray[np.uint8]:
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def decode_image(data: bytes, ext: str, where: str = "image") -> npt.NDArray[np.uint8]:
+    """RGB ``uint8 [H, W, 3]``: PNG by mcore-data's decoder, otherwise (or when it cannot) by Pillow."""
+    problem = ""
+    if ext == "png":
+        try:
+            return decode_png(data)
+        except Exception as e:  # ValueError, zlib.error: fall back to Pillow
+            problem = f"PNG decoder: {e}; "
+    try:
+        return _pillow_decode(data)
+    except ImportError:
+        raise ImageDecodeError(
+            f"{where}: cannot decode the {ext} image ({problem}Pillow is not installed: pip install pillow)"
+        ) from None
+    except Exception as e:
+        raise ImageDecodeError(f"{where}: cannot decode the {ext} image ({problem}Pillow: {e})") from None
+
+
+class MultimodalDataset:
+    """``num_samples`` items (default: one epoch) drawn from the shards of ``prefix`` in a seeded order."""
+
+    def __init__(self, prefix: str | os.PathLike[str] | ShardReader, tokenizer: Tokenizer, config: MultimodalConfig,
+                 num_samples: int | None = None) -> None:  # fmt: skip
+        self.reader = prefix if isinstance(prefix, ShardReader) else ShardReader(prefix)
+        if len(self.reader) == 0:
+            raise ConfigError(f"{self.reader.manifest_path}: no samples")
+        self.tokenizer = tokenizer
+        self.config = config
+        self.num_samples = len(self.reader) if num_samples is None else num_samples
+        pad = config.pad_id if config.pad_id is not None else getattr(tokenizer, "pad", None)
+        self.pad_id = int(tokenizer.eod if pad is None else pad)
+        self._order: tuple[int, npt.NDArray[np.int64]] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def stored_index(self, i: int) -> int:
+        """The stored sample that item ``i`` reads."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"item {i} out of range ({self.num_samples} items)")
+        n = len(self.reader)
+        epoch = i // n
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, sample_order(n, epoch, self.config.seed))
+        return int(self._order[1][i % n])
+
+    def conversation(self, record: dict[str, Any]) -> list[dict[str, str]]:
+        """The turns of a stored record; the image placeholder goes first in the first user turn when absent."""
+        if "caption" in record:
+            return caption_conversation(record["caption"], self.config.caption_prompt)
+        turns = [dict(t) for t in record["conversations"]]
+        if not any(IMAGE_PLACEHOLDER in t["content"] for t in turns):
+            first = next((t for t in turns if t["role"] == "user"), turns[0])
+            first["content"] = f"{IMAGE_PLACEHOLDER}\n{first['content']}"
+        return turns
+
+    def text(self, i: int) -> dict[str, npt.NDArray[Any]]:
+        """The token part of item ``i`` (numpy): tokens, labels, loss_mask, image_positions."""
+        cfg = self.config
+        idx = self.stored_index(i)
+        s = self.reader[idx]
+        conv = tokenize_conversation(self.tokenizer, self.conversation(s.record), image_token_id=cfg.image_token_id,
+                                     image_tokens=cfg.image_tokens, loss_on=cfg.loss_on)  # fmt: skip
+        if len(conv.image_positions) != cfg.image_tokens:
+            raise ConfigError(
+                f"{self.reader.location(idx)}: {conv.num_images} images in the conversation; one expected"
+            )
+        if conv.image_positions[-1] >= cfg.seq_length:
+            raise ConfigError(f"{self.reader.location(idx)}: the image tokens end past seq_length {cfg.seq_length}")
+        n = cfg.seq_length
+        ids = np.full(n + 1, self.pad_id, np.int64)
+        mask = np.zeros(n + 1, np.float32)
+        k = min(len(conv.tokens), n + 1)
+        ids[:k], mask[:k] = conv.tokens[:k], conv.loss_mask[:k]
+        return {"tokens": ids[:-1].copy(), "labels": ids[1:].copy(), "loss_mask": mask[1:].copy(),
+                "image_positions": conv.image_positions.copy()}  # fmt: skip
+
+    def pixels(self, i: int) -> Any:
+        """The decoded, resized (and normalized) image of item ``i``: float32 ``[3, S, S]``."""
+        torch = _torch()
+        idx = self.stored_index(i)
+        s = self.reader[idx]
+        px = decode_image(s.image, s.image_ext, self.reader.location(idx))
+        t = torch.from_numpy(px).permute(2, 0, 1).float().div_(255.0)
+        size = self.config.image_size
+        if t.shape[1:] != (size, size):
+            t = torch.nn.functional.interpolate(t[None], size=(size, size), mode="bilinear", antialias=True,
+                                                align_corners=False)[0].clamp_(0.0, 1.0)  # fmt: skip
+        if self.config.mean is not None and self.config.std is not None:
+            mean = torch.tensor(self.config.mean).view(3, 1, 1)
+            t = (t - mean) / torch.tensor(self.config.std).view(3, 1, 1)
+        return t.contiguous()
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        torch = _torch()
+        item: dict[str, Any] = {k: torch.from_numpy(v) for k, v in self.text(int(i)).items()}
+        item["pixels"] = self.pixels(int(i))
+        item["position_ids"] = torch.arange(self.config.seq_length, dtype=torch.int64)
+        item["sample_index"] = torch.tensor(self.stored_index(int(i)), dtype=torch.int64)
+        return item
+
+
+def build_multimodal_dataloader(
+    dataset: MultimodalDataset,
+    micro_batch_size: int,
+    *,
+    consumed_samples: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    num_workers: int = 2,
+    pin_memory: bool = True,
+    prefetch_factor: int | None = None,
+) -> Any:
+    """A ``DataLoader`` of this rank's batches after ``consumed_samples``; images decoded in ``num_workers``
+    processes, batches in pinned memory when CUDA is available (``pin_memory``)."""
+    torch = _torch()
+    sampler = ResumableSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        **extra,
+    )
