@@ -60,11 +60,13 @@ KERNEL_TESTS = [
     "tests/models/test_swiglu.py",
     "tests/models/test_qkv_rope.py",
     "tests/models/test_ssd_triton.py",
+    "tests/models/test_mamba_decode_triton.py",
     "tests/infer/test_small_gemv.py",
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",
     "tests/infer/test_decode.py",
     "tests/infer/test_decode_fusions.py",
+    "tests/infer/test_mamba_decode_kernel.py",
 ]
 """The test modules whose cases run the Triton kernels under ``TRITON_INTERPRET=1`` (the ``kernels`` session)."""
 

@@ -15,6 +15,12 @@ same model shape, in a subprocess (``--hf``).
 inline ``'{"preset": "attention", "swiglu_down": true}'``: ``DecodePlan.from_dict``) to A/B single kernels and
 launches. The results hold the plan that applied (``decode_plan``) and its row kernels (``row_kernels``).
 
+``--mamba-decode`` picks the Mamba layers' ``mamba.decode_kernel`` (``auto``, the default: the Triton decode step on
+CUDA; ``torch``: PyTorch ops; ``triton``); a list such as ``auto,torch`` measures the engine once per value (the model
+and engine rebuilt for each; the first value's rows under ``engine``, the others' under ``engine_mamba_decode_<value>``;
+HTTP runs use the first value only), e.g. ``--preset mamba2-1.3b --concurrency 1,64 --http-concurrency ""
+--mamba-decode auto,torch``.
+
     PYTHONPATH=packages/mcore-parallel/src:packages/mcore-models/src:packages/mcore-data/src:packages/mcore-infer/src \\
         python bench/serve_bench.py --out results.json [--hf]
 """
@@ -49,15 +55,20 @@ def decode_kernels(value: str) -> Any:
     return value  # a preset name (EngineConfig checks it)
 
 
-def build_llm(args: argparse.Namespace) -> Any:
+def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:
+    """The engine over the preset's model; ``mamba_decode``: its ``mamba.decode_kernel`` (default: the first of
+    ``--mamba-decode``)."""
     from mcore_infer import LLM, EngineConfig
     from mcore_models import GPTModel, preset
 
     torch.manual_seed(0)
     small = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
-    over: dict[str, Any] = small if args.smoke else {}
-    if args.smoke and preset(args.preset).hybrid_pattern is not None:  # the toy keeps the pattern's first layers
-        over.update(hybrid_pattern="M*-"[: over["num_layers"]], mamba=dict(d_state=16, head_dim=16, chunk_size=16))
+    over: dict[str, Any] = dict(small) if args.smoke else {}
+    if preset(args.preset).hybrid_pattern is not None:
+        over["mamba"] = dict(decode_kernel=mamba_decode or args.mamba_decode[0])
+        if args.smoke:  # the toy keeps the pattern's first layers
+            over.update(hybrid_pattern="M*-"[: over["num_layers"]])
+            over["mamba"].update(d_state=16, head_dim=16, chunk_size=16)
     model = GPTModel(preset(args.preset, params_dtype=args.dtype, **over), device=args.device).eval()
     cfg = EngineConfig(
         block_size=args.block_size,
@@ -208,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-kernels", default="auto", metavar="PRESET|PLAN.json|JSON",
                     help="EngineConfig.decode_kernels: auto (default), none, attention, row, norm_linear, or a decode "
                     "plan as JSON (a file or inline)")  # fmt: skip
+    ap.add_argument("--mamba-decode", default="auto", metavar="auto|torch|triton[,...]",
+                    help="mamba.decode_kernel of a Mamba or hybrid preset (a list: the engine measured once per "
+                    "value)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
@@ -227,9 +241,9 @@ def _dump(results: dict[str, Any], path: str) -> None:
         json.dump(results, f, indent=1)
 
 
-def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
+def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any], key: str = "engine") -> None:
     """After a warm-up, the engine at each ``--concurrency``: the run of median throughput of ``--repeats``, appended
-    to ``results["engine"]`` (written to ``--out`` after each concurrency)."""
+    to ``results[key]`` (written to ``--out`` after each concurrency)."""
     for c in (1, 8, 64):  # warm-up: Triton specialisations of each prefill shape, allocator
         engine_run(llm, c, 1)
     trace = _engine_trace.StepTrace(llm.engine) if args.trace else None
@@ -238,8 +252,8 @@ def engine_results(llm: Any, args: argparse.Namespace, results: dict[str, Any]) 
         runs = sorted((engine_run(llm, c, 2 + c + 1000 * i) for i in range(args.repeats)),
                       key=lambda x: x["output_tok_s"])  # fmt: skip
         r = {**runs[len(runs) // 2], "runs_output_tok_s": [x["output_tok_s"] for x in runs]}
-        print(json.dumps(r), flush=True)
-        results["engine"].append(r)
+        print(json.dumps(r) if key == "engine" else f"{key} {json.dumps(r)}", flush=True)
+        results.setdefault(key, []).append(r)
         if args.engine_stream:
             runs = sorted((engine_stream_run(llm, c, 5 + c + 1000 * i) for i in range(args.repeats)),
                           key=lambda x: x["output_tok_s"])  # fmt: skip
@@ -431,6 +445,7 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.http_concurrency = [int(c) for c in args.http_concurrency.split(",") if c.strip()]
     args.api_workers = [int(n) for n in str(args.api_workers).split(",")]
+    args.mamba_decode = [v for v in args.mamba_decode.split(",") if v] or ["auto"]
     args.http_client = [c for c in args.http_client.split(",") if c]
     if bad := [c for c in args.http_client if c not in ("httpx", "raw")]:
         raise SystemExit(f"--http-client: unknown client {bad[0]!r} (httpx or raw)")
@@ -461,6 +476,11 @@ def main() -> None:
         prefill_profile(llm, args.profile + ".prefill")
     if "inprocess" in paths:
         http_inprocess(llm, args, results)
+    for value in args.mamba_decode[1:]:  # the engine again with the Mamba layers' other decode steps
+        del llm
+        torch.cuda.empty_cache()
+        llm = build_llm(args, value)
+        engine_results(llm, args, results, key=f"engine_mamba_decode_{value}")
     if args.hf:
         del llm  # the GPU memory goes to the baseline's process
         torch.cuda.empty_cache()

@@ -54,6 +54,11 @@ class MambaConfig:
     scan: Scan = "auto"
     """SSD scan implementation: torch (chunked PyTorch ops), triton (``mcore_models.ssm.ssd_triton``; an error when it
     cannot be imported), auto (triton on CUDA when it imports, else torch). The same math; only speed differs."""
+    decode_kernel: Scan = "auto"
+    """The served mixer's one-token decode step (``mcore_models.ssm.inference.decode_step``): triton (two kernels,
+    ``mcore_models.ssm.decode_triton``: the conv window, then the state update with the output; an error when they
+    cannot run), torch (PyTorch ops, one kernel each), auto (triton on CUDA when Triton is installed, else torch).
+    Float64 models always take the PyTorch ops. The same math; only speed differs."""
 
     def __post_init__(self) -> None:
         for name in ("dt_limit", "a_init_range"):  # a YAML or JSON file gives lists (and "inf" or Infinity)
@@ -78,8 +83,9 @@ class MambaConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 p.append(f"mamba.{name}={v!r} must be a positive integer")
         p.extend(self._range_problems())
-        if self.scan not in SCANS:
-            p.append(f"mamba.scan={self.scan!r} is not one of {', '.join(SCANS)}")
+        for name in ("scan", "decode_kernel"):
+            if getattr(self, name) not in SCANS:
+                p.append(f"mamba.{name}={getattr(self, name)!r} is not one of {', '.join(SCANS)}")
         if p:
             return p
         d_inner = self.d_inner(hidden_size)

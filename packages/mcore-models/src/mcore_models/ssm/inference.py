@@ -14,8 +14,10 @@ the step, and the host token ranges of the requests. Two paths:
 
 - a *decode* step (every request one token: ``segments is None``, token ``i`` is request ``i``) runs the one-step
   recurrence vectorised over the batch: the conv window is the state plus the new input, the state becomes
-  ``exp(dt A) state + dt x ⊗ B`` and ``y = state · C + D x``. It reads no host data and gathers/scatters the states by
-  the slot tensor, so a CUDA graph can capture it (padded rows use a scratch slot);
+  ``exp(dt A) state + dt x ⊗ B`` and ``y = state · C + D x``. It reads no host data and advances the states in place
+  at the slot tensor's slots, so a CUDA graph can capture it (padded rows use a scratch slot). On CUDA it is two
+  Triton kernels (:mod:`mcore_models.ssm.decode_triton`), else PyTorch ops (``MambaConfig.decode_kernel``, see
+  :func:`uses_decode_kernel`);
 - a *mixed* step (prefill chunks, with or without decode tokens) runs each chunk's causal conv continuing from its
   conv state and :func:`~mcore_models.ssm.ssd.ssd_scan` from its SSM state (``initial_states`` /
   ``return_final_states``); its one-token requests take the vectorised step together.
@@ -28,6 +30,7 @@ groups, as its mixer's parameters are.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -38,7 +41,14 @@ from mcore_models.ssm.ssd import _compute_dtype, _time_steps, ssd_scan
 if TYPE_CHECKING:
     from mcore_models.ssm.mixer import Mamba2Mixer
 
-__all__ = ["MambaStep", "mamba_state_shapes", "mixer_inference_forward"]
+__all__ = [
+    "MambaStep",
+    "decode_step",
+    "decode_step_torch",
+    "mamba_state_shapes",
+    "mixer_inference_forward",
+    "uses_decode_kernel",
+]
 
 
 class MambaStep(Protocol):
@@ -152,6 +162,20 @@ def prefill_chunk(
     return y[0].reshape(y.shape[1], -1)
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def uses_decode_kernel(mixer: Mamba2Mixer, xbc: torch.Tensor, ssm_state: torch.Tensor) -> bool:
+    """Whether :func:`decode_step` runs the Triton kernels: ``mamba.decode_kernel`` is ``triton``, or ``auto`` on
+    CUDA with Triton installed; and the input is bf16, fp16 or fp32 with a float32 SSM state (a float64 model always
+    takes the PyTorch ops). Traceable: it reads only dtypes, devices and constants."""
+    choice = mixer.mamba.decode_kernel
+    if choice == "torch" or xbc.dtype not in _KERNEL_DTYPES or ssm_state.dtype != torch.float32:
+        return False
+    return choice == "triton" or (xbc.is_cuda and _HAS_TRITON)
+
+
 def decode_step(
     mixer: Mamba2Mixer,
     xbc: torch.Tensor,
@@ -161,8 +185,43 @@ def decode_step(
     ssm_state: torch.Tensor,
 ) -> torch.Tensor:
     """One token for each of ``b`` requests (``xbc`` ``[b, d + 2GN]``, raw ``dt`` ``[b, H]``, their ``slots``
-    ``[b]``): the one-step recurrence, vectorised; the states at ``slots`` are gathered, advanced and written back
-    (static shapes, device indices: capturable in a CUDA graph). Returns ``y`` ``[b, d]``."""
+    ``[b]``): the one-step recurrence; the states at ``slots`` are advanced in place (static shapes, device indices:
+    capturable in a CUDA graph). Returns ``y`` ``[b, d]``. The Triton kernels
+    (:mod:`mcore_models.ssm.decode_triton`) where :func:`uses_decode_kernel` says so, else
+    :func:`decode_step_torch`."""
+    if uses_decode_kernel(mixer, xbc, ssm_state):
+        return _decode_kernel(mixer, xbc, dt, slots, conv_state, ssm_state)
+    return decode_step_torch(mixer, xbc, dt, slots, conv_state, ssm_state)
+
+
+@torch.compiler.disable
+def _decode_kernel(
+    mixer: Mamba2Mixer,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    slots: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """The Triton decode step (never traced by ``torch.compile``: two opaque launches that write the states, as the
+    attention kernels are called)."""
+    from mcore_models.ssm.decode_triton import decode_step_triton
+
+    return decode_step_triton(xbc, dt, slots, conv_state, ssm_state, conv_weight=mixer.conv1d.weight,
+                              conv_bias=mixer.conv1d.bias, A_log=mixer.A_log, D=mixer.D, dt_bias=mixer.dt_bias,
+                              dt_limit=mixer.mamba.dt_limit, groups=mixer.groups_local)  # fmt: skip
+
+
+def decode_step_torch(
+    mixer: Mamba2Mixer,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    slots: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`decode_step` in PyTorch ops, vectorised over the requests: the states at ``slots`` are gathered,
+    advanced and written back (``index_select`` / ``index_copy_``)."""
     conv, m = mixer.conv1d, mixer.mamba
     cdt = ssm_state.dtype
     window = torch.cat([conv_state.index_select(0, slots), xbc[:, :, None].to(conv_state.dtype)], dim=2)  # [b, C, K]
