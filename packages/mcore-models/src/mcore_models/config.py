@@ -20,7 +20,7 @@ from mcore_models.moe_config import MoEConfig
 __all__ = ["TransformerConfig", "RopeScaling", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_gelu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned_absolute", "rope", "none")
 RECOMPUTE = ("none", "selective", "full")
@@ -56,7 +56,8 @@ class TransformerConfig:
     ffn_hidden_size: int | None = None
     """MLP inner width; ``None`` = 4 * hidden_size."""
     activation: str = "gelu"
-    """MLP activation: gelu (exact), gelu_tanh (GPT-2's), swiglu (gated SiLU, Llama), squared_relu."""
+    """MLP activation: gelu (exact), gelu_tanh (GPT-2's), swiglu (gated SiLU, Llama), squared_relu, quick_gelu
+    (``x * sigmoid(1.702 x)``, CLIP's)."""
     normalization: str = "layernorm"
     """layernorm or rmsnorm."""
     norm_eps: float = 1e-5
@@ -67,6 +68,9 @@ class TransformerConfig:
     """Bias on the QKV projection even when add_bias_linear is off (Qwen-2 style)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head before attention."""
+    attention_causal: bool = True
+    """Causal self-attention (a decoder); False: every token attends to every token (a vision encoder,
+    :mod:`mcore_models.vision`)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -261,6 +265,8 @@ class TransformerConfig:
                 p.append(f"{name}={getattr(self, name)} must be in [0, 1)")
         if not 0.0 < self.rotary_percent <= 1.0:
             p.append(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if not isinstance(self.attention_causal, bool):
+            p.append(f"attention_causal={self.attention_causal!r} must be true or false")
         if self.norm_eps <= 0:
             p.append(f"norm_eps={self.norm_eps} must be positive")
         if self.init_method_std <= 0:

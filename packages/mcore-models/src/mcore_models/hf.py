@@ -44,6 +44,8 @@ def hf_architecture(config: TransformerConfig) -> str:
     ``ForCausalLM``; with a ``hybrid_pattern``: ``Mamba2ForCausalLM`` or ``NemotronHForCausalLM``), or a
     ConversionError naming what the class cannot represent."""
     c = config
+    if not c.attention_causal:
+        raise ConversionError("attention_causal=False: the Hugging Face decoder classes attend causally")
     if c.hybrid_pattern is not None:
         from mcore_models.hf_ssm import ssm_architecture  # hf_ssm builds on this module
 

@@ -71,7 +71,8 @@ class InferenceContext(Protocol):
 
 
 class SDPACoreAttention(nn.Module):
-    """Causal scaled-dot-product attention over ``[s, b, heads, d]`` queries and ``[s, b, groups, d]`` keys/values.
+    """Causal (with ``attention_causal=False``: bidirectional) scaled-dot-product attention over ``[s, b, heads, d]``
+    queries and ``[s, b, groups, d]`` keys/values.
 
     Uses ``F.scaled_dot_product_attention`` (flash / cuDNN / memory-efficient kernels on GPU) with native GQA when
     the installed torch has it.
@@ -84,6 +85,7 @@ class SDPACoreAttention(nn.Module):
         # torch's memory-efficient kernel takes no grouped keys/values (enable_gqa): they are repeated for it
         self.native_gqa = _TORCH_GQA and config.attention_backend != "efficient"
         self.contiguous = config.attention_contiguous
+        self.causal = config.attention_causal
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask | None = None
@@ -104,11 +106,13 @@ class SDPACoreAttention(nn.Module):
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
         backend = sdpa_kernel(self.backends) if self.backends is not None and q.is_cuda else nullcontext()
         with self.ctx.model_parallel_rng() if p > 0 else nullcontext(), backend:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **kwargs)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
     def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
         """Packed sequences: causal attention inside each document of the row (:mod:`~.packed`)."""
+        if not self.causal:
+            raise ValueError("packed sequences (document_mask) need causal attention; attention_causal is false")
         s, b, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.dropout if self.training else 0.0

@@ -32,6 +32,8 @@ def activation_fn(name: str) -> object:
         return lambda x: F.relu(x).square()
     if name == "swiglu":
         return _swiglu
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
     raise ValueError(f"unknown activation {name!r}")
 
 
