@@ -11,19 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from mcore_data.chat import CHAT_ROLES, CHAT_STOP
+from mcore_data.chat import apply_chat_template as chat_prompt
 from mcore_infer.errors import InvalidRequestError
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["CHAT_STOP", "INT64_MAX", "apply_chat_template", "error_body", "sampling_from_request", "stream_usage"]
 
-CHAT_STOP = ["<|user|>", "<|system|>"]
-_ROLES = ("system", "user", "assistant", "tool", "developer")
+_ROLES = CHAT_ROLES
 
 
 def apply_chat_template(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    parts = []
+    turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise InvalidRequestError(f"messages[{i}] needs a role in {_ROLES}", param=f"messages[{i}].role")
@@ -39,8 +40,8 @@ def apply_chat_template(messages: Any) -> str:
             content = ""
         if not isinstance(content, str):
             raise InvalidRequestError("content must be a string or a list of text parts", param=f"messages[{i}]")
-        parts.append(f"<|{m['role']}|>\n{content}\n")
-    return "".join(parts) + "<|assistant|>\n"
+        turns.append({"role": m["role"], "content": content})
+    return chat_prompt(turns)  # the template the training data is made with (mcore_data.chat)
 
 
 INT64_MAX = 2**63 - 1
