@@ -70,12 +70,19 @@ class Client:
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "zeta", "kappa", "sigma"]
 
 
+def _hang_up_after(i: int) -> int | None:
+    """A third of the clients hang up after 1, 2 or 3 events."""
+    return 1 + i // 3 % 3 if i % 3 == 1 else None
+
+
 def make_clients(srv: LoadServer) -> list[Client]:
     """64 requests, completions and chat alternating, each with its own prompt and max_tokens, their references
     generated in one batch by the reference engine."""
     specs: list[tuple[str, dict[str, Any], str, SamplingParams]] = []
     for i in range(CLIENTS):
-        max_tokens = 4 + i % 9  # 4..12
+        # 4..12; a client that hangs up asks for many more, so that its request still runs when it hangs up (its
+        # abort is then certain, however fast the engine runs compared with the front end)
+        max_tokens = 120 if _hang_up_after(i) is not None else 4 + i % 9
         word = f"{WORDS[i % len(WORDS)]} {i}"
         usage = {"stream_options": {"include_usage": True}} if i % 4 < 2 else {}
         common = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": True, **usage}
@@ -90,9 +97,7 @@ def make_clients(srv: LoadServer) -> list[Client]:
             specs.append(("/v1/chat/completions", body, apply_chat_template(msgs), params))
     refs = srv.reference.generate([s[2] for s in specs], [s[3] for s in specs])
     return [
-        Client(
-            route, body, ref.outputs[0].text, ref.outputs[0].num_output_tokens, 1 + i // 3 % 3 if i % 3 == 1 else None
-        )
+        Client(route, body, ref.outputs[0].text, ref.outputs[0].num_output_tokens, _hang_up_after(i))
         for i, ((route, body, _, _), ref) in enumerate(zip(specs, refs))
     ]
 
