@@ -93,7 +93,7 @@ def decode_image(data: bytes, ext: str, where: str = "image") -> npt.NDArray[np.
         return _pillow_decode(data)
     except ImportError:
         raise ImageDecodeError(
-            f"{where}: cannot decode the {ext} image ({problem}Pillow is not installed: pip install pillow)"
+            f"{where}: cannot decode the {ext} image ({problem}Pillow is not installed: pip install 'mcore-data[images]')"
         ) from None
     except Exception as e:
         raise ImageDecodeError(f"{where}: cannot decode the {ext} image ({problem}Pillow: {e})") from None
