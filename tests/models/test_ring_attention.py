@@ -15,16 +15,20 @@ from mcore_parallel.testing import run_distributed
 S, B, HEADS, D = 32, 2, 4, 8
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over ``[s, b, heads, d]`` / ``[s, b, groups, d]`` (K/V repeated per group), [s, b, h*d]."""
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over ``[s, b, heads, d]`` / ``[s, b, groups, d]`` (K/V repeated per group), [s, b, h*d];
+    ``mask`` (``[b, 1, s, s]`` bool): that mask instead of the causal one."""
     rep = q.shape[2] // k.shape[2]
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-    out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+    out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None)
     return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
 
 
-def _check(cp: int, groups: int, comm: str) -> float:
-    from mcore_models.transformer.ring_attention import ring_attention
+def _check(cp: int, groups: int, comm: str, packed: bool = False) -> float:
+    """Ring attention at ``cp`` against one process in float64 (output and every gradient); ``packed``: rows of
+    several documents (:func:`_packed_ids`) and per-document attention."""
+    from mcore_models.transformer.packed import document_mask
+    from mcore_models.transformer.ring_attention import ring_attention, ring_document_mask
 
     state = ParallelState.initialize(ParallelConfig(cp=cp))
     g = torch.Generator().manual_seed(7)
@@ -32,10 +36,14 @@ def _check(cp: int, groups: int, comm: str) -> float:
     k = torch.randn(S, B, groups, D, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(S, B, groups, D, generator=g, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(S, B, HEADS * D, generator=g, dtype=torch.float64)
-    want = _reference(q, k, v)
+    ids = _packed_ids(g) if packed else None
+    if ids is not None:
+        assert int(ids.max()) >= 3  # several documents per row
+    want = _reference(q, k, v, None if ids is None else document_mask(ids, "dense").dense)
     want.backward(dout)
     local = [cp_split(t.detach(), state.cp, dim=0).requires_grad_() for t in (q, k, v)]
-    got = ring_attention(*local, state.cp, comm)
+    mask = None if ids is None else ring_document_mask(cp_split(ids, state.cp, dim=1), state.cp)
+    got = ring_attention(*local, state.cp, comm, document_mask=mask)
     got.backward(cp_split(dout, state.cp, dim=0))
     worst = 0.0
     for a, b in [(got, want), *((lt.grad, t.grad) for lt, t in zip(local, (q, k, v), strict=True))]:
@@ -137,38 +145,9 @@ def _packed_ids(g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _check_packed(cp: int, groups: int, comm: str) -> float:
-    from mcore_models.transformer.packed import document_mask
-    from mcore_models.transformer.ring_attention import ring_attention, ring_document_mask
-
-    state = ParallelState.initialize(ParallelConfig(cp=cp))
-    g = torch.Generator().manual_seed(11)
-    q = torch.randn(S, B, HEADS, D, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(S, B, groups, D, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(S, B, groups, D, generator=g, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(S, B, HEADS * D, generator=g, dtype=torch.float64)
-    ids = _packed_ids(g)
-    assert int(ids.max()) >= 3  # several documents per row
-    rep = HEADS // groups
-    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-    dense = document_mask(ids, "dense").dense
-    want = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense).permute(2, 0, 1, 3).reshape(S, B, -1)
-    want.backward(dout)
-    local = [cp_split(t.detach(), state.cp, dim=0).requires_grad_() for t in (q, k, v)]
-    mask = ring_document_mask(cp_split(ids, state.cp, dim=1), state.cp)
-    got = ring_attention(*local, state.cp, comm, document_mask=mask)
-    got.backward(cp_split(dout, state.cp, dim=0))
-    worst = 0.0
-    for a, b in [(got, want), *((lt.grad, t.grad) for lt, t in zip(local, (q, k, v), strict=True))]:
-        b = cp_split(b.detach(), state.cp, dim=0)
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-        worst = max(worst, float((a - b).abs().max()))
-    return worst
-
-
 @pytest.mark.parametrize("cp,comm,groups", [(2, "p2p", 2), (2, "allgather", HEADS), (4, "p2p", 1), (4, "allgather", 2)])
 def test_ring_attention_over_packed_sequences_equals_document_attention(cp: int, comm: str, groups: int) -> None:
     """Packed rows (documents of 1-13 tokens) split over cp ranks: attention stays inside each document across the
     ring, output and every gradient equal to one-process per-document causal attention in float64."""
-    worst = run_distributed(_check_packed, cp, cp, groups, comm)
+    worst = run_distributed(_check, cp, cp, groups, comm, True)
     assert max(worst) < 1e-10
