@@ -11,7 +11,7 @@ Sessions:
   ``<!-- install -->``), runs the README's and docs' runnable command blocks (``tests/integration/
   test_readme_commands.py``) in that environment, then adds every ``test`` extra and runs the rest of
   ``tests/integration/``.
-- ``kernels``: the Triton kernels of mcore-models and mcore-infer run by Triton's interpreter on the CPU
+- ``kernels``: the Triton kernels of mcore-parallel, mcore-models and mcore-infer run by Triton's interpreter on the CPU
   (``TRITON_INTERPRET=1``, float32) against their references: the kernel test modules, with the ``gpu`` extra
   (Triton) installed. The other sessions have no Triton, so there these tests check the PyTorch fallbacks.
 - ``demo``: the main job (see README).
@@ -61,6 +61,7 @@ KERNEL_TESTS = [
     "tests/models/test_qkv_rope.py",
     "tests/models/test_ssd_triton.py",
     "tests/models/test_mamba_decode_triton.py",
+    "tests/parallel/test_fp8_cast_triton.py",
     "tests/infer/test_small_gemv.py",
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",

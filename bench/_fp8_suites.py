@@ -50,7 +50,8 @@ _LINEAR_COLS = [("linear", "linear", ""), ("in", "in", "d"), ("out", "out", "d")
                 ("bf16_tflops", "bf16 TFLOP/s", ".0f"), ("hybrid_ms", "hybrid ms", ".2f"),
                 ("hybrid_tflops", "hybrid TFLOP/s", ".0f"), ("hybrid_vs_bf16", "hybrid vs bf16", ".2f"),
                 ("hybrid-delayed_vs_bf16", "delayed vs bf16", ".2f"), ("e4m3-rowwise_vs_bf16", "rowwise vs bf16", ".2f"),
-                ("casts_ms", "hybrid casts alone ms", ".2f")]  # fmt: skip
+                ("casts_ms", "hybrid casts alone ms", ".2f"),
+                ("casts_torch_ms", "compiled casts ms", ".2f")]  # fmt: skip
 
 
 def _linear_table(ctx: Context) -> dict[str, Any]:

@@ -5,7 +5,7 @@ SwiGLU's two halves, FC2 8192 -> 2048) and one micro-batch of ``--tokens`` token
 (6 * tokens * in * out per forward + backward) of mcore's bf16 ``ColumnParallelLinear`` and of
 ``Fp8ColumnParallelLinear`` with each recipe, the FP8 weight cast kept for the step (``fp8_step`` around
 ``--micro`` micro-batches, as training runs it), and what the casts alone cost (the input's and the output
-gradient's quantisation). Where the FP8 linear is slower than its GEMMs, the casts are why.
+gradient's quantisation, by the Triton casts and by the ``torch.compile``-generated ones). Where the FP8 linear is slower than its GEMMs, the casts are why.
 
     python3 bench/fp8_linear_bench.py --out fp8_linear.json
 """
@@ -21,7 +21,7 @@ import torch
 from _timing import cuda_seconds
 
 from mcore_parallel import Group
-from mcore_parallel.fp8 import E4M3, E5M2, Fp8ColumnParallelLinear, Fp8Recipe, fp8_step
+from mcore_parallel.fp8 import E4M3, E5M2, Fp8ColumnParallelLinear, Fp8Recipe, fp8_step, scaling
 from mcore_parallel.fp8.scaling import current_scale, quantize_with_transpose
 from mcore_parallel.tensor import ColumnParallelLinear
 
@@ -62,6 +62,11 @@ def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
         row[f"{label}_ms"], row[f"{label}_tflops"] = s * 1e3, flops / s / 1e12
         row[f"{label}_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
     row["casts_ms"] = _cast_seconds(x.detach().view(tokens, k), g.view(tokens, n), iters) * 1e3
+    scaling.CAST_KERNELS = "torch"  # the same casts as torch.compile-generated kernels (without Triton)
+    try:
+        row["casts_torch_ms"] = _cast_seconds(x.detach().view(tokens, k), g.view(tokens, n), iters) * 1e3
+    finally:
+        scaling.CAST_KERNELS = "auto"
     return row
 
 
@@ -76,11 +81,17 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU (compute capability 8.9 or newer)")
     rows = [measure(name, args.tokens, args.micro, args.iters) for name in SHAPES]
     heads = ["bf16", *RECIPES]
-    print("| linear | in -> out | " + " | ".join(f"{h} ms (TFLOP/s)" for h in heads) + " | casts ms |")
-    print("|---|---|" + "---|" * (len(heads) + 1))
+    print(
+        "| linear | in -> out | " + " | ".join(f"{h} ms (TFLOP/s)" for h in heads) + " | casts ms | compiled casts ms |"
+    )
+    print("|---|---|" + "---|" * (len(heads) + 2))
     for r in rows:
         cells = [f"{r[f'{h}_ms']:.2f} ({r[f'{h}_tflops']:.0f})" for h in heads]
-        print(f"| {r['linear']} | {r['in']} -> {r['out']} | " + " | ".join(cells) + f" | {r['casts_ms']:.2f} |")
+        print(
+            f"| {r['linear']} | {r['in']} -> {r['out']} | "
+            + " | ".join(cells)
+            + f" | {r['casts_ms']:.2f} | {r['casts_torch_ms']:.2f} |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"tokens": args.tokens, "micro": args.micro, "rows": rows}, indent=1))
 

@@ -54,12 +54,12 @@ class MambaConfig:
     scan: Scan = "auto"
     """SSD scan implementation: torch (chunked PyTorch ops), triton (``mcore_models.ssm.ssd_triton``; an error when it
     cannot be imported), auto (triton on CUDA when it imports, else torch). The same math; only speed differs."""
-    decode_kernel: Scan = "torch"
+    decode_kernel: Scan = "auto"
     """The served mixer's one-token decode step (``mcore_models.ssm.inference.decode_step``): triton (two kernels,
     ``mcore_models.ssm.decode_triton``: the conv window, then the state update with the output; an error when they
     cannot run), torch (PyTorch ops, one kernel each), auto (triton on CUDA when Triton is installed, else torch).
-    Float64 models always take the PyTorch ops. The same math; only speed differs. The default is torch
-    until the kernels are timed against it on a GPU (a default is the fastest measured path)."""
+    Float64 models always take the PyTorch ops. The same math; only speed differs. auto is the default: on one
+    H200 the Triton step serves ``mamba2-1.3b`` at 2.5 ms per token at batch 1 against 5.6 ms (docs/performance.md)."""
 
     def __post_init__(self) -> None:
         for name in ("dt_limit", "a_init_range"):  # a YAML or JSON file gives lists (and "inf" or Infinity)

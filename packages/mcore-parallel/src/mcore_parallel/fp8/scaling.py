@@ -10,9 +10,11 @@ Operands are 2-D and keep the contraction dimension last (``[rows, K]``): the la
 ``torch._scaled_mm`` need (the second one is passed transposed, i.e. column-major). Tensorwise scales are 0-d,
 rowwise scales ``[rows, 1]``.
 
-On CUDA the amax (with the scale) and the cast run as ``torch.compile``-generated kernels (one reduction, one pass
-that writes the FP8 tensor and, where asked, its transpose), called from the eager FP8 linear (each helper is a
-function of its own, so each has its own compile cache); elsewhere as plain PyTorch ops.
+On CUDA the tensorwise amax and every cast run as Triton kernels (:mod:`mcore_parallel.fp8.cast_triton`: one
+reduction pass, one pass that writes the FP8 tensor and, where asked, its transpose from the same tile), when Triton
+imports; the rowwise amax (and, without Triton, everything) as ``torch.compile``-generated kernels, called from the
+eager FP8 linear (each helper a function of its own, with its own compile cache); elsewhere as plain PyTorch ops.
+Both give the same bytes. ``CAST_KERNELS`` (``"auto"`` or ``"torch"``) picks, for benchmarks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mcore_parallel.fp8 import cast_triton
 from mcore_parallel.fp8.recipe import Fp8Format
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
@@ -35,6 +38,12 @@ ROLES = ("input", "weight", "grad")
 """The tensors of one linear that delayed scaling tracks, in the order of its buffers' columns."""
 
 _COMPILED: dict[str, Callable[..., Any]] = {}
+CAST_KERNELS = "auto"
+"""``auto``: the Triton casts on CUDA when Triton imports; ``torch``: the compiled PyTorch ops there too."""
+
+
+def _triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and CAST_KERNELS == "auto" and cast_triton.available()
 
 
 def _kernel(name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
@@ -76,7 +85,10 @@ def _amax(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
 def amax_of(t: torch.Tensor, rowwise: bool = False, group: Group | None = None) -> torch.Tensor:
     """The largest ``|t|`` (float32; per row of a 2-D ``t`` with ``rowwise``), the maximum over ``group`` when given
     (the tensor's elements are split over its ranks)."""
-    m = _kernel("amax_rowwise" if rowwise else "amax", _amax, t.device)(t, rowwise)
+    if not rowwise and _triton(t) and t.is_contiguous():
+        m = cast_triton.amax_triton(t)
+    else:
+        m = _kernel("amax_rowwise" if rowwise else "amax", _amax, t.device)(t, rowwise)
     if group is not None and group.size > 1:
         m = _comm.all_reduce(m.contiguous(), group, op=dist.ReduceOp.MAX)
     return m
@@ -99,7 +111,7 @@ def _amax_scale(t: torch.Tensor, rowwise: bool, top: float) -> torch.Tensor:
 def current_scale(t: torch.Tensor, fmt: Fp8Format, rowwise: bool, margin: int, group: Group | None) -> torch.Tensor:
     """The scale of ``t`` from its own absolute maximum (over ``group`` when its elements are split there); one
     kernel on CUDA when no group is involved."""
-    if group is None or group.size == 1:
+    if (group is None or group.size == 1) and not (not rowwise and _triton(t) and t.is_contiguous()):
         return _kernel("amax_scale", _amax_scale, t.device)(t, rowwise, fmt.max / 2.0**margin)
     return scale_from_amax(amax_of(t, rowwise, group), fmt, margin)
 
@@ -118,12 +130,19 @@ def _cast_transposed(
 
 def quantize(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> Fp8Tensor:
     """``t`` (2-D, ``[rows, K]``) in ``fmt`` with ``scale`` (0-d, or ``[rows, 1]``)."""
+    if _triton(t):
+        q, _ = cast_triton.cast_triton(t, scale, fmt.max, fmt.dtype, False)
+        return Fp8Tensor(q, scale.reciprocal(), fmt)
     q, inv = _kernel("cast", _cast, t.device)(t, scale, fmt.max, fmt.dtype)
     return Fp8Tensor(q, inv, fmt)
 
 
 def quantize_with_transpose(t: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
     """``quantize(t)`` and its transpose from one pass (tensorwise ``scale`` only)."""
+    if _triton(t):
+        q, qt = cast_triton.cast_triton(t, scale, fmt.max, fmt.dtype, True)
+        inv = scale.reciprocal()
+        return Fp8Tensor(q, inv, fmt), Fp8Tensor(qt, inv, fmt)  # type: ignore[arg-type]
     q, qt, inv = _kernel("cast_t", _cast_transposed, t.device)(t, scale, fmt.max, fmt.dtype)
     return Fp8Tensor(q, inv, fmt), Fp8Tensor(qt, inv, fmt)
 

@@ -1,0 +1,122 @@
+"""Triton kernels for the FP8 linear's casts: the absolute maximum of a tensor and its cast to FP8, with its
+transpose written by the same pass.
+
+A current-scaled FP8 GEMM needs two passes over its bf16 operand: one for the maximum (the scale depends on every
+element) and one that writes ``q = clamp(t * scale, -fmax, fmax)`` in FP8. The weight gradient also needs the
+transpose of the input and of the output gradient (cuBLASLt's FP8 GEMMs take row-major times column-major only), so
+the cast writes ``q`` and ``qᵀ`` from the same tile: one read of ``t`` and two FP8 writes, the transpose done in the
+program's registers and shared memory instead of a strided copy.
+
+- ``amax_partials``: one program per block of ``BLOCK`` elements writes its block's maximum of ``|t|`` (NaN if
+  the block holds one, so a diverged tensor still shows up); the maximum of the few thousand partials is one small
+  PyTorch reduction.
+- ``cast``: one program per ``[BM, BN]`` tile of a 2-D ``t`` (any row stride, contiguous rows) scales by a 0-d or
+  per-row ``[rows, 1]`` scale, clamps, rounds to nearest (even) and writes ``q`` ``[rows, cols]`` and, where asked,
+  ``qᵀ`` ``[cols, rows]``, both contiguous.
+
+The rounding is the PyTorch ops' (``(t.float() * scale).clamp(-fmax, fmax).to(fp8)``), so the two paths give the
+same bytes. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["available", "amax_triton", "cast_triton"]
+
+_AMAX_BLOCK = 8192
+_GRID = {torch.float8_e4m3fn: (127 - 6, 3), torch.float8_e5m2: (127 - 14, 2)}
+"""FP8 dtype -> (float32 biased exponent of its smallest normal binade, its mantissa bits)."""
+_BM, _BN = 64, 128
+_WARPS = 8
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports (it comes with PyTorch's CUDA wheels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def amax_partials(T, OUT, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(T + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.max(tl.abs(x), axis=0)
+        nan = tl.sum((x != x).to(tl.int32), axis=0)
+        tl.store(OUT + pid, tl.where(nan > 0, float("nan"), a))
+
+    @triton.jit  # type: ignore[misc]
+    def cast(T, SCALE, Q, QT, rows, cols, t_row, fmax,  # type: ignore[no-untyped-def]
+             EMIN: tl.constexpr, MBITS: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        mask = (rm[:, None] < rows) & (rn[None, :] < cols)
+        x = tl.load(T + rm[:, None] * t_row + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ROWWISE:
+            s = tl.load(SCALE + rm, mask=rm < rows, other=1.0)[:, None]
+        else:
+            s = tl.load(SCALE)
+        y = tl.minimum(tl.maximum(x * s, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        # round to nearest even on the format's grid in float32 (the spacing of y's binade, or of the smallest
+        # normal binade below it): (y + M) - M with M = 1.5 * 2^23 * spacing; the cast of a value on the grid is exact
+        # (the sign bit put back: a small negative value rounds to -0, as the PyTorch cast gives)
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum((bits >> 23) & 0xFF, EMIN)
+        magic = (((e - MBITS + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+        r = ((y + magic) - magic).to(tl.int32, bitcast=True) | (bits & -2147483648)
+        q = tl.where(y == y, r.to(tl.float32, bitcast=True), y).to(Q.dtype.element_ty)  # NaN stays NaN
+        tl.store(Q + rm[:, None] * cols + rn[None, :], q, mask=mask)
+        if TRANSPOSE:
+            tl.store(
+                QT + rn[:, None] * rows + rm[None, :], tl.trans(q), mask=(rn[:, None] < cols) & (rm[None, :] < rows)
+            )
+
+    return {"amax_partials": amax_partials, "cast": cast}
+
+
+def amax_triton(t: torch.Tensor) -> torch.Tensor:
+    """The largest ``|t|`` (0-d float32; NaN if ``t`` holds one) of a contiguous tensor."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    blocks = max(1, -(-n // _AMAX_BLOCK))
+    partials = torch.empty(blocks, dtype=torch.float32, device=t.device)
+    if n == 0:
+        return partials.zero_().amax()
+    _kernels()["amax_partials"][(blocks,)](flat, partials, n, BLOCK=_AMAX_BLOCK, num_warps=_WARPS)
+    return partials.amax()
+
+
+def cast_triton(
+    t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``t`` (2-D, rows contiguous) scaled by ``scale`` (0-d, or ``[rows, 1]``), clamped to ``±fmax`` and cast to
+    ``dtype``; with ``transpose`` also the transpose, contiguous."""
+    rows, cols = t.shape
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    q = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    qt = torch.empty(cols, rows, dtype=dtype, device=t.device) if transpose else None
+    rowwise = scale.dim() > 0
+    grid = (max(1, -(-rows // _BM)), max(1, -(-cols // _BN)))
+    if rows and cols:
+        _kernels()["cast"][grid](t, scale.reshape(-1).to(torch.float32), q, q if qt is None else qt, rows, cols,
+                                 t.stride(0), float(fmax), EMIN=_GRID[dtype][0], MBITS=_GRID[dtype][1], ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
+                                 num_warps=_WARPS)  # fmt: skip
+    return q, qt

@@ -1,0 +1,88 @@
+"""The FP8 linear's Triton casts (``mcore_parallel.fp8.cast_triton``) against the PyTorch ops they replace on CUDA
+(``scaling._amax``, ``_cast``, ``_cast_transposed``): the same bytes for E4M3 and E5M2, tensorwise and rowwise
+scales, float32 and bfloat16 inputs, values across the formats' normal and subnormal ranges and above their
+maximum (saturated), ties on the grid (rounded to even), shapes that are not multiples of the tiles, rows with a
+stride; the absolute maximum, NaN included. On GPUs, or on the CPU under ``TRITON_INTERPRET=1``; skipped without
+either."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from mcore_parallel.fp8 import scaling
+from mcore_parallel.fp8.cast_triton import amax_triton, cast_triton
+from mcore_parallel.fp8.recipe import E4M3, E5M2
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICES: list = []
+if torch.cuda.is_available() and HAS_TRITON:
+    DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
+if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
+    DEVICES.append("cpu")
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def _tensor(rows: int, cols: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Magnitudes over 10 decades (so the scaled values cover the subnormals), a few exact grid ties."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 4, cols)
+    t[0, : min(cols, 8)] = torch.tensor([0.0, -0.0, 1.0625, -1.1875, 3.25, 2.0**-10, -(2.0**-9) * 1.5, 1e6])[:cols]
+    return t.to(device=device, dtype=dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", [(100, 200), (64, 128), (3, 16), (130, 272)], ids=str)
+def test_tensorwise_cast_and_transpose_equal_the_pytorch_cast(
+    device: str, dtype: torch.dtype, fmt: str, shape: tuple
+) -> None:
+    f = FORMATS[fmt]
+    t = _tensor(*shape, device, dtype)
+    for scale in (torch.tensor(1.0), torch.tensor(f.max / 1e3), torch.tensor(f.max / 1e3 * 7.3)):
+        scale = scale.to(device)
+        q, qt = cast_triton(t, scale, f.max, f.dtype, True)
+        ref, ref_t, _ = scaling._cast_transposed(t, scale, f.max, f.dtype)
+        assert torch.equal(_bytes(q), _bytes(ref)), f"scale {scale.item()}: the cast differs"
+        assert qt is not None and torch.equal(_bytes(qt), _bytes(ref_t)), f"scale {scale.item()}: the transpose differs"
+        assert qt.is_contiguous() and qt.shape == (shape[1], shape[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rowwise_cast_and_strided_rows(device: str, fmt: str) -> None:
+    f = FORMATS[fmt]
+    wide = _tensor(70, 300, device, torch.bfloat16, seed=1)
+    t = wide[:, 20:180]  # rows with a stride of 300
+    scale = scaling._amax_scale(t, True, f.max)
+    q, qt = cast_triton(t, scale, f.max, f.dtype, False)
+    ref, _ = scaling._cast(t, scale, f.max, f.dtype)
+    assert qt is None and q.is_contiguous()
+    assert torch.equal(_bytes(q), _bytes(ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax(device: str) -> None:
+    t = _tensor(333, 77, device, torch.bfloat16, seed=2)
+    assert torch.equal(amax_triton(t).cpu(), scaling._amax(t, False).cpu())
+    t[200, 3] = -7e7
+    assert amax_triton(t).item() == pytest.approx(abs(t[200, 3].float().item()))
+    assert amax_triton(torch.zeros(0, 5, device=device)).item() == 0.0
+    t[5, 5] = float("nan")
+    assert torch.isnan(amax_triton(t))  # a diverged tensor shows up (its scale, and so the GEMM's result, is NaN)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saturates_at_the_format_maximum(device: str) -> None:
+    t = torch.tensor([[1e9, -1e9, 500.0, -470.0, 447.0, 0.5] + [0.0] * 10], device=device)
+    q, _ = cast_triton(t, torch.tensor(1.0, device=device), E4M3.max, E4M3.dtype, False)
+    assert q.float().cpu()[0, :6].tolist() == [448.0, -448.0, 448.0, -448.0, 448.0, 0.5]
