@@ -86,3 +86,42 @@ def test_saturates_at_the_format_maximum(device: str) -> None:
     t = torch.tensor([[1e9, -1e9, 500.0, -470.0, 447.0, 0.5] + [0.0] * 10], device=device)
     q, _ = cast_triton(t, torch.tensor(1.0, device=device), E4M3.max, E4M3.dtype, False)
     assert q.float().cpu()[0, :6].tolist() == [448.0, -448.0, 448.0, -448.0, 448.0, 0.5]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_cast_folds_the_maximum_into_amax_out(device: str) -> None:
+    t = _tensor(150, 130, device, torch.bfloat16, seed=3)
+    scale = torch.tensor(0.5, device=device)
+    out = torch.full((1,), 3.0, device=device)  # an earlier micro-batch's maximum, smaller
+    q, _ = cast_triton(t, scale, E4M3.max, E4M3.dtype, True, amax_out=out)
+    assert torch.equal(_bytes(q), _bytes(scaling._cast(t, scale, E4M3.max, E4M3.dtype)[0]))
+    assert out.item() == scaling._amax(t, False).item()
+    big = torch.full((1,), 1e30, device=device)
+    cast_triton(t, scale, E4M3.max, E4M3.dtype, False, amax_out=big)
+    assert big.item() == torch.tensor(1e30).item()  # a larger earlier maximum stays
+    t[7, 9] = float("nan")
+    nan = torch.zeros(1, device=device)
+    cast_triton(t, scale, E4M3.max, E4M3.dtype, False, amax_out=nan)
+    assert nan.item() == float("inf")  # a NaN is recorded as non-finite (the history counts it as 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_casts_and_records_in_one_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a history, DelayedScaling.quantize takes the fused pass (here forced on for the interpreter) and gives
+    the bytes, scale and recorded maximum of scale_for followed by the separate cast."""
+    monkeypatch.setattr(scaling, "_triton", lambda t: True)
+    fused, plain = (scaling.DelayedScaling(4, "max", 0, (E4M3, E4M3, E5M2), device) for _ in range(2))
+    for s in (fused, plain):
+        s.roll(torch.tensor([8.0, 0.0, 64.0], device=device))  # the weight's maximum was 0: scale 1
+        s.grad_weight = 0.25
+    g = _tensor(64, 48, device, torch.float32, seed=4)
+    for role in (0, 1, 2):
+        q, qt = fused.quantize(role, g, None, True)
+        monkeypatch.setattr(scaling, "_triton", lambda t: False)
+        rq, rqt = plain.quantize(role, g, None, True)
+        monkeypatch.setattr(scaling, "_triton", lambda t: True)
+        assert qt is not None and rqt is not None
+        assert torch.equal(_bytes(q.data), _bytes(rq.data)) and torch.equal(_bytes(qt.data), _bytes(rqt.data))
+        assert torch.equal(q.scale_inv, rq.scale_inv)
+    assert torch.equal(fused.amax, plain.amax) and fused.amax[2].item() == pytest.approx(g.abs().max().item() / 0.25)
+    assert plain.scale_for(1, g, None).item() == 1.0  # a maximum of 0 in every step: scale 1

@@ -12,7 +12,8 @@ program's registers and shared memory instead of a strided copy.
   PyTorch reduction.
 - ``cast``: one program per ``[BM, BN]`` tile of a 2-D ``t`` (any row stride, contiguous rows) scales by a 0-d or
   per-row ``[rows, 1]`` scale, clamps, rounds to nearest (even) and writes ``q`` ``[rows, cols]`` and, where asked,
-  ``qᵀ`` ``[cols, rows]``, both contiguous.
+  ``qᵀ`` ``[cols, rows]``, both contiguous. With delayed scaling (the scale comes from earlier steps) it also
+  folds the tile's maximum into the step's recorded maximum (an atomic max): one pass instead of two.
 
 The rounding is the PyTorch ops' (``(t.float() * scale).clamp(-fmax, fmax).to(fp8)``), so the two paths give the
 same bytes. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
@@ -60,14 +61,18 @@ def _kernels() -> dict[str, Any]:
         tl.store(OUT + pid, tl.where(nan > 0, float("nan"), a))
 
     @triton.jit  # type: ignore[misc]
-    def cast(T, SCALE, Q, QT, rows, cols, t_row, fmax,  # type: ignore[no-untyped-def]
-             EMIN: tl.constexpr, MBITS: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+    def cast(T, SCALE, Q, QT, AMAX, rows, cols, t_row, fmax,  # type: ignore[no-untyped-def]
+             AMAX_OUT: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < rows) & (rn[None, :] < cols)
         x = tl.load(T + rm[:, None] * t_row + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if AMAX_OUT:  # this tile's largest |t| into AMAX (a NaN as +inf: the history counts it as 0)
+            a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+            tl.atomic_max(AMAX, tl.where(nan > 0, float("inf"), a))
         if ROWWISE:
             s = tl.load(SCALE + rm, mask=rm < rows, other=1.0)[:, None]
         else:
@@ -104,10 +109,17 @@ def amax_triton(t: torch.Tensor) -> torch.Tensor:
 
 
 def cast_triton(
-    t: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype, transpose: bool
+    t: torch.Tensor,
+    scale: torch.Tensor,
+    fmax: float,
+    dtype: torch.dtype,
+    transpose: bool,
+    amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``t`` (2-D, rows contiguous) scaled by ``scale`` (0-d, or ``[rows, 1]``), clamped to ``±fmax`` and cast to
-    ``dtype``; with ``transpose`` also the transpose, contiguous."""
+    ``dtype``; with ``transpose`` also the transpose, contiguous. ``amax_out`` (a one-element float32 tensor): the
+    largest ``|t|`` is folded into it by the same pass (``max(amax_out, amax(t))``; +inf if ``t`` holds a NaN), for
+    delayed scaling, whose scale is known before the tensor is read."""
     rows, cols = t.shape
     if t.stride(1) != 1:
         t = t.contiguous()
@@ -116,7 +128,8 @@ def cast_triton(
     rowwise = scale.dim() > 0
     grid = (max(1, -(-rows // _BM)), max(1, -(-cols // _BN)))
     if rows and cols:
-        _kernels()["cast"][grid](t, scale.reshape(-1).to(torch.float32), q, q if qt is None else qt, rows, cols,
-                                 t.stride(0), float(fmax), EMIN=_GRID[dtype][0], MBITS=_GRID[dtype][1], ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
+        amax = amax_out if amax_out is not None else scale
+        _kernels()["cast"][grid](t, scale.reshape(-1).to(torch.float32), q, q if qt is None else qt, amax, rows, cols,
+                                 t.stride(0), float(fmax), AMAX_OUT=amax_out is not None, EMIN=_GRID[dtype][0], MBITS=_GRID[dtype][1], ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
                                  num_warps=_WARPS)  # fmt: skip
     return q, qt

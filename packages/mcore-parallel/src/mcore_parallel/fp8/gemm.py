@@ -96,9 +96,8 @@ class LinearPlan:
         r = self.recipe
         fmt = r.backward_format if role == 2 else r.forward_format
         if self.state is not None:
-            scale = self.state.scale_for(role, t, group)
-        else:
-            scale = current_scale(t, fmt, r.rowwise, r.margin, group)
+            return self.state.quantize(role, t, group, transpose)
+        scale = current_scale(t, fmt, r.rowwise, r.margin, group)
         if transpose:
             return quantize_with_transpose(t, fmt, scale)
         return quantize(t, fmt, scale), None

@@ -120,9 +120,8 @@ class Fp8Linear:
             return WeightCast(fwd, quantize(wt, E4M3, current_scale(wt, E4M3, True, r.margin,
                                                                     tp if self._n_split else None)))  # fmt: skip
         if self.fp8_scaling is not None:
-            scale = self.fp8_scaling.scale_for(1, w, tp)
-        else:
-            scale = current_scale(w, E4M3, False, r.margin, tp)
+            return WeightCast(*self.fp8_scaling.quantize(1, w, tp, transposed))
+        scale = current_scale(w, E4M3, False, r.margin, tp)
         if transposed:
             return WeightCast(*quantize_with_transpose(w, E4M3, scale))
         return WeightCast(quantize(w, E4M3, scale), None)

@@ -203,17 +203,39 @@ class DelayedScaling(nn.Module):
 
     def scale_for(self, role: int, t: torch.Tensor, group: Group | None) -> torch.Tensor:
         """The scale to cast ``t`` (this step's tensor of ``role``) with; records ``t``'s absolute maximum. Before
-        any history exists, ``t``'s own maximum over ``group``."""
+        any history exists, ``t``'s own maximum over ``group``; after, the stored scale (1 for a tensor whose every
+        recorded maximum was 0)."""
         fmt = self.formats[role]
         weight = self.grad_weight if role == 2 else 1.0
         if not self.ready():
             a = amax_of(t, False, group)
             self.record(role, a / weight)
             return scale_from_amax(a, fmt, self.margin)
-        a = amax_of(t)
-        self.record(role, a / weight)
-        stored = self.scale[role] / weight
-        return torch.where(stored > 0, stored, scale_from_amax(a, fmt, self.margin))
+        self.record(role, amax_of(t) / weight)
+        return self._stored(role, weight)
+
+    def _stored(self, role: int, weight: float) -> torch.Tensor:
+        stored = self.scale[role]
+        return torch.where(stored > 0, stored / weight, torch.ones_like(stored))
+
+    def quantize(
+        self, role: int, t: torch.Tensor, group: Group | None, transpose: bool
+    ) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+        """``t`` cast with :meth:`scale_for`'s scale (and its transpose with ``transpose``). Once a history exists
+        the scale is known before ``t`` is read, so on CUDA one Triton pass casts it and records its maximum."""
+        fmt = self.formats[role]
+        if not (self.ready() and _triton(t)):
+            scale = self.scale_for(role, t, group)
+            if transpose:
+                return quantize_with_transpose(t, fmt, scale)
+            return quantize(t, fmt, scale), None
+        weight = self.grad_weight if role == 2 else 1.0
+        scale = self._stored(role, weight)
+        amax = torch.zeros(1, dtype=torch.float32, device=t.device)
+        q, qt = cast_triton.cast_triton(t, scale, fmt.max, fmt.dtype, transpose, amax_out=amax)
+        self.record(role, amax / weight)
+        inv = scale.reciprocal()
+        return Fp8Tensor(q, inv, fmt), None if qt is None else Fp8Tensor(qt, inv, fmt)
 
     def roll(self, amax: torch.Tensor) -> None:
         """End of a step: push ``amax`` (``[3]``, this step's maxima reduced over the ranks; non-finite entries
