@@ -47,7 +47,12 @@ import tomllib
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.2"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5"]
+WORKERS = ["-n", "2"] if (os.cpu_count() or 1) >= 2 else []
+"""pytest-xdist's worker processes for the package and kernel tests (not the integration tests: the README's
+command blocks build on each other in order): two, so a 2-core machine keeps
+both cores busy through the single-process tests (most of them run one thread, ``OMP_NUM_THREADS=1``); not more,
+since the multi-process tests start their own ranks and each worker holds its own pools of them."""
 TORCH_BASE = ROOT / ".nox" / "_torch"
 README = ROOT / "README.md"
 INSTALL_MARKER = "<!-- install -->"
@@ -249,7 +254,7 @@ def tests(session: nox.Session, package: str) -> None:
         name = f"mcore-{package}"
         _share_torch(session)
         _install(session, _local_closure(name), {name: ["test"]})
-        session.run("pytest", f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+        session.run("pytest", *WORKERS, f"tests/{package}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
@@ -259,7 +264,7 @@ def kernels(session: nox.Session) -> None:
         names = _local_closure("mcore-infer")
         _install(session, names, {"mcore-infer": ["test", "gpu"], "mcore-models": ["test", "gpu"]})
         env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-        session.run("pytest", *KERNEL_TESTS, *session.posargs, env=env)
+        session.run("pytest", *WORKERS, *KERNEL_TESTS, *session.posargs, env=env)
 
 
 @nox.session
