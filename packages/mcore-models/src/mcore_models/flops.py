@@ -15,15 +15,35 @@ A hybrid model (``hybrid_pattern``) counts each layer by its kind: an attention 
 above, an MLP (``-``) or MoE (``E``) layer the MLP term, and a Mamba-2 layer (``M``) as Megatron-LM counts it,
 forward ``2 h (2 d_i + 2 G N + H) + 7 d_i N + 2 d_i h`` per token (the input projection to z, x, B, C and dt, the
 scan, the output projection; d_i = expand * h inner width, G groups of state size N, H heads), times 3 for training.
+
+A LLaVA step (:func:`llava_training_flops`) adds, per image, the vision tower up to ``vision_feature_layer`` (the
+layers it runs) and the projector. A tower layer over T tokens costs forward ``2 T (4 h^2 + 2 h f) + 4 T^2 h``
+(bidirectional attention, counted in full), the patch convolution ``2 P C p^2 h`` for P patches of C channels and
+side p, and the projector ``2 T_img (h_in H + H^2)`` (the second term for ``mlp``) for T_img image tokens of the
+LM's width H. Frozen parts do less than 3x their forward: each part counts its forward, plus one forward's worth for
+the activation gradients when it or a part before it trains, plus one for its weight gradients when it trains (a
+frozen tower runs forward only; a frozen LM under a trained projector runs forward and the activation gradients).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mcore_models.config import TransformerConfig
 from mcore_models.mamba_config import MambaConfig
 from mcore_parallel.tensor import padded_vocab_size
 
-__all__ = ["num_parameters", "training_flops_per_token"]
+if TYPE_CHECKING:
+    from mcore_models.multimodal.config import LlavaConfig
+    from mcore_models.vision.config import VisionConfig
+
+__all__ = [
+    "num_parameters",
+    "training_flops_per_token",
+    "vision_forward_flops",
+    "projector_forward_flops",
+    "llava_training_flops",
+]
 
 
 def num_parameters(config: TransformerConfig, *, tp_size: int = 1, include_padding: bool = True) -> int:
@@ -124,3 +144,39 @@ def _mlp_flops(c: TransformerConfig, moe: bool) -> float:
 def _mamba_flops(c: TransformerConfig) -> float:
     mc, h, di, heads, gn = _mamba_sizes(c)
     return 3.0 * (2 * h * (2 * di + 2 * gn + heads) + 7 * di * mc.d_state + 2 * di * h)
+
+
+def vision_forward_flops(config: VisionConfig) -> float:
+    """Forward FLOPs of one image through the tower up to ``vision_feature_layer`` (the layers it runs)."""
+    v = config
+    t, h, f = v.seq_length, v.hidden_size, v.ffn_size
+    patch = 2.0 * v.num_patches * v.num_channels * v.patch_size**2 * h
+    layer = 2.0 * t * (4 * h * h + 2 * h * f) + 4.0 * t * t * h
+    return patch + v.feature_layers * layer
+
+
+def projector_forward_flops(config: LlavaConfig) -> float:
+    """Forward FLOPs of the projector for one image."""
+    hidden = config.language.hidden_size
+    per_token = 2.0 * config.projector_input_size * hidden + (2.0 * hidden * hidden if config.projector == "mlp" else 0)
+    return config.image_tokens * per_token
+
+
+def llava_training_flops(
+    config: LlavaConfig, *, batch_size: int, seq_length: int, num_images: int | None = None, tp_size: int = 1
+) -> float:
+    """Model FLOPs of one LLaVA training step (forward + backward) over ``batch_size`` sequences of ``seq_length``
+    tokens (the image tokens included) holding ``num_images`` images (default: one per sequence); the LM as
+    :func:`training_flops_per_token` counts it. Divide by the step time and the peak FLOP/s for MFU."""
+    images = batch_size if num_images is None else num_images
+    trains = [part not in config.freeze for part in ("vision", "projector", "language")]
+
+    def passes(i: int) -> int:  # forward, activation gradients, weight gradients
+        return 1 + int(any(trains[: i + 1])) + int(trains[i])
+
+    lm_forward = batch_size * seq_length * training_flops_per_token(config.language, seq_length, tp_size=tp_size) / 3
+    return (
+        images * vision_forward_flops(config.vision) * passes(0)
+        + images * projector_forward_flops(config) * passes(1)
+        + lm_forward * passes(2)
+    )

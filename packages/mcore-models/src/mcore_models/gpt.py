@@ -157,6 +157,7 @@ class GPTModel(nn.Module):
         gather_logits: bool = False,
         inference_context: InferenceContext | None = None,
         document_ids: torch.Tensor | DocumentMask | None = None,
+        decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this stage: :meth:`embed`, each layer in turn, then (last stage) :meth:`head`.
 
@@ -170,11 +171,15 @@ class GPTModel(nn.Module):
         ``document_ids`` (packed sequences): the document id of every token ``[b, s]``, or a
         :class:`~mcore_models.transformer.packed.DocumentMask` made from them; attention stays inside each document,
         and without ``position_ids`` the positions restart at every document.
+
+        ``decoder_input``: the first layer's input ``[s (/ tp under SP), b, hidden]`` in place of the embedding of
+        ``input_ids`` (which may then be None), e.g. word embeddings with image embeddings spliced in
+        (:class:`~mcore_models.multimodal.LlavaModel`); Megatron-Core's argument of the same name.
         """
         mask = self._document_mask(document_ids, inference_context)
         if mask is not None and position_ids is None:
             position_ids = document_positions(mask.document_ids)
-        hidden, rotary = self.embed(input_ids, position_ids)
+        hidden, rotary = self.embed(input_ids, position_ids, decoder_input=decoder_input)
         for key, layer in self.decoder.layers.items():
             if inference_context is not None:
                 inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
@@ -203,11 +208,20 @@ class GPTModel(nn.Module):
         return document_ids if isinstance(document_ids, DocumentMask) else document_mask(document_ids)
 
     def embed(
-        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        decoder_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The first layer's input ``[s (/ tp), b, hidden]`` (the embedding on the first stage, else the tensor of
-        :meth:`set_input_tensor`) and the rotary tables ``(cos, sin)`` of the positions (None without RoPE)."""
-        if self.pre_process:
+        """The first layer's input ``[s (/ tp), b, hidden]`` (``decoder_input`` when given, else the embedding on the
+        first stage, else the tensor of :meth:`set_input_tensor`) and the rotary tables ``(cos, sin)`` of the
+        positions (None without RoPE)."""
+        if decoder_input is not None:
+            hidden = decoder_input
+            s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
+            pos = self._positions(position_ids, s, hidden.device)
+        elif self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
             s = input_ids.shape[1]
