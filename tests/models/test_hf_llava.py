@@ -189,7 +189,9 @@ def test_mcore_initialised_model_exports_to_hf(name: str) -> None:
     hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**fields)).double().eval()
     state = model.global_state_dict()
     exported = dict(llava_mcore_to_hf(config, state.__getitem__, "module"))
-    hf.load_state_dict(exported, strict=not config.language.share_embeddings_and_output_weights)
+    loaded = hf.load_state_dict(exported, strict=False)
+    tied = config.language.share_embeddings_and_output_weights
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) == ({"lm_head.weight"} if tied else set())
     ids, pixels = _batch(config.image_tokens, config.image_token_id)
     _exact(_logits(model, ids, pixels), _logits(hf, ids, pixels, hf=True), name)
     back = llava_config_from_hf(transformers.LlavaConfig(**fields).to_dict())
@@ -267,6 +269,7 @@ def test_what_mcore_cannot_build_is_refused_on_import_by_name() -> None:
         ({"vision_feature_select_strategy": "cls"}, "vision_feature_select_strategy='cls'"),
         ({"image_seq_length": 5}, "image_seq_length=5"),
         ({"model_type": "llava_next"}, "model_type='llava_next'"),
+        ({"image_token_index": 100}, "^invalid LlavaConfig \\(1 problem\\): image_token_id=100 is outside[^\\n]*$"),
         ({"text_config": {**good["text_config"], "model_type": "mistral"}}, "text_config.model_type='mistral'"),
         ({"vision_config": {**good["vision_config"], "model_type": "dinov2"}}, "vision_config.model_type='dinov2'"),
     ):

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
-from mcore_export.errors import MissingTensorError
+from mcore_export._llava import is_llava_metadata
+from mcore_export.errors import ExportError, MissingTensorError
 from mcore_models import TransformerConfig
 from mcore_models.checkpoint import model_config_from_checkpoint, resolve_checkpoint, tokenizer_spec_from_checkpoint
+from mcore_models.multimodal import LlavaConfig
+from mcore_models.multimodal.checkpoint import llava_config_from_checkpoint
 from mcore_parallel.checkpoint import read_array_spec, read_metadata, read_region
 
 __all__ = ["CheckpointReader", "resolve_dtype", "DTYPE_NAMES"]
@@ -46,12 +49,25 @@ def resolve_dtype(name: str | torch.dtype | None, default: torch.dtype) -> torch
 
 
 class CheckpointReader:
-    """Global tensors of one mcore checkpoint (a checkpoint directory or a run directory with ``latest``)."""
+    """Global tensors of one mcore checkpoint (a checkpoint directory or a run directory with ``latest``).
 
-    def __init__(self, path: str | Path, meta: bool = False) -> None:
+    A LlavaModel checkpoint is read only with ``llava=True`` (the Hugging Face export; other formats have no
+    vision-language model): ``llava`` is its config and ``config`` its language model's."""
+
+    def __init__(self, path: str | Path, meta: bool = False, *, llava: bool = False) -> None:
         self.path = resolve_checkpoint(path)
-        self.config: TransformerConfig = model_config_from_checkpoint(self.path)
         self.metadata: dict[str, Any] = read_metadata(self.path)
+        self.llava: LlavaConfig | None = None
+        if is_llava_metadata(self.metadata.get("model")):
+            if not llava:
+                raise ExportError(
+                    f"{self.path} is a LlavaModel checkpoint (vision tower + language model): only "
+                    "`mcore-export hf` exports it (as LlavaForConditionalGeneration)"
+                )
+            self.llava = llava_config_from_checkpoint(self.path)
+            self.config: TransformerConfig = self.llava.language
+        else:
+            self.config = model_config_from_checkpoint(self.path)
         self.tokenizer: dict[str, Any] | None = tokenizer_spec_from_checkpoint(self.path)
         self.meta = meta
         self.reads = 0  # tensors (or slices) read so far, for logs and tests

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mcore_models import hf as _hf
-from mcore_models.errors import ConversionError
+from mcore_models.errors import ConfigError, ConversionError
 from mcore_models.hf_vision import (
     hf_vision_prefix,
     vision_config_from_hf,
@@ -199,7 +199,8 @@ def _llava_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def llava_config_from_hf(hf: dict[str, Any], *, params_dtype: str | None = None, **overrides: Any) -> LlavaConfig:
     """A LlavaConfig from an HF LLaVA ``config.json`` dict (fields it leaves out take transformers' defaults).
-    ``params_dtype`` sets both parts' dtype; ``overrides`` set LlavaConfig fields."""
+    ``params_dtype`` sets both parts' dtype; ``overrides`` set LlavaConfig fields. Errors are one-line
+    ConversionErrors naming the field."""
     if hf.get("model_type", "llava") != "llava":
         raise ConversionError(f"model_type={hf.get('model_type')!r} is not llava")
     fields = _llava_fields_from_hf(hf)
@@ -213,16 +214,19 @@ def llava_config_from_hf(hf: dict[str, Any], *, params_dtype: str | None = None,
             "vision_feature_select_strategy='default' with a SigLIP tower: HF drops the first patch (there is no "
             "class token to drop), which mcore's projector does not do; only 'full' is supported for SigLIP"
         )
-    vision = vision_config_from_hf(vision_hf, vision_feature_layer=layer, **dtype)
-    if not vision.class_token:  # every token is a patch: full is mcore's patches (the default; all is the same)
-        fields["vision_feature_select"] = "patches"
     text_hf = _completed(hf.get("text_config"), _LLAMA_DEFAULTS)
     if text_hf.get("model_type") != "llama":
         raise ConversionError(f"text_config.model_type={text_hf.get('model_type')!r}: only llama is supported")
-    if "tie_word_embeddings" not in (hf.get("text_config") or {}) and "tie_word_embeddings" in hf:
-        text_hf["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    language = _hf.llama_config_from_hf(text_hf, **dtype)
-    config = LlavaConfig(vision=vision, language=language, **{**fields, **overrides})
+    # HF ties lm_head when the top level says so, which LlavaConfig also sets from the text config's
+    text_hf["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings")) or bool(text_hf.get("tie_word_embeddings"))
+    try:
+        vision = vision_config_from_hf(vision_hf, vision_feature_layer=layer, **dtype)
+        if not vision.class_token:  # every token is a patch: full is mcore's patches (the default; all is the same)
+            fields["vision_feature_select"] = "patches"
+        language = _hf.llama_config_from_hf(text_hf, **dtype)
+        config = LlavaConfig(vision=vision, language=language, **{**fields, **overrides})
+    except ConfigError as e:
+        raise ConversionError(f"{e.args[0].splitlines()[0].rstrip(':')}: " + "; ".join(e.problems)) from None
     seq = hf.get("image_seq_length")
     if seq is not None and seq != config.image_tokens:
         raise ConversionError(
