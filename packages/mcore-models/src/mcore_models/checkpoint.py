@@ -7,12 +7,12 @@ export and import need: read a checkpoint's ``TransformerConfig`` and tokenizer 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mcore_models.config import TransformerConfig
-from mcore_models.gpt import GPTModel
 from mcore_parallel import ParallelState
 from mcore_parallel.checkpoint import CheckpointManager, latest_checkpoint, load_model, read_metadata
 from mcore_parallel.checkpoint.zarr_io import CheckpointFormatError
@@ -63,24 +63,29 @@ def tokenizer_spec_from_checkpoint(path: str | Path) -> dict[str, Any] | None:
     return spec
 
 
-def load_weights(models: GPTModel | Sequence[GPTModel], path: str | Path) -> Path:
-    """Load the weights this rank holds (any saving layout) into one model or a list of pipeline chunks."""
+def _chunks(models: Any) -> list[Any]:
+    return [models] if isinstance(models, torch.nn.Module) else list(models)
+
+
+def load_weights(models: Any, path: str | Path) -> Path:
+    """Load the weights this rank holds (any saving layout) into one model or a list of pipeline chunks (a
+    :class:`GPTModel`, or any model with its ``sharded_state_dict()``, such as a LlavaModel)."""
     ckpt = resolve_checkpoint(path)
-    chunks = [models] if isinstance(models, GPTModel) else list(models)
-    for chunk in chunks:
+    for chunk in _chunks(models):
         load_model(ckpt, chunk.sharded_state_dict())
     return ckpt
 
 
 def save_weights(
-    models: GPTModel | Sequence[GPTModel],
+    models: Any,
     state: ParallelState,
     root: str | Path,
     name: str = "step_0000000",
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a weights-only checkpoint (collective) with the model config in its metadata; returns its path."""
-    chunks = [models] if isinstance(models, GPTModel) else list(models)
+    """Write a weights-only checkpoint (collective) with the model config (``chunks[0].config.to_dict()``) in its
+    metadata; returns its path. Takes what :func:`load_weights` takes."""
+    chunks = _chunks(models)
     items = {}
     for chunk in chunks:
         items.update(chunk.sharded_state_dict())
