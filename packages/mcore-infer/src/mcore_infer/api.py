@@ -2,7 +2,9 @@
 
 ``LLM`` loads an mcore checkpoint (weights only, any training layout) into this process's TP shard, builds the
 tokenizer named in the checkpoint (the byte tokenizer when none is named), and drives an :class:`LLMEngine` in the
-caller's thread. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
+caller's thread. A LLaVA checkpoint (:mod:`mcore_models.multimodal.checkpoint`: its metadata's model has a vision
+and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel`, served at tp=1 with images
+(:mod:`mcore_infer.images`). Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
 calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
 """
 
@@ -29,7 +31,9 @@ from mcore_models.checkpoint import (
     resolve_checkpoint,
     tokenizer_spec_from_checkpoint,
 )
+from mcore_models.multimodal import LlavaModel
 from mcore_parallel import Group
+from mcore_parallel.checkpoint import read_metadata
 
 __all__ = ["LLM", "Generation", "load_model"]
 
@@ -53,19 +57,23 @@ def load_model(
     tp: Group | None = None,
     device: torch.device | str | None = None,
     dtype: str | None = None,
-) -> tuple[GPTModel, Any]:
+) -> tuple[GPTModel | LlavaModel, Any]:
     """Build the checkpoint's model on ``device`` (this rank's TP shard), load its weights; and its tokenizer. MoE
-    layers hold every expert (ep=1), each split over the tensor-parallel ranks (expert_tp = tp)."""
+    layers hold every expert (ep=1), each split over the tensor-parallel ranks (expert_tp = tp). A LLaVA checkpoint
+    gives a ``LlavaModel`` (tp=1 only)."""
     ckpt = resolve_checkpoint(checkpoint)
-    config = model_config_from_checkpoint(ckpt)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = _inference_config(config, dtype)
-    # serving runs without sequence parallelism, so MoE layers split each expert over the tensor-parallel ranks
-    expert_tp = tp if config.moe is not None and tp is not None and tp.size > 1 else None
-    model = GPTModel(config, tp=tp, device=device, expert_tp=expert_tp)
-    load_weights(model, ckpt)
+    model: GPTModel | LlavaModel
+    if is_llava_checkpoint(ckpt):
+        model = _load_llava(ckpt, tp, device, dtype)
+    else:
+        config = _inference_config(model_config_from_checkpoint(ckpt), dtype)
+        # serving runs without sequence parallelism, so MoE layers split each expert over the tensor-parallel ranks
+        expert_tp = tp if config.moe is not None and tp is not None and tp.size > 1 else None
+        model = GPTModel(config, tp=tp, device=device, expert_tp=expert_tp)
+        load_weights(model, ckpt)
     spec = tokenizer_spec_from_checkpoint(ckpt)
     tokenizer = ByteTokenizer() if spec is None else build_tokenizer(TokenizerSpec(spec["kind"], spec.get("path")))
     return model.eval(), tokenizer
@@ -75,6 +83,26 @@ def _inference_config(config: TransformerConfig, dtype: str) -> TransformerConfi
     return config.replace(params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, recompute="none")
 
 
+def is_llava_checkpoint(path: str | Path) -> bool:
+    """Whether the checkpoint holds a ``LlavaModel`` (its metadata's ``model`` has ``vision`` and ``language``)."""
+    meta = read_metadata(resolve_checkpoint(path)).get("model")
+    return isinstance(meta, dict) and {"vision", "language"} <= set(meta)
+
+
+def _load_llava(ckpt: Path, tp: Group | None, device: torch.device, dtype: str) -> LlavaModel:
+    from mcore_models.multimodal.checkpoint import llava_config_from_checkpoint, load_llava_weights
+
+    if tp is not None and tp.size > 1:
+        raise InvalidRequestError(f"{ckpt} is a vision-language (LLaVA) checkpoint: it is served at --tp 1 only "
+                                  f"(got tp={tp.size}); tensor-parallel VLM serving is not supported")  # fmt: skip
+    config = llava_config_from_checkpoint(ckpt)
+    config = config.replace(language=_inference_config(config.language, dtype), freeze=(),
+                            vision=config.vision.replace(params_dtype=dtype))  # fmt: skip
+    model = LlavaModel(config, tp=tp, device=device)
+    load_llava_weights(model, ckpt)
+    return model
+
+
 class LLM:
     """Offline generation over one engine. Pass a checkpoint, or a built ``model`` and ``tokenizer``."""
 
@@ -82,7 +110,7 @@ class LLM:
         self,
         checkpoint: str | Path | None = None,
         *,
-        model: GPTModel | None = None,
+        model: GPTModel | LlavaModel | None = None,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         tp: Group | None = None,
@@ -99,7 +127,8 @@ class LLM:
         tp = tp or model.ctx.tp
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.config = config or EngineConfig()
-        self.name = name or str(model.config.extra.get("preset", "mcore-model"))
+        lm = model.language if isinstance(model, LlavaModel) else model
+        self.name = name or str(lm.config.extra.get("preset", "mcore-model"))
         self.runner = ModelRunner(model, self.config, tp)
         self.runner.capture_graphs()
         self.engine = LLMEngine(self.runner, self.tokenizer, max_queue=self.config.max_queue, seed=self.config.seed)

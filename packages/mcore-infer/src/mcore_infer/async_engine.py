@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from mcore_infer.engine import LLMEngine, RequestOutput
 from mcore_infer.errors import EngineDeadError, OverloadedError, RequestFailed
@@ -133,15 +134,26 @@ class AsyncEngine:
 
     # -------------------------------------------------------------------------------------------- requests
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = True,
+        images: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request (deltas each step when ``stream``; always a last one with ``finished``)."""
-        async for batch in self.generate_batches(prompt_ids, params, request_id, stream):
+        """Outputs of one request (deltas each step when ``stream``; always a last one with ``finished``).
+        ``images``: a VLM request's pixels (default: those of an :class:`~mcore_infer.images.ImagePrompt`)."""
+        async for batch in self.generate_batches(prompt_ids, params, request_id, stream, images):
             for out in batch:
                 yield out
 
     async def generate_batches(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = True,
+        images: Any = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """Like :meth:`generate`, but each item is every output that arrived since the caller last asked (a server
         under load writes them to its client at once instead of one write per token)."""
@@ -156,7 +168,8 @@ class AsyncEngine:
         self._queues[rid] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=rid, stream=stream)
+            images = images if images is not None else getattr(prompt_ids, "images", None)
+            self.engine.add_request(prompt_ids, params, request_id=rid, stream=stream, images=images)
             self._wake.set()
             async with contextlib.aclosing(queue_batches(q)) as batches:
                 async for outs in batches:

@@ -65,6 +65,13 @@ class EngineConfig:
     most 2048 (longer steps keep the GPU busy on their own). ``()``: none."""
     seed: int = 0
     """Seed of the generator used by requests without their own seed."""
+    max_images: int = 8
+    """Vision-language models: most images per request (more are refused, HTTP 400)."""
+    image_mean: tuple[float, ...] | None = None
+    """Vision-language models, with ``image_std``: the server normalises pixels in [0, 1] as ``(x - mean) / std``
+    per channel (e.g. CLIP's ``(0.4815, 0.4578, 0.4082)`` / ``(0.2686, 0.2613, 0.2758)``), as the model was trained
+    (mcore-data's ``MultimodalConfig.mean`` / ``std``); None: pixels stay in [0, 1], mcore-data's default."""
+    image_std: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +93,12 @@ class EngineConfig:
             problems.append(f"step_graph_tokens={self.step_graph_tokens}: token counts must be positive")
         if self.attention_backend not in ("auto", "plain", "triton"):
             problems.append(f"attention_backend={self.attention_backend!r}: use auto, plain or triton")
+        if self.max_images < 0:
+            problems.append(f"max_images={self.max_images} must be >= 0")
+        if (self.image_mean is None) != (self.image_std is None):
+            problems.append("image_mean and image_std go together: give both or neither")
+        elif self.image_std is not None and (len(self.image_std) != len(self.image_mean or ()) or 0 in self.image_std):
+            problems.append(f"image_mean={self.image_mean} / image_std={self.image_std}: one non-zero std per mean")
         if problems:
             raise ValueError("; ".join(problems))
 

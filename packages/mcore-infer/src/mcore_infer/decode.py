@@ -213,7 +213,8 @@ class DecodeModel(nn.Module):
     """A model's inference forward with a decode plan's fusions; shares (never copies) the model's parameters.
 
     Called like ``GPTModel.forward`` with an inference context: ``decode(ids, positions, gather_logits=True,
-    inference_context=ctx)`` returns logits ``[1, rows, vocab]``. ``plan`` is what applies (with ``auto``, a layer
+    inference_context=ctx)`` returns logits ``[1, rows, vocab]``; ``decoder_input`` (``[tokens, 1, hidden]``, e.g.
+    a VLM's word embeddings with image embeddings spliced in) replaces the embedding. ``plan`` is what applies (with ``auto``, a layer
     fusion is on where some layer takes it); each of ``layers`` is a :class:`~mcore_infer.decode_layers.
     FusedDecodeLayer` or a :class:`~mcore_infer.decode_layers.PlainDecodeLayer`.
     """
@@ -239,10 +240,11 @@ class DecodeModel(nn.Module):
         *,
         gather_logits: bool = False,
         inference_context: InferenceContext,
+        decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         model = self.model
         ctx = inference_context
-        hidden, rotary = model.embed(input_ids, position_ids)
+        hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input)
         pending: torch.Tensor | None = None  # the last layer's residual, not added yet
         for key, layer in self.layers.items():
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)

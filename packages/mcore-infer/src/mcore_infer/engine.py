@@ -25,6 +25,7 @@ import torch
 
 from mcore_infer.detokenizer import detokenize_step
 from mcore_infer.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from mcore_infer.images import check_images, image_splice, prefilled
 from mcore_infer.kv_cache import blocks_for
 from mcore_infer.runner import ModelRunner
 from mcore_infer.sampling import Sampler, SampleRow, SamplingParams, merge_banned
@@ -98,6 +99,7 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.max_queue = max_queue
         self.eod: int | None = getattr(tokenizer, "eod", None)
+        self.vision = runner.vision  # a VLM's image format (None: text only)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._pending = 0
         self._seqs: dict[str, Sequence] = {}
@@ -121,15 +123,20 @@ class LLMEngine:
         if any(not 0 <= t < self.runner.vocab_size for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.runner.vocab_size})", param=param)
         n = len(prompt_ids)
+        vision = getattr(self, "vision", None)  # (also run by the engine process's front end, on its view)
+        note = ""
+        if vision is not None and vision.image_token_id in prompt_ids:
+            k = prompt_ids.count(vision.image_token_id)
+            note = f" ({k} of them image tokens: {vision.image_tokens} per image)"
         if n >= self.max_model_len:
             raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens{note}",
                 param=param,
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens{note} "
                 f"and max_tokens is {max_tokens} ({n + max_tokens} in all). Shorten the prompt or lower max_tokens",
                 param="max_tokens",
             )
@@ -148,18 +155,21 @@ class LLMEngine:
         request_id: str | None = None,
         stream: bool = False,
         detokenize: bool = True,
+        images: Any = None,
     ) -> str:
         """Queue a request (thread-safe). Raises on bad requests and when the queue is full. ``detokenize=False``
         (a streamed request without stop strings): its outputs carry token ids and no text, for a caller that
         detokenizes them itself (:class:`~mcore_infer.detokenizer.IncrementalText`, as the engine process's front
-        end does)."""
+        end does). ``images``: a VLM request's pixels ``[n, C, S, S]`` (a tensor or a list of ``[C, S, S]``), one per
+        ``image_tokens`` run of the image token in the prompt (:mod:`mcore_infer.images`)."""
+        imgs = check_images(self.vision, prompt_ids, images)
         max_tokens = self.check_request(prompt_ids, params)
         if self._pending + len(self.scheduler.waiting) >= self.max_queue:
             raise OverloadedError(f"{self.max_queue} requests are already waiting; try again later")
         rid = request_id or self.new_request_id()
         gen = self.sampler.request_generator(params.seed) if params.seed is not None else None
         seq = Sequence(rid, list(prompt_ids), params, max_tokens, stream=stream, generator=gen,
-                       detokenize=detokenize or not stream or bool(params.stop))  # fmt: skip
+                       detokenize=detokenize or not stream or bool(params.stop), images=imgs)  # fmt: skip
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs = [None] * len(prompt_ids)
             seq.prompt_top_logprobs = [None] * len(prompt_ids)
@@ -212,7 +222,7 @@ class LLMEngine:
                 plan, batch = self.scheduler.schedule()
                 if not plan:
                     return outputs
-                logits = self.runner.execute(batch)
+                logits = self.runner.execute(batch, images=image_splice(plan, self.runner) if self.vision else None)
             self.num_steps += 1
             self._process(plan, logits, outputs)
         except Exception as e:  # no request to blame (the forward, the scheduler, waiting for the tokens)
@@ -238,6 +248,8 @@ class LLMEngine:
                     continue
             row += n_rows
             seq.num_computed += item.num_tokens
+            if seq.images is not None:
+                prefilled(seq)  # its image embeddings are done with once its image tokens are computed
             if seq.num_computed == seq.length:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)

@@ -4,44 +4,88 @@ Parsing is by hand so that every bad field gives a 400 naming it (``param``), as
 
 Chat template (used because mcore tokenizers carry none): each message becomes ``<|{role}|>\\n{content}\\n``, and
 the prompt ends with ``<|assistant|>\\n``. Generation stops at the end-of-document token or at ``<|user|>`` /
-``<|system|>`` (added to the request's stop strings).
+``<|system|>`` (added to the request's stop strings). Content may be a string or a list of ``text`` and
+``image_url`` parts; each image part is the image placeholder where it was (:mod:`mcore_infer.server.images`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from mcore_data.chat import CHAT_ROLES, CHAT_STOP
+from mcore_data.chat import CHAT_ROLES, CHAT_STOP, IMAGE_PLACEHOLDER
 from mcore_data.chat import apply_chat_template as chat_prompt
 from mcore_infer.errors import InvalidRequestError
 from mcore_infer.sampling import SamplingParams
 
-__all__ = ["CHAT_STOP", "INT64_MAX", "apply_chat_template", "error_body", "sampling_from_request", "stream_usage"]
+__all__ = [
+    "CHAT_STOP",
+    "INT64_MAX",
+    "ChatMessages",
+    "apply_chat_template",
+    "chat_messages",
+    "error_body",
+    "sampling_from_request",
+    "stream_usage",
+]
 
 _ROLES = CHAT_ROLES
 
 
-def apply_chat_template(messages: Any) -> str:
+@dataclass
+class ChatMessages:
+    """A request's ``messages`` as template turns: each image content part is the image placeholder in its turn."""
+
+    turns: list[dict[str, str]]
+    images: list[tuple[str, str]] = field(default_factory=list)
+    """Each image part's URL and where it is (``messages[i].content[j]``), in order."""
+    placeholder_in_text: str | None = None
+    """Where a text part holds the image placeholder literally (a problem only in a request with images)."""
+
+
+def _content(i: int, content: Any, out: ChatMessages) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("content must be a string or a list of content parts", param=f"messages[{i}]")
+    pieces = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = str(part.get("text", ""))
+            if IMAGE_PLACEHOLDER in text and out.placeholder_in_text is None:
+                out.placeholder_in_text = where
+            pieces.append(text)
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str):
+                raise InvalidRequestError("an image_url part needs image_url.url (a data URL)", param=where)
+            out.images.append((url, where))
+            pieces.append(IMAGE_PLACEHOLDER)
+        else:
+            raise InvalidRequestError("content parts must be of type text or image_url", param=where)
+    return "".join(pieces)
+
+
+def chat_messages(messages: Any) -> ChatMessages:
+    """Parse ``messages``: roles, string or content-part contents (``text``, ``image_url``)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    turns = []
+    out = ChatMessages([])
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise InvalidRequestError(f"messages[{i}] needs a role in {_ROLES}", param=f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise InvalidRequestError("only text content parts are supported", param=f"messages[{i}].content")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise InvalidRequestError("content must be a string or a list of text parts", param=f"messages[{i}]")
-        turns.append({"role": m["role"], "content": content})
-    return chat_prompt(turns)  # the template the training data is made with (mcore_data.chat)
+        out.turns.append({"role": m["role"], "content": _content(i, m.get("content"), out)})
+    return out
+
+
+def apply_chat_template(messages: Any) -> str:
+    """The prompt text of ``messages`` (an image part becomes the image placeholder)."""
+    return chat_prompt(chat_messages(messages).turns)  # the template the training data is made with (mcore_data.chat)
 
 
 INT64_MAX = 2**63 - 1

@@ -15,6 +15,11 @@ before the KV cache so its memory budget counts them; KV blocks are allocated fo
 carries its requests' state slots (packed with the other inputs; a buffer of the CUDA graphs) and the slots that start
 fresh, zeroed before the forward; the context's ``mamba`` view hands them to the mixers.
 
+Vision-language models (a :class:`~mcore_models.multimodal.LlavaModel`): the runner runs its language model; a
+step with image tokens in its prefill chunks (:mod:`mcore_infer.images`) runs eagerly, never through a CUDA graph
+(the graphs take token ids only), with the word embeddings' image rows replaced by the image embeddings as the
+first layer's input. VLMs are served at tp=1.
+
 Tensor parallelism: the first rank of the TP group runs the scheduler and broadcasts each :class:`StepBatch` to the
 other ranks (``torch.distributed.broadcast_object_list`` over the TP group); they run :meth:`ModelRunner.follow`,
 which executes the same steps until told to stop. Logits are gathered over the TP group, so every rank could
@@ -38,10 +43,12 @@ from mcore_infer.attention import PagedAttentionContext, Segment
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
 from mcore_infer.graphs import StaticInputs, capture_graphs, replay_decode, replay_step, step_graph_fits
+from mcore_infer.images import ImageSplice, VisionInfo, vision_info
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
 from mcore_models import GPTModel
 from mcore_models.moe import grouped_mm_applies, moe_layers
+from mcore_models.multimodal import LlavaModel
 from mcore_parallel import Group
 
 __all__ = ["KEEP_ALIVE", "ModelRunner", "StepBatch", "graph_blockers"]
@@ -127,9 +134,18 @@ class StepBatch:
 
 
 class ModelRunner:
-    """Runs steps of one ``GPTModel`` (this rank's TP shard) over a paged KV cache."""
+    """Runs steps of one ``GPTModel`` (this rank's TP shard; or a ``LlavaModel`` at tp=1) over a paged KV cache."""
 
-    def __init__(self, model: GPTModel, config: EngineConfig, tp: Group | None = None) -> None:
+    def __init__(self, model: GPTModel | LlavaModel, config: EngineConfig, tp: Group | None = None) -> None:
+        self.vlm: LlavaModel | None = None
+        self.vision: VisionInfo | None = None
+        """Set for a vision-language model: what requests' images must be (:mod:`mcore_infer.images`)."""
+        if isinstance(model, LlavaModel):
+            if (tp or model.ctx.tp).size > 1:
+                raise ValueError("serving a vision-language (LLaVA) model runs at tp=1; tensor-parallel VLM serving "
+                                 "is not supported")  # fmt: skip
+            self.vlm, model = model, model.language
+            self.vision = vision_info(self.vlm, config.max_images, config.image_mean, config.image_std)
         self.model = model  # the caller's (in eval mode): read, never changed
         self.config = config
         param = next(model.parameters())
@@ -209,17 +225,27 @@ class ModelRunner:
         return self.config.max_num_seqs * self.max_blocks_per_seq + 1
 
     # ------------------------------------------------------------------------------------------------ running
-    def execute(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(
+        self, batch: StepBatch, device_ids: torch.Tensor | None = None, images: ImageSplice | None = None
+    ) -> torch.Tensor:
         """Run one step; returns logits ``[len(batch.logits_index), vocab]`` (model dtype, full vocab).
 
         ``device_ids`` (one id per token, on the device) replace ``batch.tokens``: a step launched before the tokens
-        it consumes are known on the host (the engine's lookahead; one TP rank only).
+        it consumes are known on the host (the engine's lookahead; one TP rank only). ``images``: the step's image
+        rows (a VLM's prefill; the step runs eagerly).
         """
         if self.tp.size > 1:
             if device_ids is not None:
                 raise ValueError("device-side input ids need tp=1 (followers replay host batches)")
             self._broadcast(batch)
-        return self._run(batch, device_ids)
+        return self._run(batch, device_ids, images)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """A VLM's image embeddings ``[n * image_tokens, hidden]`` of pixels ``[n, C, S, S]``."""
+        assert self.vlm is not None
+        emb = self.vlm.image_embeddings(pixels.to(self.device, self.dtype))
+        return emb.reshape(-1, emb.shape[-1])
 
     def follow(self) -> None:
         """On a non-first TP rank: execute the first rank's steps until it calls :meth:`stop_followers`."""
@@ -251,11 +277,13 @@ class ModelRunner:
         self._last_broadcast = time.monotonic()
 
     @torch.inference_mode()
-    def _run(self, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(
+        self, batch: StepBatch, device_ids: torch.Tensor | None = None, images: ImageSplice | None = None
+    ) -> torch.Tensor:
         n = len(batch.tokens)
-        if batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
+        if images is None and batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
             return replay_decode(self, batch, device_ids)
-        if self.step_graphs and step_graph_fits(self, batch):
+        if images is None and self.step_graphs and step_graph_fits(self, batch):
             return replay_step(self, batch, device_ids)
         s = len(batch.segments)
         width = max((len(t) for t in batch.block_tables), default=1) or 1
@@ -292,7 +320,11 @@ class ModelRunner:
             kv_layers=self.kv_layers,
             mamba=self._mamba_step(batch, state_slots),
         )
-        out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx)
+        hidden = None
+        if images is not None:  # the word embeddings with the image rows replaced (LlavaModel's own splice)
+            assert self.vlm is not None
+            hidden = self.vlm._splice(ids[None], images.embeds, images.index, positions[None])
+        out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx, decoder_input=hidden)
         return out[0]
 
     def _mamba_step(self, batch: StepBatch, state_slots: torch.Tensor) -> MambaStepView | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,6 +61,8 @@ class Sequence:
     preemptions: int = 0
     detokenize: bool = True
     """False: a streamed request whose caller detokenizes its tokens (no stop strings): its text stays empty."""
+    images: Any = None
+    """A VLM request's images (:class:`~mcore_infer.images.RequestImages`), dropped when it finishes or is aborted."""
     # incremental detokenization
     text: str = ""
     prefix_offset: int = 0
@@ -126,6 +129,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
         self._free_slot(seq)
+        seq.images = None  # its pixels (and embeddings, if any were left)
 
     def _free_slot(self, seq: Sequence) -> None:
         if self.state_slots is not None and seq.state_slot:

@@ -35,6 +35,7 @@ from mcore_infer.engine_process._worker import (
     widen_pipe,
 )
 from mcore_infer.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailed
+from mcore_infer.images import VisionInfo
 from mcore_infer.sampling import SamplingParams
 
 __all__ = ["EngineClient", "SharedEngineClient"]
@@ -69,6 +70,7 @@ class EngineView:
     def __init__(self, info: dict[str, Any]) -> None:
         self.max_model_len: int = info["max_model_len"]
         self.max_queue: int = info["max_queue"]
+        self.vision: VisionInfo | None = info.get("vision")
         self.runner = _Runner(info)
         self.num_running = self.num_steps = self.num_aborted = 0
         self._waiting = 0
@@ -323,15 +325,25 @@ class EngineClient:
 
     # ---------------------------------------------------------------------------------------------- requests
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = True,
+        images: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (deltas each step when ``stream``; always a last one with ``finished``)."""
-        async for batch in self.generate_batches(prompt_ids, params, request_id, stream):
+        async for batch in self.generate_batches(prompt_ids, params, request_id, stream, images):
             for out in batch:
                 yield out
 
     async def generate_batches(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = True,
+        images: Any = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """Every output that arrived since the caller last asked, as :meth:`AsyncEngine.generate_batches`."""
         if self.engine is None or self._dead is not None:
@@ -351,7 +363,9 @@ class EngineClient:
             with self._lock:
                 self.engine.unacked += 1
             text = IncrementalText(self.tokenizer.decode) if stream and not params.stop else None  # stop strings
-            self._send(("add", rid, list(prompt_ids), params, stream, text is None))  # need the engine's text
+            images = images if images is not None else getattr(prompt_ids, "images", None)
+            cmd: tuple[Any, ...] = ("add", rid, list(prompt_ids), params, stream, text is None)  # need engine's text?
+            self._send(cmd if images is None else (*cmd, images))  # a VLM request's pixels (pickled tensor)
             async with contextlib.aclosing(queue_batches(q)) as batches:
                 async for outs in batches:
                     if text is not None:

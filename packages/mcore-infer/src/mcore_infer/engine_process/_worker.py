@@ -4,7 +4,8 @@ Messages (pickled, each side sends lists or tuples of plain values; engine -> fr
 :func:`send_frame`, read by :class:`FrameReader`):
 
 * front end -> engine, one list of commands per send: ``("add", request_id, prompt_ids, params, stream,
-  detokenize)`` (``detokenize=False``: the front end makes the text of this streamed request itself),
+  detokenize)`` (``detokenize=False``: the front end makes the text of this streamed request itself; a VLM
+  request's pixels follow as a seventh value),
   ``("abort", request_id)``, ``("stop",)``.
 * engine -> front end: first ``("ready", info)`` (tokenizer, model name, limits) or ``("failed", message,
   user_error)``; then one ``("step", outputs, rejects, added, stats)`` per engine step that produced anything (every
@@ -228,6 +229,7 @@ def _info(llm: Any) -> dict[str, Any]:
         "vocab_size": llm.runner.vocab_size,
         "block_size": llm.runner.block_size,
         "kv_blocks_total": llm.runner.blocks.capacity,
+        "vision": eng.vision,
         "stats": engine_stats(eng),
     }
 
@@ -314,10 +316,11 @@ def _apply(engine: LLMEngine, fronts: _FrontEnds, i: int, cmd: tuple[Any, ...], 
            added: list[int]) -> bool:  # fmt: skip
     """One command of front end ``i``; True for ``stop``."""
     if cmd[0] == "add":
-        _, rid, ids, params, stream, detokenize = cmd
+        _, rid, ids, params, stream, detokenize, *images = cmd  # (a VLM request's pixels last)
         fronts.owner[rid] = i
         try:
-            engine.add_request(ids, params, request_id=rid, stream=stream, detokenize=detokenize)
+            engine.add_request(ids, params, request_id=rid, stream=stream, detokenize=detokenize,
+                               images=images[0] if images else None)  # fmt: skip
         except Exception as e:
             rejects.append((rid, encode_error(e)))
         added[i] += 1

@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions API over the simple chat template
-(:func:`~mcore_infer.protocol.apply_chat_template`; ``n``; ``logprobs``/``top_logprobs``; ``stream``)."""
+(:func:`~mcore_infer.protocol.apply_chat_template`; ``n``; ``logprobs``/``top_logprobs``; ``stream``; ``image_url``
+content parts for vision-language models, :mod:`mcore_infer.server.images`)."""
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime
 
@@ -9,10 +10,12 @@ from typing import Any
 
 from fastapi import Request
 
+from mcore_data.chat import apply_chat_template as chat_prompt
 from mcore_infer.engine import RequestOutput
-from mcore_infer.protocol import apply_chat_template, sampling_from_request
+from mcore_infer.protocol import chat_messages, sampling_from_request
 from mcore_infer.server import streaming
 from mcore_infer.server.context import Route, ServingContext, serving
+from mcore_infer.server.images import prepare_images
 from mcore_infer.server.responses import EventStreamResponse
 
 __all__ = ["ROUTES"]
@@ -57,7 +60,11 @@ async def chat(request: Request) -> Any:
     body = await streaming.read_json(request, ctx.max_body_bytes)
     ctx.check_model(body)
     params, n, stream = sampling_from_request(body, chat=True)
-    ids = ctx.tokenizer.encode(apply_chat_template(body.get("messages")))
+    messages = chat_messages(body.get("messages"))
+    if messages.images:  # a VLM's prompt with its image tokens, carrying the decoded pixels
+        ids: list[int] = await prepare_images(ctx.tokenizer, messages, ctx.vision, ctx.model_name)
+    else:
+        ids = ctx.tokenizer.encode(chat_prompt(messages.turns))
     ctx.check_capacity([ids], params, n, "messages")
     jobs = streaming.fan_out([ids], params, n)
     rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

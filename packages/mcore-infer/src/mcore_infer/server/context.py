@@ -10,6 +10,7 @@ from typing import Any
 
 from mcore_infer.async_engine import AsyncEngine
 from mcore_infer.errors import ContextLengthError, EngineDeadError, InvalidRequestError, OverloadedError
+from mcore_infer.images import VisionInfo
 from mcore_infer.sampling import SamplingParams
 from mcore_infer.server.errors import HTTPError
 
@@ -43,6 +44,11 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """A VLM engine's image format (None: a text-only model)."""
+        return getattr(self.engine.engine, "vision", None)
 
     def tok_str(self, token: int) -> str:
         """The text of one token, decoded once."""

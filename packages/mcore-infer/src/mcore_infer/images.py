@@ -1,0 +1,157 @@
+"""Images of vision-language (LLaVA-style) requests in the engine.
+
+A request to a :class:`~mcore_models.multimodal.LlavaModel` may carry images: pixels ``[n, C, S, S]`` already
+resized to the tower's ``image_size`` and normalised (:mod:`mcore_infer.server.images` does that for the server);
+its prompt holds ``image_tokens`` copies of ``image_token_id`` per image, in order. The engine keeps them with the
+request (:class:`RequestImages`):
+
+- the first prefill step whose chunk reaches an image token encodes the request's images once
+  (``LlavaModel.image_embeddings``) and keeps the embeddings ``[n * image_tokens, hidden]``;
+- each prefill step takes the rows of its chunk's image positions (a chunk boundary may cut an image: the next
+  chunk takes the remaining rows) and the runner splices them into the word embeddings of the step
+  (:class:`ImageSplice`), the first layer's input (``GPTModel``'s ``decoder_input``);
+- once the prompt is prefilled the embeddings are dropped (the image tokens' keys and values are in the KV cache like
+  any prompt token's; decode steps never see the image again); the pixels stay with the request until it finishes or
+  is aborted, so a preempted request, recomputed from its prompt, encodes them again.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mcore_infer.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from mcore_infer.runner import ModelRunner
+    from mcore_infer.scheduler import Scheduled
+
+__all__ = ["ImagePrompt", "ImageSplice", "RequestImages", "VisionInfo", "check_images", "image_splice", "vision_info"]
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """What a front end needs to know of a VLM engine to prepare images (plain values: it crosses processes)."""
+
+    image_token_id: int
+    image_tokens: int
+    """Prompt tokens one image becomes."""
+    image_size: int
+    """Side of the square pixels the tower takes."""
+    num_channels: int
+    max_images: int
+    """Most images per request (``EngineConfig.max_images``)."""
+    mean: tuple[float, ...] | None = None
+    """With ``std``: pixels in [0, 1] are normalised as ``(pixels - mean) / std`` per channel; None: left in [0, 1]."""
+    std: tuple[float, ...] | None = None
+
+
+def vision_info(model: Any, max_images: int, mean: Any = None, std: Any = None) -> VisionInfo:
+    """The :class:`VisionInfo` of a ``LlavaModel``."""
+    cfg = model.config
+    v = cfg.vision
+    return VisionInfo(cfg.image_token_id, cfg.image_tokens, v.image_size, v.num_channels, max_images,
+                      None if mean is None else tuple(mean), None if std is None else tuple(std))  # fmt: skip
+
+
+@dataclass(eq=False)
+class RequestImages:
+    """One request's images while it runs."""
+
+    pixels: torch.Tensor
+    """``[n, C, S, S]``, as given."""
+    positions: list[int]
+    """The prompt positions of the image tokens (sorted; ``n * image_tokens`` of them)."""
+    embeds: torch.Tensor | None = None
+    """``[n * image_tokens, hidden]`` once encoded, until the prompt is prefilled."""
+    num_encodes: int = 0
+    last_position: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_position = self.positions[-1] if self.positions else -1
+
+
+def check_images(
+    vision: VisionInfo | None, prompt_ids: list[int], images: Any, param: str = "images"
+) -> RequestImages | None:
+    """Validate a request's images against its prompt; None for a request without images (and none expected)."""
+    n = 0 if images is None else (len(images) if isinstance(images, list | tuple) else int(images.shape[0]))
+    if vision is None:
+        if n:
+            raise InvalidRequestError("this model is text-only: it does not take images", param=param)
+        return None
+    positions = [i for i, t in enumerate(prompt_ids) if t == vision.image_token_id]
+    if n > vision.max_images:
+        raise InvalidRequestError(f"the request has {n} images; this server takes at most {vision.max_images} per "
+                                  "request", param=param, code="too_many_images")  # fmt: skip
+    if len(positions) != n * vision.image_tokens:
+        raise InvalidRequestError(f"the prompt holds {len(positions)} image tokens (id {vision.image_token_id}) but "
+                                  f"{n} image(s) x {vision.image_tokens} image_tokens = {n * vision.image_tokens} were "
+                                  "expected", param=param)  # fmt: skip
+    if not n:
+        return None
+    pixels = torch.stack(list(images)) if isinstance(images, list | tuple) else images
+    want = (n, vision.num_channels, vision.image_size, vision.image_size)
+    if tuple(pixels.shape) != want or not pixels.is_floating_point():
+        raise InvalidRequestError(f"images must be float pixels of shape {list(want)}, got {pixels.dtype} "
+                                  f"{list(pixels.shape)}", param=param)  # fmt: skip
+    return RequestImages(pixels, positions)
+
+
+@dataclass
+class ImageSplice:
+    """A step's image rows: the first layer's input at the flat token indices ``index`` is ``embeds``."""
+
+    index: torch.Tensor
+    """``[k]`` int64 flat token indices of the step (on the device)."""
+    embeds: torch.Tensor
+    """``[k, hidden]``."""
+
+
+def image_splice(plan: list[Scheduled], runner: ModelRunner) -> ImageSplice | None:
+    """The image rows of a step ``plan`` (in the scheduler's batch order), encoding the images of requests whose
+    chunk reaches an image token and that hold no embeddings yet; None when the step has no image token."""
+    index: list[int] = []
+    parts: list[torch.Tensor] = []
+    t0 = 0
+    for item in plan:
+        seq, n = item.seq, item.num_tokens
+        imgs: RequestImages | None = seq.images
+        start = seq.num_computed
+        if imgs is not None and start <= imgs.last_position:
+            lo = bisect.bisect_left(imgs.positions, start)
+            hi = bisect.bisect_left(imgs.positions, start + n)
+            if hi > lo:
+                if imgs.embeds is None:
+                    imgs.embeds = runner.encode_images(imgs.pixels)
+                    imgs.num_encodes += 1
+                index.extend(t0 + p - start for p in imgs.positions[lo:hi])
+                parts.append(imgs.embeds[lo:hi])
+        t0 += n
+    if not index:
+        return None
+    ids = torch.tensor(index, dtype=torch.long, device=runner.device)
+    return ImageSplice(ids, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+def prefilled(seq: Any) -> None:
+    """After a step: drop the embeddings of a request whose image tokens are all computed now."""
+    imgs: RequestImages | None = seq.images
+    if imgs is not None and imgs.embeds is not None and seq.num_computed > imgs.last_position:
+        imgs.embeds = None
+
+
+class ImagePrompt(list[int]):
+    """Prompt token ids that carry their request's images (pixels ``[n, C, S, S]``): what the server's chat route
+    hands the engine loop (``AsyncEngine.generate`` / the engine process's client pass ``images`` on)."""
+
+    images: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, ids: list[int], images: torch.Tensor | None) -> ImagePrompt:
+        p = cls(ids)
+        p.images = images
+        return p

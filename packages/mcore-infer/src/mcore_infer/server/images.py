@@ -1,0 +1,106 @@
+"""Images in chat requests: OpenAI ``image_url`` content parts with ``data:`` URLs, decoded into a VLM's pixels.
+
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: PNG by mcore-data's own decoder, JPEG
+and WebP (and GIF) through Pillow when it is installed (:func:`mcore_data.multimodal_torch.decode_image`). The server
+fetches nothing: an ``http(s)`` URL is refused. The image is resized to the tower's ``image_size`` (bilinear with
+antialiasing, stretched, as mcore-data's training images are) and normalised with ``EngineConfig.image_mean`` /
+``image_std`` when set. The prompt is the chat template with the image placeholder where each image part was
+(:func:`mcore_data.chat.tokenize_conversation`): ``image_tokens`` copies of the image token per image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+from typing import Any
+
+import torch
+
+from mcore_data.chat import IMAGE_PLACEHOLDER, tokenize_conversation
+from mcore_infer.errors import InvalidRequestError
+from mcore_infer.images import ImagePrompt, VisionInfo
+from mcore_infer.protocol import ChatMessages
+
+__all__ = ["ImagePart", "decode_data_url", "prepare_images", "prompt_with_images", "to_pixels"]
+
+ImagePart = tuple[str, str]
+"""An image content part: its URL and where it is in the request (``messages[i].content[j]``)."""
+
+_TYPES = {"png": "png", "jpeg": "jpeg", "jpg": "jpeg", "webp": "webp", "gif": "gif"}
+_DATA_URL = re.compile(r"data:image/([A-Za-z0-9.+-]+)((?:;[^,;]*)*?);base64,(.*)", re.DOTALL)
+
+
+def decode_data_url(url: str, where: str) -> tuple[bytes, str]:
+    """The image bytes and their format of a ``data:image/<type>;base64,...`` URL; a 400 naming the problem else."""
+    if not isinstance(url, str):
+        raise InvalidRequestError("image_url.url must be a string", param=where)
+    if re.match(r"(?i)https?://", url):
+        raise InvalidRequestError("only data URLs (data:image/png;base64,...) are accepted for images: this server "
+                                  "does not fetch http(s) URLs", param=where, code="image_url_not_supported")  # fmt: skip
+    m = _DATA_URL.fullmatch(url.strip())
+    if m is None:
+        raise InvalidRequestError("image_url.url must be a base64 data URL: data:image/<png|jpeg|webp>;base64,<data>",
+                                  param=where)  # fmt: skip
+    kind = m.group(1).lower()
+    if kind not in _TYPES:
+        raise InvalidRequestError(f"image type image/{kind} is not supported: use png, jpeg or webp", param=where)
+    try:
+        data = base64.b64decode(re.sub(r"\s+", "", m.group(3)), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequestError(f"the image data URL is not valid base64: {e}", param=where) from None
+    if not data:
+        raise InvalidRequestError("the image data URL is empty", param=where)
+    return data, _TYPES[kind]
+
+
+def to_pixels(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Tensor:
+    """Decoded, resized and normalised pixels ``[C, S, S]`` float32 (a 400 when the image cannot be decoded)."""
+    from mcore_data.errors import ImageDecodeError
+    from mcore_data.multimodal_torch import decode_image
+
+    try:
+        px = decode_image(data, ext, where)
+    except ImageDecodeError as e:
+        raise InvalidRequestError(str(e), param=where, code="invalid_image") from None
+    t = torch.from_numpy(px.copy()).permute(2, 0, 1).float().div_(255.0)
+    if t.shape[0] != vision.num_channels:
+        raise InvalidRequestError(f"{where}: the model takes {vision.num_channels}-channel images", param=where)
+    size = vision.image_size
+    if t.shape[1:] != (size, size):
+        t = torch.nn.functional.interpolate(t[None], size=(size, size), mode="bilinear", antialias=True,
+                                            align_corners=False)[0].clamp_(0.0, 1.0)  # fmt: skip
+    if vision.mean is not None and vision.std is not None:
+        t = (t - torch.tensor(vision.mean).view(-1, 1, 1)) / torch.tensor(vision.std).view(-1, 1, 1)
+    return t.contiguous()
+
+
+def prompt_with_images(tokenizer: Any, turns: list[dict[str, str]], vision: VisionInfo) -> list[int]:
+    """The chat prompt's token ids with each image placeholder of ``turns`` as ``image_tokens`` image tokens, as
+    mcore-data tokenizes a training conversation, then the generation prompt."""
+    conv = tokenize_conversation(tokenizer, turns, image_token_id=vision.image_token_id,
+                                 image_tokens=vision.image_tokens, append_eod=False)  # fmt: skip
+    return [int(t) for t in conv.tokens] + list(tokenizer.encode("<|assistant|>\n"))
+
+
+def _decode_all(parts: list[ImagePart], vision: VisionInfo) -> torch.Tensor:
+    return torch.stack([to_pixels(*decode_data_url(url, where), vision, where) for url, where in parts])
+
+
+async def prepare_images(tokenizer: Any, chat: ChatMessages, vision: VisionInfo | None, model: str) -> ImagePrompt:
+    """The prompt of a chat request with images and their pixels (decoded off the event loop); a 400 for an image
+    to a text-only model, too many images, a bad URL, bad base64 or an undecodable image."""
+    parts = chat.images
+    if vision is None:
+        raise InvalidRequestError(f"the model '{model}' is text-only: it does not take image content parts",
+                                  param=parts[0][1], code="images_not_supported")  # fmt: skip
+    if len(parts) > vision.max_images:
+        raise InvalidRequestError(f"the request has {len(parts)} images; this server takes at most "
+                                  f"{vision.max_images} per request", param="messages",
+                                  code="too_many_images")  # fmt: skip
+    if chat.placeholder_in_text is not None:
+        raise InvalidRequestError(f"{chat.placeholder_in_text}: text must not hold {IMAGE_PLACEHOLDER!r} (the image "
+                                  "placeholder) in a request with images", param=chat.placeholder_in_text)  # fmt: skip
+    pixels = await asyncio.to_thread(_decode_all, parts, vision)
+    return ImagePrompt.of(prompt_with_images(tokenizer, chat.turns, vision), pixels)
