@@ -282,3 +282,44 @@ def test_an_image_to_a_text_only_model_is_a_400() -> None:
         assert r.status_code == 400 and "text-only" in r.json()["error"]["message"]
         r = c.post("/v1/chat/completions", json={**body, "messages": user(text("hi"))})
         assert r.status_code == 200
+
+
+def build_vlm_llm() -> LLM:
+    """The engine process's factory (module level: ``spawn`` pickles it by reference)."""
+    llm = vlm_llm(tiny_vlm())
+    llm.name = "tiny-vlm"
+    return llm
+
+
+def test_engine_process_takes_images(srv: Server) -> None:
+    """``serve``'s default layout: the pixels cross to the engine process with the request."""
+    from mcore_infer.engine_process import EngineClient, EngineSpec
+
+    client = EngineClient(EngineSpec(build_vlm_llm)).launch()
+    app = build_app(client, client.tokenizer, client.model_name, shutdown_timeout=2.0)  # type: ignore[arg-type]
+    good = user(image(png_url(9)), text("and this?"))
+    try:
+        from fastapi.testclient import TestClient
+
+        with TestClient(app) as c:
+            body = {"model": "tiny-vlm", "messages": good, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == srv.expected(good, 4)
+            r = c.post("/v1/chat/completions", json={**body, "messages": user(image("http://x/y.png"))})
+            assert r.status_code == 400 and "only data URLs" in r.json()["error"]["message"]
+    finally:
+        client.shutdown(0.0)
+
+
+def test_cli_generate_with_a_llava_checkpoint(vlm: LlavaModel, tmp_path: Any, capsys: Any) -> None:
+    from mcore_infer.cli import main
+    from mcore_models.multimodal.checkpoint import save_llava_weights
+    from mcore_parallel import ParallelState
+
+    path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path)
+    args = ["generate", "--checkpoint", str(path), "Hi", "--max-tokens", "3", "--device", "cpu", "--num-blocks", "16",
+            "--max-num-seqs", "2", "--image-mean", "0.5,0.5,0.5", "--image-std", "0.5,0.5,0.5"]  # fmt: skip
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip()
+    assert main([*args[:-2], "--image-std", "0.5,0.5"]) == 2  # one std per mean
+    assert "image_std" in capsys.readouterr().err

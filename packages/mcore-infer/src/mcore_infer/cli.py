@@ -1,5 +1,8 @@
 """``mcore-infer``: ``serve`` (OpenAI-compatible HTTP server) and ``generate`` (one-off completions).
 
+A LLaVA checkpoint (``mcore_models.multimodal``) is served as a vision-language model at ``--tp 1``: chat requests
+may carry ``image_url`` data URLs (``--max-images``, ``--image-mean`` / ``--image-std``).
+
 Tensor parallel serving: ``torchrun --nproc-per-node N -m mcore_infer.cli serve --tp N ...``; rank 0 runs the
 scheduler (the engine loop) and starts the HTTP front-end processes, the other ranks follow its steps.
 """
@@ -49,6 +52,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "model allow), none, attention (RoPE and KV write in the attention kernels, deferred residual adds), row "
         "(plus the one-row GEMV kernels), norm_linear (plus RMSNorm inside the projections)",
     )
+    _vision_args(p)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 0.5,0.5,0.5") from None
+
+
+def _vision_args(p: argparse.ArgumentParser) -> None:
+    """Vision-language (LLaVA) checkpoints: how requests' images are taken."""
+    p.add_argument("--max-images", type=int, default=8, help="most images per request (VLM checkpoints)")
+    p.add_argument("--image-mean", type=_floats, default=None, metavar="R,G,B",
+                   help="with --image-std: normalise pixels in [0, 1] as (x - mean) / std per channel, as the model "
+                   "was trained (CLIP: 0.4815,0.4578,0.4082 / 0.2686,0.2613,0.2758); default: pixels in [0, 1]")  # fmt: skip
+    p.add_argument("--image-std", type=_floats, default=None, metavar="R,G,B")
 
 
 def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
@@ -79,6 +99,9 @@ def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
         lookahead=args.lookahead,
         attention_backend=args.attention,
         decode_kernels=args.decode_kernels,
+        max_images=args.max_images,
+        image_mean=args.image_mean,
+        image_std=args.image_std,
     )
     try:
         return EngineConfig(**options)  # type: ignore[arg-type]
