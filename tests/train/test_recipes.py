@@ -93,6 +93,17 @@ for _name, ((_seq, _lr, _warmup, _micro, _global, _iters, _eval, _save), _parall
         "parallel": _parallel,
     }
 EXPECTED["hybrid-tiny"] = {k: v for k, v in EXPECTED["tiny"].items() if k != "model"}
+EXPECTED["llava-tiny"] = {
+    "model": {"num_layers": 2, "hidden_size": 64, "vocab_size": 260, "position_embedding": "rope"},
+    "data": {"seq_length": 96, "tokenizer": "byte", "multimodal": True},
+    "training": {"micro_batch_size": 8, "global_batch_size": 16, "train_iters": 100, "eval_iters": 0},
+    "multimodal": {"vision": "tiny-clip", "projector": "mlp", "freeze": [], "image_token_id": None},
+}
+EXPECTED["llava-1b-clip336"] = {
+    "data": {"seq_length": 4096, "tokenizer": "hf", "multimodal": True},
+    "optimizer": {"use_distributed_optimizer": True},
+    "multimodal": {"vision": "clip-vit-l14-336", "vision_feature_layer": -2, "projector": "mlp"},
+}
 
 
 def test_the_recipes_are_the_ones_there_were() -> None:
@@ -102,7 +113,9 @@ def test_the_recipes_are_the_ones_there_were() -> None:
         tree = cfg.to_dict()
         if name in ("moe-tiny", "hybrid-tiny"):
             assert cfg.model == preset(name, vocab_size=259), name  # float32, the byte tokenizer's vocabulary
-        elif name != "tiny":
+        elif name == "llava-1b-clip336":
+            assert cfg.model == preset("llama-1b", params_dtype="bfloat16"), name
+        elif name not in ("tiny", "llava-tiny"):
             assert cfg.model == preset(name, params_dtype="bfloat16"), name
         for section, keys in sections.items():
             for key, value in keys.items():
@@ -115,7 +128,13 @@ def test_every_recipe_is_a_typed_config_that_validates(name: str, tmp_path: Path
     assert isinstance(built, TrainConfig)
     loaded = load_config(recipe=name)
     assert loaded.recipe == name and loaded.to_dict() == {**built.to_dict(), "recipe": name}
-    runnable = load_config(recipe=name, overrides=["data.mock=true", f"data.tokenizer_model={tmp_path / 't.json'}"])
+    data = ["data.mock=true"]
+    if built.data.multimodal:  # image-text shards, not mock tokens
+        from mcore_data.multimodal_prep import write_synthetic
+
+        write_synthetic(tmp_path / "mm", 2)
+        data = [f"data.path={tmp_path / 'mm'}"]
+    runnable = load_config(recipe=name, overrides=[*data, f"data.tokenizer_model={tmp_path / 't.json'}"])
     par = runnable.parallel  # fits its smallest world: the expert layout needs ep x expert_tp ranks per stage
     per_stage = par.tp * par.ep if par.expert_tp_size == par.tp else math.lcm(par.tp, par.ep * par.expert_tp_size)
     runnable.check_layout(par.pp * per_stage)

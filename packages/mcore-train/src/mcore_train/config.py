@@ -33,10 +33,12 @@ from mcore_models.moe_config import MoEConfig
 from mcore_parallel.optim import OptimizerConfig
 from mcore_train._typed import build, convert, suggest, to_plain
 from mcore_train.errors import ConfigError
+from mcore_train.multimodal import multimodal_path_problems, multimodal_problems
 from mcore_train.sections import (
     CheckpointSection,
     DataSection,
     LoggingSection,
+    MultimodalSection,
     ParallelSection,
     SchedulerSection,
     TrainingSection,
@@ -53,6 +55,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "multimodal": MultimodalSection,
 }
 
 
@@ -68,6 +71,7 @@ class TrainConfig:
     training: TrainingSection = field(default_factory=TrainingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    multimodal: MultimodalSection = field(default_factory=MultimodalSection)
     recipe: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,7 +91,7 @@ class TrainConfig:
     def layout_problems(self, world_size: int) -> list[str]:
         """What :meth:`check_layout` reports, as a list (empty when the run can start)."""
         return [*self._batch_problems(world_size), *self._model_problems(), *self._cp_problems(),
-                *self._moe_problems(), *self._run_problems()]  # fmt: skip
+                *self._moe_problems(), *self._run_problems(), *multimodal_problems(self)]  # fmt: skip
 
     def _batch_problems(self, world_size: int) -> list[str]:
         """The rank layout, and how the global batch splits into micro-batches over it."""
@@ -223,7 +227,7 @@ class TrainConfig:
         if not (data.mock or data.path or data.train_path):
             problems.append("no training data: set data.path (or data.train_path), or data.mock=true")
         if not data.mock:
-            problems.extend(data_path_problems(data))
+            problems.extend(multimodal_path_problems(self) if data.multimodal else data_path_problems(data))
         return problems
 
 
@@ -437,8 +441,9 @@ def _from_tree(tree: Mapping[str, Any], recipe: str | None, world_size: int | No
         if world_size is not None:  # what can still be checked without the whole config
             if isinstance(sections.get("parallel"), ParallelSection):
                 errors.extend(parallel_problems(sections["parallel"], world_size))
-            if isinstance(sections.get("data"), DataSection) and not sections["data"].mock:
-                errors.extend(data_path_problems(sections["data"]))
+            data = sections.get("data")
+            if isinstance(data, DataSection) and not data.mock and not data.multimodal:
+                errors.extend(data_path_problems(data))
         raise ConfigError(errors, header=header)
     assert model is not None
     config = TrainConfig(model=model, recipe=tree.get("recipe", recipe), **sections)

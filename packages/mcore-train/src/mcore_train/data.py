@@ -45,8 +45,9 @@ def _sizes(config: TrainConfig, train_iters: int) -> list[int]:
     return [train, valid, test]
 
 
-def build_run_data(config: TrainConfig, train_iters: int) -> RunData:
-    """Tokenizer and train/valid/test datasets sized for ``train_iters`` steps (built once, cached on disk)."""
+def build_run_data(config: TrainConfig, train_iters: int, llava: Any = None) -> RunData:
+    """Tokenizer and train/valid/test datasets sized for ``train_iters`` steps (built once, cached on disk); with
+    ``llava`` (the run's LlavaConfig) the image-text datasets of ``data.path``."""
     d = config.data
     tokenizer = build_tokenizer_for(config)
     if tokenizer.vocab_size > config.model.vocab_size:
@@ -54,6 +55,14 @@ def build_run_data(config: TrainConfig, train_iters: int) -> RunData:
             [f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
              f"({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}"]
         )  # fmt: skip
+    if llava is not None:
+        from mcore_data.errors import MCoreDataError
+        from mcore_train.multimodal import multimodal_datasets
+
+        try:
+            return RunData(tokenizer, *multimodal_datasets(config, llava, tokenizer, _sizes(config, train_iters)))
+        except (MCoreDataError, FileNotFoundError) as e:
+            raise ConfigError([f"data: {e}"]) from None
     ds_config = GPTDatasetConfig(
         sequence_length=d.seq_length, random_seed=d.seed, ordering=d.ordering, split=d.split, cache_dir=d.cache_dir
     )
@@ -97,7 +106,10 @@ class MicroBatchIterator:
         consumed_samples: int,
         device: torch.device,
     ) -> None:
-        self.ds = TorchGPTDataset(dataset, batch_config)
+        from mcore_data.multimodal_torch import MultimodalDataset
+
+        # multimodal items are dicts of tensors already (pixels, tokens, labels, loss_mask, image_positions, ...)
+        self.ds = dataset if isinstance(dataset, MultimodalDataset) else TorchGPTDataset(dataset, batch_config)
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.next_sample = consumed_samples  # global index of the first sample of the next micro-batch round
         self.device = device

@@ -25,6 +25,7 @@ from typing import Any
 
 from mcore_data._progress import format_duration
 from mcore_models import training_flops_per_token
+from mcore_models.flops import llava_training_flops
 from mcore_train.errors import TrainingDiverged
 from mcore_train.metrics import MetricsWindow, MetricsWriter, moe_window_metrics, peak_tflops_for
 from mcore_train.profiling import StepProfiler
@@ -111,7 +112,7 @@ def save_checkpoint(run: Run, reason: str) -> None:
         "consumed_samples": run.consumed_samples,
         "consumed_tokens": run.consumed_tokens,
         "skipped_steps": run.skipped_steps,
-        "model": run.model_config.to_dict(),
+        "model": (run.llava or run.model_config).to_dict(),
         "tokenizer": tokenizer,
         "config": cfg.to_dict(),
         "scheduler": run.scheduler.state_dict(),
@@ -162,6 +163,9 @@ class _Bookkeeping:
         self.profiler = StepProfiler(lg.profile_steps, log_dir, st.rank, lg.profile_ranks, lg.profile_trace)
         self.bar = _progress(run) if self.is_logger and lg.progress_bar else None
         flops = training_flops_per_token(run.model_config, cfg.data.seq_length, tp_size=st.tp.size)
+        if run.llava is not None:  # the tower and projector too: one image per sample
+            seq = cfg.data.seq_length
+            flops = llava_training_flops(run.llava, batch_size=1, seq_length=seq, tp_size=st.tp.size) / seq
         self.window = MetricsWindow(StepClock(st.device), flops_per_token=flops, world_size=st.world_size,
                                     peak_tflops=peak_tflops_for(st.device, lg.peak_tflops), device=st.device)  # fmt: skip
         self.window_first = run.step + 1  # the first step of the open log window

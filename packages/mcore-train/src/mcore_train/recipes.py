@@ -9,7 +9,14 @@ from typing import Any
 from mcore_models import TransformerConfig, preset
 from mcore_parallel.optim import OptimizerConfig
 from mcore_train.config import TrainConfig, config_changes
-from mcore_train.sections import CheckpointSection, DataSection, ParallelSection, SchedulerSection, TrainingSection
+from mcore_train.sections import (
+    CheckpointSection,
+    DataSection,
+    MultimodalSection,
+    ParallelSection,
+    SchedulerSection,
+    TrainingSection,
+)
 
 __all__ = ["RECIPES", "recipe_tree"]
 
@@ -155,6 +162,39 @@ def nemotron_h_8b() -> TrainConfig:
                         parallel=ParallelSection(tp=2, sequence_parallel=True))  # fmt: skip
 
 
+def llava_tiny() -> TrainConfig:
+    """A tiny LLaVA (tiny-clip tower, mlp projector, llava-tiny's 2-layer LM) on byte tokens and 16 px images: trains
+    on a CPU in seconds (tests, the docs' two-stage example). The image token is 259, the byte tokenizer's first
+    unused id; every sample's 16 image tokens and a short caption fit in 96 tokens."""
+    from mcore_models.multimodal import llava_preset
+
+    lm = llava_preset("llava-tiny").language.replace(vocab_size=260)  # the byte tokenizer's 259 ids + the image
+    return TrainConfig(
+        model=lm,
+        data=DataSection(seq_length=96, tokenizer="byte", multimodal=True),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0, adam_beta2=0.95, clip_grad=1.0),
+        scheduler=SchedulerSection(decay_style="cosine", warmup_iters=10, min_lr=3e-4),
+        training=TrainingSection(micro_batch_size=8, global_batch_size=16, train_iters=100, eval_iters=0),
+        checkpoint=CheckpointSection(keep_last=2),
+        multimodal=MultimodalSection(vision="tiny-clip"),
+    )
+
+
+def llava_1b_clip336() -> TrainConfig:
+    """The benchmark shape: CLIP ViT-L/14-336 (features of layer -2, 576 image tokens, CLIP's pixel normalization)
+    through LLaVA-1.5's mlp projector into llama-1b, seq 4096, one image per sample, bf16, ZeRO-1; llama-1b's
+    pretraining run otherwise (set data.tokenizer_model; the image token defaults to the tokenizer's vocabulary
+    size, which must be below model.vocab_size)."""
+    run = _pretraining("llama-1b", seq=4096, lr=2e-5, warmup=100, micro_batch=4, global_batch=256, iters=5000,
+                       eval_interval=1000, save_interval=500)  # fmt: skip
+    run.data = DataSection(seq_length=4096, tokenizer="hf", multimodal=True)
+    run.training.eval_iters = 0
+    run.multimodal = MultimodalSection(vision="clip-vit-l14-336", vision_feature_layer=-2,
+                                       image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                       image_std=[0.26862954, 0.26130258, 0.27577711])  # fmt: skip
+    return run
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "gpt2-124m": gpt2_124m,
@@ -171,6 +211,8 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "hybrid-1b": hybrid_1b,
     "nemotron-h-8b": nemotron_h_8b,
     "hybrid-tiny": hybrid_tiny,
+    "llava-tiny": llava_tiny,
+    "llava-1b-clip336": llava_1b_clip336,
 }
 
 

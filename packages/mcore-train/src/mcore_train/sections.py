@@ -9,7 +9,7 @@ ranges and combinations of fields. :class:`~mcore_train.config.TrainConfig` puts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mcore_parallel import ParallelConfig
 from mcore_parallel.ddp import DDPConfig
@@ -24,6 +24,7 @@ __all__ = [
     "TrainingSection",
     "CheckpointSection",
     "LoggingSection",
+    "MultimodalSection",
 ]
 
 
@@ -147,6 +148,10 @@ class DataSection:
     """Packed sequences: every sample holds documents back to back (as the dataset concatenates them), and attention
     stays inside each document (per-document causal attention, the boundaries after every EOD token), with position
     ids restarting per document (flex_attention with a document block mask on CUDA; see docs/training.md)."""
+    multimodal: bool = False
+    """Image-text data: ``path`` (or ``train_path``, with ``valid_path`` for validation) is the prefix of
+    ``mcore-data multimodal`` shards, read by ``mcore_data.multimodal_torch.MultimodalDataset`` (needs
+    ``multimodal.vision``; see docs/multimodal.md)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -295,4 +300,49 @@ class LoggingSection:
         window = window_problem(self.profile_steps)
         if window is not None:
             problems.append(window)
+        _raise(problems)
+
+
+@dataclass
+class MultimodalSection:
+    """A LLaVA-style vision-language model (``mcore_models.multimodal.LlavaModel``): ``model`` is its language
+    model, ``vision`` names the tower; unset ``vision`` trains a text-only model (see docs/multimodal.md)."""
+
+    vision: str | None = None
+    """The vision tower's preset (``mcore_models.vision.vision_preset``: tiny-clip, tiny-siglip, clip-vit-l14-336,
+    siglip-so400m-14-384); None: no tower, a text-only run."""
+    vision_config: dict[str, Any] = field(default_factory=dict)
+    """VisionConfig fields changed on top of the preset (``multimodal.vision_config.image_size=32``); the tower's
+    ``params_dtype`` defaults to ``model.params_dtype``."""
+    vision_feature_layer: int | None = None
+    """The tower's hidden state the projector reads (-1 last, -2 LLaVA's; None: the preset's)."""
+    projector: Literal["mlp", "linear"] = "mlp"
+    """mlp (Linear, GELU, Linear: LLaVA-1.5) or linear."""
+    projector_bias: bool = True
+    """Biases on the projector's linears."""
+    pixel_shuffle: bool = False
+    """2x2 token reduction before the projector (InternVL / NVLM): a quarter of the image tokens."""
+    vision_feature_select: Literal["patches", "all"] = "patches"
+    """patches (the class token dropped) or all."""
+    image_token_id: int | None = None
+    """The token the image embeddings replace; None: the tokenizer's vocabulary size (the first id the tokenizer
+    never produces; model.vocab_size must exceed it)."""
+    freeze: list[str] = field(default_factory=list)
+    """Parts not trained: [vision, language] for stage 1 (projector pretraining), [vision] for stage 2."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Loss on the assistant turns (captions) and the final EOD, or on every text token; never on image tokens."""
+    image_mean: list[float] = field(default_factory=list)
+    """With ``image_std``: pixels normalized per channel (e.g. CLIP's [0.4815, 0.4578, 0.4082]); empty: [0, 1]."""
+    image_std: list[float] = field(default_factory=list)
+    """Per-channel standard deviation of the normalization (e.g. CLIP's [0.2686, 0.2613, 0.2758])."""
+    language_load: str | None = None
+    """A GPT checkpoint (mcore-train's, or a run directory) loaded into the language model before training (the
+    first stage of a VLM from a pretrained LM); ignored when resuming a VLM checkpoint."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if len(self.image_mean) != len(self.image_std) or len(self.image_mean) not in (0, 3):
+            problems.append("image_mean and image_std must both be 3 numbers (one per channel), or both empty")
+        if self.image_token_id is not None and self.image_token_id < 0:
+            problems.append(f"image_token_id={self.image_token_id} must be a non-negative token id")
         _raise(problems)

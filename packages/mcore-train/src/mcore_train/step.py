@@ -42,7 +42,11 @@ def _forward_step(data_iterator: Any, chunk: Any, cp: Group | None = None) -> tu
     model = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
     tokens = batch["tokens"] if model.pre_process else None
     labels = batch["labels"] if model.post_process else None
-    if "document_ids" in batch:  # packed sequences (data.packing): attention and positions per document
+    if "pixels" in batch:  # a vision-language model: the images and where their tokens go, on the first stage
+        first = model.pre_process
+        output = chunk(tokens, batch["pixels"] if first else None, None, labels,
+                       image_positions=batch["image_positions"] if first else None)  # fmt: skip
+    elif "document_ids" in batch:  # packed sequences (data.packing): attention and positions per document
         output = chunk(tokens, batch["position_ids"], labels=labels, document_ids=batch["document_ids"])
     else:
         output = chunk(tokens, None, labels=labels)

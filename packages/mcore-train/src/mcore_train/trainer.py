@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from mcore_data.torch import BatchConfig
 from mcore_models import GPTModel, TransformerConfig
 from mcore_models.backends import describe_backend
 from mcore_models.hybrid import stage_layers
+from mcore_models.multimodal import LlavaConfig, LlavaModel
 from mcore_models.spec import default_spec
 from mcore_models.transformer.ring_attention import context_parallel_spec
 from mcore_parallel import ParallelState, ShardedTensor
@@ -36,8 +38,9 @@ from mcore_parallel.pipeline import sync_shared_embedding_weights
 from mcore_parallel.tensor import RNGStatesTracker, model_parallel_seed, with_symmetric_memory
 from mcore_parallel.topology import resolve_dp_comm, resolve_tp_comm
 from mcore_train.config import TrainConfig
-from mcore_train.data import MicroBatchIterator, RunData, build_run_data
+from mcore_train.data import MicroBatchIterator, RunData, build_run_data, build_tokenizer_for
 from mcore_train.errors import ConfigError
+from mcore_train.multimodal import is_multimodal, llava_config, llava_diffs, load_language
 from mcore_train.scheduler import LRScheduler
 from mcore_train.speed import SpeedChoices, describe, resolve_speed
 
@@ -51,7 +54,7 @@ class Run:
     config: TrainConfig
     state: ParallelState
     model_config: TransformerConfig
-    chunks: list[GPTModel]
+    chunks: list[Any]
     ddp: list[DistributedDataParallel]
     optimizer: MixedPrecisionOptimizer
     scheduler: LRScheduler
@@ -68,6 +71,8 @@ class Run:
     last_saved_step: int | None = None
     speed: SpeedChoices | None = None
     """The speed switches as resolved for this run's device (``training.compile``, the fusion)."""
+    llava: LlavaConfig | None = None
+    """A vision-language run's model (``multimodal.vision``): the chunks are LlavaModels whose LM is ``model_config``."""
 
     @property
     def items(self) -> dict[str, ShardedTensor]:
@@ -101,9 +106,11 @@ def build_model_chunks(
     state: ParallelState,
     tracker: RNGStatesTracker | None,
     compile: str | None = None,
-) -> list[GPTModel]:
-    """The model chunks of this rank; ``compile`` is ``training.compile`` resolved (default: resolved here for
-    ``state.device``, see :func:`~mcore_train.speed.resolve_speed`)."""
+    llava: LlavaConfig | None = None,
+) -> list[Any]:
+    """The model chunks of this rank (LlavaModels with ``llava``, the tower and projector on the first stage);
+    ``compile`` is ``training.compile`` resolved (default: resolved here for ``state.device``, see
+    :func:`~mcore_train.speed.resolve_speed`)."""
     if compile is None:
         compile = resolve_speed(config, state.device).compile
     par = config.parallel
@@ -117,9 +124,10 @@ def build_model_chunks(
     for v in range(vpp):
         layers = stage_layers(model_config, par.pp, state.pp.rank, vpp, v, par.first_stage_layers,
                               par.last_stage_layers)  # fmt: skip
+        kind: Any = GPTModel if llava is None else functools.partial(LlavaModel, llava)
         chunks.append(
-            GPTModel(
-                model_config,
+            kind(
+                *(() if llava is not None else (model_config,)),
                 tp=state.tp,
                 sequence_parallel=state.sequence_parallel,
                 pre_process=state.is_first_stage and v == 0,
@@ -139,11 +147,14 @@ def build_model_chunks(
     return chunks
 
 
-def compile_layers(chunks: list[GPTModel], mode: str | None = None) -> None:
+def compile_layers(chunks: list[Any], mode: str | None = None) -> None:
     """Compile every transformer layer in place (parameter names and checkpoints are unchanged)."""
     for chunk in chunks:
         chunk.compile_layers(dynamic=False, mode=mode)
-    logger.info("compiled %d transformer layers with torch.compile", sum(len(c.decoder.layers) for c in chunks))
+    logger.info(
+        "compiled %d transformer layers with torch.compile",
+        sum(len(getattr(c, "language", c).decoder.layers) for c in chunks),
+    )
 
 
 def rank_state(run: Run) -> dict[str, Any]:
@@ -172,19 +183,19 @@ def _train_iters(config: TrainConfig) -> int:
     return math.ceil(tr.train_tokens / (tr.global_batch_size * config.data.seq_length))
 
 
-def _explicit_load_path(load: str) -> Path:
+def _explicit_load_path(load: str, key: str = "checkpoint.load") -> Path:
     """``checkpoint.load``: a checkpoint directory, or a run directory whose ``latest`` names one; else an error."""
     p = Path(load)
     if not p.exists():
-        raise CheckpointFormatError(f"checkpoint.load={load}: {p} does not exist")
+        raise CheckpointFormatError(f"{key}={load}: {p} does not exist")
     if not p.is_dir():
-        raise CheckpointFormatError(f"checkpoint.load={load}: {p} is a file, not a checkpoint directory")
+        raise CheckpointFormatError(f"{key}={load}: {p} is a file, not a checkpoint directory")
     if (p / "zarr.json").exists():
         return p
     found = latest_checkpoint(p)
     if found is None:
         raise CheckpointFormatError(
-            f"checkpoint.load={load}: {p} is not a checkpoint (no {p / 'zarr.json'}) nor a run directory "
+            f"{key}={load}: {p} is not a checkpoint (no {p / 'zarr.json'}) nor a run directory "
             f"with checkpoints (no {p / 'latest'})"
         )
     return found
@@ -262,7 +273,11 @@ def setup(config: TrainConfig) -> Run:
     if state.rank == 0:
         logger.info("%s", describe(speed))
         logger.info("%s", describe_backend(model_config))
-    chunks = build_model_chunks(config, model_config, state, tracker, compile=speed.compile)
+    llava = llava_config(config, build_tokenizer_for(config).vocab_size) if is_multimodal(config) else None
+    chunks = build_model_chunks(config, model_config, state, tracker, compile=speed.compile, llava=llava)
+    path = _load_path(config)
+    if llava is not None and path is None and config.multimodal.language_load:
+        load_language(chunks, config.multimodal.language_load)  # before the optimizer copies the weights
     ddp_config = dataclasses.replace(
         config.parallel.ddp,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
@@ -274,15 +289,14 @@ def setup(config: TrainConfig) -> Run:
     optimizer = get_optimizer(config.optimizer, ddp, state)
     train_iters = _train_iters(config)
     scheduler = LRScheduler(config.scheduler, config.optimizer.lr, train_iters)
-    data = build_run_data(config, train_iters)
+    data = build_run_data(config, train_iters, llava)
     batch_config = _batch_config(config, data)
     manager = None
     if config.checkpoint.dir is not None:
         manager = CheckpointManager(config.checkpoint.dir, state, keep_last=config.checkpoint.keep_last,
                                     async_save=config.checkpoint.async_save)  # fmt: skip
     run = Run(config, state, model_config, chunks, ddp, optimizer, scheduler, tracker, data, batch_config, manager,
-              train_iters, speed=speed)  # fmt: skip
-    path = _load_path(config)
+              train_iters, speed=speed, llava=llava)  # fmt: skip
     if path is not None:
         _resume(run, path)
     return run
@@ -291,19 +305,16 @@ def setup(config: TrainConfig) -> Run:
 def _resume(run: Run, path: Path) -> None:
     meta = read_metadata(path)
     saved_model = meta.get("model")
-    if saved_model is not None:
-        diffs = _model_diffs(TransformerConfig.from_dict(saved_model), run.model_config)
-        if diffs:
-            raise ConfigError(diffs, header=f"the model in {path} differs from the configured one")
+    new_stage = _check_saved_model(run, path, saved_model)
     choice = run.config.checkpoint.verify
     verify: Verify = "sample" if choice == "sample" else choice not in ("off", False)
     manager = run.checkpoints or CheckpointManager(path.parent, run.state)
-    if run.config.checkpoint.finetune:
+    if run.config.checkpoint.finetune or new_stage:
         manager.load(run.items, None, path, verify=verify)  # weights only (every rank checks, then all load)
         # the optimizer's fp32 master weights must start from the loaded weights too
         _reseed_master(run)
         run.loaded_from = path
-        logger.info("fine-tuning from the weights of %s", path)
+        logger.info("%s from the weights of %s", "a new training stage" if new_stage else "fine-tuning", path)
         return
     _, meta, saved_rank_state = manager.load(run.items, run.optimizer, path, verify=verify)
     run.step = int(meta.get("step", 0))
@@ -317,6 +328,24 @@ def _resume(run: Run, path: Path) -> None:
     if run.config.checkpoint.dir is not None and path.parent.resolve() == Path(run.config.checkpoint.dir).resolve():
         run.last_saved_step = run.step  # resuming in place: this step's checkpoint exists already
     logger.info("resumed from %s at step %d (%d samples consumed)", path, run.step, run.consumed_samples)
+
+
+def _check_saved_model(run: Run, path: Path, saved: dict[str, Any] | None) -> bool:
+    """Refuse a checkpoint of another architecture; True when it is a VLM checkpoint of another training stage
+    (another ``multimodal.freeze``: its optimizer holds other parameters, so only the weights load)."""
+    if saved is None:
+        return False
+    is_vlm = "language" in saved
+    if is_vlm != (run.llava is not None):
+        what = "a vision-language (LLaVA) model" if is_vlm else "a text-only GPT model"
+        fix = "set multimodal.vision as it was saved" if is_vlm else "use multimodal.language_load for a GPT checkpoint"
+        raise ConfigError([f"checkpoint {path} holds {what}; {fix}"], header="the checkpoint does not fit the run")
+    diffs = _model_diffs(TransformerConfig.from_dict(saved["language"] if is_vlm else saved), run.model_config)
+    if run.llava is not None:
+        diffs.extend(llava_diffs(saved, run.llava))
+    if diffs:
+        raise ConfigError(diffs, header=f"the model in {path} differs from the configured one")
+    return run.llava is not None and tuple(saved.get("freeze", ())) != run.llava.freeze
 
 
 # settings that change how the model runs, not what its weights are: a resumed run may change them (the layer

@@ -1,0 +1,154 @@
+"""Training LLaVA-style VLMs with ``mcore-train``: learning from images, TP / DP / PP against one process, exact
+resume with the data stream, the two training stages, a GPT checkpoint into the language model, config errors."""
+
+from __future__ import annotations
+
+import collections
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mcore_data._png import encode_png
+from mcore_data.multimodal import ShardWriter
+from mcore_data.multimodal_prep import COLORS
+from mcore_models.multimodal import LlavaModel
+from mcore_parallel.checkpoint import latest_checkpoint, read_metadata, read_region
+from mcore_parallel.testing import run_distributed
+from mcore_train import load_config, pretrain
+from mcore_train.cli import main
+from mcore_train.trainer import setup
+from tests.train.test_resume import arrays
+
+RUN = ["training.device=cpu", "logging.progress_bar=false", "logging.log_interval=1000", "data.seq_length=48",
+       "scheduler.decay_iters=120"]  # fmt: skip
+
+
+def colour_shards(prefix: Path, n: int = 64, blank: bool = False) -> list[str]:
+    """``n`` 16 px images of one colour each, captioned with the colour's name (grey images with ``blank``)."""
+    rng = np.random.default_rng(0)
+    names = list(COLORS)
+    captions = []
+    with ShardWriter(prefix, overwrite=True) as w:
+        for _ in range(n):
+            name = names[int(rng.integers(len(names)))]
+            px = (
+                np.full((16, 16, 3), 128, np.uint8) if blank else np.tile(np.array(COLORS[name], np.uint8), (16, 16, 1))
+            )
+            w.add(encode_png(px), "png", {"caption": name})
+            captions.append(name)
+    return captions
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prefix = tmp_path_factory.mktemp("mm") / "colours"
+    colour_shards(prefix)
+    return prefix
+
+
+def vlm(data: Path, *overrides: str) -> list[str]:
+    return [f"data.path={data}", *RUN, *overrides]
+
+
+def _losses(overrides: list[str]) -> list[float]:
+    return pretrain(load_config(recipe="llava-tiny", overrides=overrides)).losses
+
+
+def test_a_tiny_vlm_learns_captions_that_text_alone_cannot(tmp_path: Path) -> None:
+    captions = colour_shards(tmp_path / "c")
+    colour_shards(tmp_path / "blank", blank=True)
+    # the best a model without the image can do: the captions' entropy over the tokens that carry loss (the
+    # caption's bytes, its newline and the EOD), per token
+    counts = collections.Counter(captions)
+    entropy = -sum(c / len(captions) * math.log(c / len(captions)) for c in counts.values())
+    bound = entropy / (sum(len(c) + 2 for c in captions) / len(captions))
+    assert 0.2 < bound < 0.3
+    seen = _losses(vlm(tmp_path / "c", "training.train_iters=120"))
+    blind = _losses(vlm(tmp_path / "blank", "training.train_iters=120"))
+    final_seen, final_blind = np.mean(seen[-10:]), np.mean(blind[-10:])
+    assert final_seen < bound / 2 < final_blind, (final_seen, final_blind, bound)
+
+
+def test_tp2_sp_dp2_zero_and_pp2_equal_one_process(shards: Path) -> None:
+    args = vlm(shards, "training.train_iters=3")
+    one = _losses(args)
+    for layout in (["parallel.tp=2", "parallel.sequence_parallel=true"],
+                   ["optimizer.use_distributed_optimizer=true"], ["parallel.pp=2"]):  # fmt: skip
+        losses = run_distributed(_losses, 2, [*args, *layout], timeout=300)[0]
+        assert losses == pytest.approx(one, rel=2e-5), layout
+
+
+def test_resume_is_bit_exact_with_the_data_stream(shards: Path, tmp_path: Path) -> None:
+    args = vlm(shards, "training.train_iters=4", "model.hidden_dropout=0.1")
+    straight = _losses([*args, f"checkpoint.dir={tmp_path / 'a'}"])
+    first = _losses([*args, "training.exit_interval=2", f"checkpoint.dir={tmp_path / 'b'}"])
+    second = _losses([*args, f"checkpoint.dir={tmp_path / 'b'}"])
+    assert len(first) == 2 and first + second == straight
+    a, b = latest_checkpoint(tmp_path / "a"), latest_checkpoint(tmp_path / "b")
+    assert read_metadata(b)["consumed_samples"] == 4 * 16 and read_metadata(b)["model"]["image_token_id"] == 259
+    names = arrays(a)
+    assert names == arrays(b) and any("vision." in str(n) for n in names) and any("projector." in str(n) for n in names)
+    for array in names:
+        assert torch.equal(read_region(a / array), read_region(b / array)), array
+
+
+def _weights(ckpt: Path, part: str) -> dict[str, torch.Tensor]:
+    return {str(n): read_region(ckpt / n) for n in arrays(ckpt) if str(n).startswith(f"model/{part}.")}
+
+
+def test_stage_1_then_stage_2_from_a_gpt_checkpoint(shards: Path, tmp_path: Path) -> None:
+    # a text-only model with the VLM's language model, saved after one step
+    _losses([*RUN, "multimodal.vision=null", "data.multimodal=false", "data.mock=true", "training.train_iters=1",
+             f"checkpoint.dir={tmp_path / 'gpt'}"])  # fmt: skip
+    gpt = latest_checkpoint(tmp_path / "gpt")
+    stage1 = vlm(shards, "training.train_iters=3", "multimodal.freeze=[vision,language]",
+                 f"multimodal.language_load={tmp_path / 'gpt'}", f"checkpoint.dir={tmp_path / 's1'}")  # fmt: skip
+    run = setup(load_config(recipe="llava-tiny", overrides=stage1))
+    assert isinstance(run.chunks[0], LlavaModel) and run.llava is not None
+    batch = next(run.train_iterators()[0])  # image and prompt tokens carry no loss
+    assert batch["pixels"].shape == (8, 3, 16, 16) and batch["loss_mask"].gather(1, batch["image_positions"]).sum() == 0
+    trained = {n for n, p in run.chunks[0].named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("projector.") for n in trained)
+    initial = LlavaModel(run.llava).global_state_dict()  # the per-name seeds: the trainer's initial weights
+    _losses(stage1)
+    s1 = latest_checkpoint(tmp_path / "s1")
+    for key, value in _weights(s1, "vision").items():  # frozen: exactly the initial tower
+        assert torch.equal(value, initial[key.removeprefix("model/")]), key
+    gpt_lm = {str(n).removeprefix("model/"): read_region(gpt / n) for n in arrays(gpt) if str(n).startswith("model/")}
+    lm = _weights(s1, "language")
+    assert lm and all(torch.equal(v, gpt_lm[k.removeprefix("model/language.")]) for k, v in lm.items())
+    assert all(not torch.equal(v, initial[k.removeprefix("model/")]) for k, v in _weights(s1, "projector").items())
+    # stage 2 loads stage 1's weights (its optimizer held the projector only) and trains the LM too
+    stage2 = _losses(vlm(shards, "training.train_iters=2", "multimodal.freeze=[vision]",
+                         f"checkpoint.load={tmp_path / 's1'}", f"checkpoint.dir={tmp_path / 's2'}"))  # fmt: skip
+    s2 = latest_checkpoint(tmp_path / "s2")
+    assert len(stage2) == 2 and read_metadata(s2)["step"] == 2
+    assert all(torch.equal(v, _weights(s1, "vision")[k]) for k, v in _weights(s2, "vision").items())
+    assert all(not torch.equal(v, lm[k]) for k, v in _weights(s2, "language").items())
+
+
+def test_config_errors_name_the_keys(shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["pretrain", "--recipe", "llava-tiny", f"data.path={shards}"]
+    cases = {
+        ("data.seq_length=16",): ["data.seq_length=16 cannot hold one image (16 image tokens", ">= 17"],
+        ("multimodal.image_token_id=400", "multimodal.freeze=[eyes]"): [
+            "multimodal.image_token_id=400 is outside the language model's vocabulary (model.vocab_size=260)",
+            "freeze=['eyes'] has unknown part(s)"],
+        ("model.vocab_size=259",): ["needs model.vocab_size > 259"],
+        ("multimodal.vision=tiny-clipp",): ["multimodal.vision: unknown vision preset 'tiny-clipp'"],
+        ("multimodal.vision_config.img=3",): ["multimodal.vision_config.img: unknown key"],
+        ("multimodal.visoin=x",): ["multimodal.visoin: unknown key; did you mean 'vision'?"],
+        ("data.mock=true",): ["data.mock=true has no images"],
+        ("multimodal.vision=null",): ["data.multimodal=true needs a vision-language model"],
+        (f"data.path={tmp_path / 'none'}",): ["data.path: no multimodal shards at prefix"],
+        ("training.generate_at_end=8",): ["training.generate_at_end with multimodal.vision"],
+    }  # fmt: skip
+    for overrides, messages in cases.items():
+        assert main([*base, *overrides]) == 2, overrides
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(m in err for m in messages), (overrides, err)
+    assert main(["pretrain", "--recipe", "tiny", f"data.path={shards}", "multimodal.vision=tiny-clip"]) == 2
+    assert "multimodal.vision=tiny-clip trains on image-text data" in capsys.readouterr().err
