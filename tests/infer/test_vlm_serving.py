@@ -244,6 +244,13 @@ def _post(srv: Server, messages: Any, **kw: Any) -> httpx.Response:
     return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30)
 
 
+def huge_png_url() -> str:
+    """A PNG header claiming 100000 x 100000 pixels (never decoded)."""
+    data = bytearray(encode_png(np.zeros((2, 2, 3), np.uint8)))
+    data[16:24] = (100000).to_bytes(4, "big") * 2
+    return "data:image/png;base64," + base64.b64encode(bytes(data)).decode()
+
+
 BAD: list[tuple[str, Any, str]] = [
     ("http url", user(image("https://example.com/cat.png")), "only data URLs"),
     ("bad base64", user(image("data:image/png;base64,@@not base64@@")), "not valid base64"),
@@ -255,6 +262,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("placeholder text", user(text("<image>"), image(png_url(1))), "image placeholder"),
     ("too long", user(image(png_url(1)), text("x" * 110)), "image tokens"),
     ("bad part", user({"type": "audio"}), "text or image_url"),
+    ("huge png", user(image(huge_png_url())), "at most 16777216 pixels"),
 ]
 
 
@@ -323,3 +331,18 @@ def test_cli_generate_with_a_llava_checkpoint(vlm: LlavaModel, tmp_path: Any, ca
     assert capsys.readouterr().out.strip()
     assert main([*args[:-2], "--image-std", "0.5,0.5"]) == 2  # one std per mean
     assert "image_std" in capsys.readouterr().err
+
+
+def test_a_preempted_request_encodes_its_images_again(vlm: LlavaModel) -> None:
+    llm = vlm_llm(vlm, num_blocks=8, max_num_batched_tokens=96)  # 7 blocks: the second request is preempted
+    calls: list[int] = []
+    encode = llm.runner.encode_images
+    llm.runner.encode_images = lambda px: (calls.append(px.shape[0]), encode(px))[1]  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reqs = [(prompt(16, 9, seed=8), pixels(8)), (prompt(16, 9, seed=9), pixels(9))]
+    rids = [llm.engine.add_request(ids, params, images=px) for ids, px in reqs]
+    done: dict[str, list[int]] = {}
+    while llm.engine.has_work():
+        done.update({o.request_id: o.token_ids for o in llm.engine.step() if o.finished})
+    assert llm.engine.scheduler.num_preemptions >= 1 and len(calls) == 2 + llm.engine.scheduler.num_preemptions
+    assert [done[r] for r in rids] == [reference(vlm, ids, px, 30) for ids, px in reqs]

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import re
+import struct
 from typing import Any
 
 import torch
@@ -23,10 +24,13 @@ from mcore_infer.errors import InvalidRequestError
 from mcore_infer.images import ImagePrompt, VisionInfo
 from mcore_infer.protocol import ChatMessages
 
-__all__ = ["ImagePart", "decode_data_url", "prepare_images", "prompt_with_images", "to_pixels"]
+__all__ = ["MAX_PIXELS", "ImagePart", "decode_data_url", "prepare_images", "prompt_with_images", "to_pixels"]
 
 ImagePart = tuple[str, str]
 """An image content part: its URL and where it is in the request (``messages[i].content[j]``)."""
+
+MAX_PIXELS = 4096 * 4096
+"""Largest PNG taken (width x height, read from its header before decoding; Pillow has its own limit)."""
 
 _TYPES = {"png": "png", "jpeg": "jpeg", "jpg": "jpeg", "webp": "webp", "gif": "gif"}
 _DATA_URL = re.compile(r"data:image/([A-Za-z0-9.+-]+)((?:;[^,;]*)*?);base64,(.*)", re.DOTALL)
@@ -60,6 +64,11 @@ def to_pixels(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Te
     from mcore_data.errors import ImageDecodeError
     from mcore_data.multimodal_torch import decode_image
 
+    if ext == "png" and data[12:16] == b"IHDR":  # a few compressed bytes can stand for gigabytes of pixels
+        w, h = struct.unpack(">II", data[16:24])
+        if w * h > MAX_PIXELS:
+            raise InvalidRequestError(f"{where}: the image is {w} x {h} pixels; at most {MAX_PIXELS} pixels are "
+                                      "accepted", param=where, code="image_too_large")  # fmt: skip
     try:
         px = decode_image(data, ext, where)
     except ImageDecodeError as e:
