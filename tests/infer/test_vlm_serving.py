@@ -155,9 +155,11 @@ def test_llava_checkpoint_loads_for_serving(vlm: LlavaModel, tmp_path: Any) -> N
     from mcore_models.multimodal.checkpoint import save_llava_weights
     from mcore_parallel import ParallelState
 
-    path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path)
+    norm = {"image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3]}  # as an mcore-train run saves it
+    path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path, metadata={"config": {"multimodal": norm}})
     llm = LLM(path, config=EngineConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24), device="cpu")
     assert llm.runner.vision is not None and llm.runner.vision.image_tokens == T
+    assert llm.runner.vision.mean == (0.5, 0.4, 0.3) and llm.runner.vision.std == (0.2, 0.25, 0.3)
     ids, px = prompt(16, 9), pixels(1)
     assert _run(llm, ids, px) == reference(vlm, ids, px, 6)
 

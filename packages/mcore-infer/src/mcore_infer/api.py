@@ -4,7 +4,7 @@
 tokenizer named in the checkpoint (the byte tokenizer when none is named), and drives an :class:`LLMEngine` in the
 caller's thread. A LLaVA checkpoint (:mod:`mcore_models.multimodal.checkpoint`: its metadata's model has a vision
 and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel`, served at tp=1 with images
-(:mod:`mcore_infer.images`). Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
+(:mod:`mcore_infer.images`), normalised as its mcore-train run did unless ``EngineConfig.image_mean`` says otherwise. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
 calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
 """
 
@@ -89,6 +89,18 @@ def is_llava_checkpoint(path: str | Path) -> bool:
     return isinstance(meta, dict) and {"vision", "language"} <= set(meta)
 
 
+def _trained_normalization(checkpoint: str | Path, config: EngineConfig) -> EngineConfig:
+    """``config`` with the pixel normalisation an mcore-train VLM run used (its saved ``multimodal.image_mean`` /
+    ``image_std``), when it used one."""
+    meta = read_metadata(resolve_checkpoint(checkpoint))
+    mm = (meta.get("config") or {}).get("multimodal") or {}
+    mean, std = mm.get("image_mean"), mm.get("image_std")
+    if not mean or not std:
+        return config
+    log.info("images normalised as in training: mean %s, std %s", mean, std)
+    return replace(config, image_mean=tuple(mean), image_std=tuple(std))
+
+
 def _load_llava(ckpt: Path, tp: Group | None, device: torch.device, dtype: str) -> LlavaModel:
     from mcore_models.multimodal.checkpoint import llava_config_from_checkpoint, load_llava_weights
 
@@ -127,6 +139,8 @@ class LLM:
         tp = tp or model.ctx.tp
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.config = config or EngineConfig()
+        if checkpoint is not None and isinstance(model, LlavaModel) and self.config.image_mean is None:
+            self.config = _trained_normalization(checkpoint, self.config)
         lm = model.language if isinstance(model, LlavaModel) else model
         self.name = name or str(lm.config.extra.get("preset", "mcore-model"))
         self.runner = ModelRunner(model, self.config, tp)
