@@ -348,3 +348,16 @@ def test_a_preempted_request_encodes_its_images_again(vlm: LlavaModel) -> None:
         done.update({o.request_id: o.token_ids for o in llm.engine.step() if o.finished})
     assert llm.engine.scheduler.num_preemptions >= 1 and len(calls) == 2 + llm.engine.scheduler.num_preemptions
     assert [done[r] for r in rids] == [reference(vlm, ids, px, 30) for ids, px in reqs]
+
+
+def test_a_llava_checkpoint_at_tp_2_is_refused(vlm: LlavaModel, tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from mcore_infer.api import load_model
+    from mcore_infer.errors import InvalidRequestError
+    from mcore_models.multimodal.checkpoint import save_llava_weights
+    from mcore_parallel import ParallelState
+
+    path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path)
+    with pytest.raises(InvalidRequestError, match=r"vision-language \(LLaVA\) checkpoint: it is served at --tp 1"):
+        load_model(path, tp=SimpleNamespace(size=2), device="cpu")  # type: ignore[arg-type]
