@@ -323,7 +323,7 @@ class ModelRunner:
         hidden = None
         if images is not None:  # the word embeddings with the image rows replaced (LlavaModel's own splice)
             assert self.vlm is not None
-            hidden = self.vlm._splice(ids[None], images.embeds, images.index, positions[None])
+            hidden = self.vlm.splice(ids[None], images.embeds, images.index, positions[None])
         out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx, decoder_input=hidden)
         return out[0]
 

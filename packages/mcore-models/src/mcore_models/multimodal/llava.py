@@ -194,14 +194,14 @@ class LlavaModel(nn.Module):
                 raise ValueError(f"input_ids hold {count} image-token positions (image_token_id="
                                  f"{self.config.image_token_id}) but no images were given: pass images [n, C, H, W] "
                                  f"with n * {per_image} (image_tokens) = {count}")  # fmt: skip
-            return self._splice(input_ids, None, index, position_ids)
+            return self.splice(input_ids, None, index, position_ids)
         n = images.shape[0]
         if count != n * per_image:
             raise ValueError(f"input_ids hold {count} image-token positions but {n} image(s) x {per_image} "
                              f"image_tokens = {n * per_image} embeddings were given: each image needs exactly "
                              f"{per_image} copies of image_token_id={self.config.image_token_id} in input_ids "
                              "(config.image_tokens), or pass as many images as the tokens stand for")  # fmt: skip
-        return self._splice(input_ids, self.image_embeddings(images), index, position_ids)
+        return self.splice(input_ids, self.image_embeddings(images), index, position_ids)
 
     def _image_index(self, input_ids: torch.Tensor, image_positions: torch.Tensor | None) -> torch.Tensor:
         """The image positions as flat indices into ``[b * s]`` (row-major), in the order they are filled."""
@@ -227,14 +227,16 @@ class LlavaModel(nn.Module):
             raise ValueError("image_positions name a position twice within a row")
         return index
 
-    def _splice(
+    def splice(
         self,
         input_ids: torch.Tensor,
         image_embeds: torch.Tensor | None,
         index: torch.Tensor,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Word embeddings with ``image_embeds`` at ``index``, then positions and dropout (``[s (/ tp), b, h]``)."""
+        """Word embeddings with ``image_embeds`` at ``index`` (flat ``b * s`` positions), then positions and dropout
+        (``[s (/ tp), b, h]``): the first-layer input. Public for the serving engine, which splices the embeddings
+        of a prefill chunk's image positions with it (``mcore_infer.runner``)."""
         lm = self.language
         emb, ctx = lm.embedding, lm.ctx
         b, s = input_ids.shape
