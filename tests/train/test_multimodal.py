@@ -4,6 +4,7 @@ resume with the data stream, the two training stages, a GPT checkpoint into the 
 from __future__ import annotations
 
 import collections
+import json
 import math
 from pathlib import Path
 
@@ -14,11 +15,14 @@ import torch
 from mcore_data._png import encode_png
 from mcore_data.multimodal import ShardWriter
 from mcore_data.multimodal_prep import COLORS
+from mcore_models import training_flops_per_token
+from mcore_models.flops import llava_training_flops
 from mcore_models.multimodal import LlavaModel
 from mcore_parallel.checkpoint import latest_checkpoint, read_metadata, read_region
 from mcore_parallel.testing import run_distributed
 from mcore_train import load_config, pretrain
 from mcore_train.cli import main
+from mcore_train.multimodal import llava_config
 from mcore_train.trainer import setup
 from tests.train.test_resume import arrays
 
@@ -93,6 +97,13 @@ def test_resume_is_bit_exact_with_the_data_stream(shards: Path, tmp_path: Path) 
     assert names == arrays(b) and any("vision." in str(n) for n in names) and any("projector." in str(n) for n in names)
     for array in names:
         assert torch.equal(read_region(a / array), read_region(b / array)), array
+    # the logged model FLOPs count the tower and the projector (one image per sample)
+    llava = llava_config(load_config(recipe="llava-tiny", overrides=args), 259)
+    per_token = llava_training_flops(llava, batch_size=1, seq_length=48) / 48
+    assert per_token > training_flops_per_token(llava.language, 48)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["tflops_per_gpu"] * 1e12 / r["tokens_per_s"] for r in records if "tflops_per_gpu" in r]
+    assert logged and logged == pytest.approx([per_token] * len(logged), rel=1e-9)
 
 
 def _weights(ckpt: Path, part: str) -> dict[str, torch.Tensor]:
