@@ -133,10 +133,14 @@ def test_stage_1_then_stage_2_from_a_gpt_checkpoint(shards: Path, tmp_path: Path
     assert lm and all(torch.equal(v, gpt_lm[k.removeprefix("model/language.")]) for k, v in lm.items())
     assert all(not torch.equal(v, initial[k.removeprefix("model/")]) for k, v in _weights(s1, "projector").items())
     # stage 2 loads stage 1's weights (its optimizer held the projector only) and trains the LM too
-    stage2 = _losses(vlm(shards, "training.train_iters=2", "multimodal.freeze=[vision]",
-                         f"checkpoint.load={tmp_path / 's1'}", f"checkpoint.dir={tmp_path / 's2'}"))  # fmt: skip
+    # (with a validation set: data.train_path and data.valid_path)
+    stage2 = pretrain(load_config(recipe="llava-tiny", overrides=[
+        *RUN, f"data.train_path={shards}", f"data.valid_path={shards}", "training.eval_iters=2",
+        "training.train_iters=2", "multimodal.freeze=[vision]", f"checkpoint.load={tmp_path / 's1'}",
+        f"checkpoint.dir={tmp_path / 's2'}"]))  # fmt: skip
     s2 = latest_checkpoint(tmp_path / "s2")
-    assert len(stage2) == 2 and read_metadata(s2)["step"] == 2
+    assert len(stage2.losses) == 2 and read_metadata(s2)["step"] == 2
+    assert len(stage2.eval_losses) == 1 and 0 < stage2.eval_losses[0][1] < 10
     assert all(torch.equal(v, _weights(s1, "vision")[k]) for k, v in _weights(s2, "vision").items())
     assert all(not torch.equal(v, lm[k]) for k, v in _weights(s2, "language").items())
 
@@ -156,6 +160,7 @@ def test_config_errors_name_the_keys(shards: Path, tmp_path: Path, capsys: pytes
         ("multimodal.vision=null",): ["data.multimodal=true needs a vision-language model"],
         (f"data.path={tmp_path / 'none'}",): ["data.path: no multimodal shards at prefix"],
         ("training.generate_at_end=8",): ["training.generate_at_end with multimodal.vision"],
+        ("parallel.pp=2", "multimodal.freeze=[vision,language]"): ["would hold no trained parameter"],
     }  # fmt: skip
     for overrides, messages in cases.items():
         assert main([*base, *overrides]) == 2, overrides

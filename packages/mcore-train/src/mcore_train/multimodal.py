@@ -132,6 +132,10 @@ def multimodal_problems(config: TrainConfig) -> list[str]:
                         "data.path the prefix of `mcore-data multimodal` shards")  # fmt: skip
     if d.mock:
         problems.append("data.mock=true has no images: a vision-language run needs data.multimodal=true shards")
+    if par.pp > 1 and "language" in mm.freeze:
+        problems.append(f"parallel.pp={par.pp} with multimodal.freeze={mm.freeze}: the pipeline stages after the first "
+                        "would hold no trained parameter (the tower and projector live on the first stage); train "
+                        "this stage with parallel.pp=1 (and data parallelism), or unfreeze the language model")  # fmt: skip
     if config.training.generate_at_end:
         problems.append("training.generate_at_end with multimodal.vision: the end-of-run sample is text-only; set "
                         "training.generate_at_end=0 (serve the checkpoint with mcore-infer to sample)")  # fmt: skip
