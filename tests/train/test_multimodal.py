@@ -110,7 +110,9 @@ def _weights(ckpt: Path, part: str) -> dict[str, torch.Tensor]:
     return {str(n): read_region(ckpt / n) for n in arrays(ckpt) if str(n).startswith(f"model/{part}.")}
 
 
-def test_stage_1_then_stage_2_from_a_gpt_checkpoint(shards: Path, tmp_path: Path) -> None:
+def test_stage_1_then_stage_2_from_a_gpt_checkpoint(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # a text-only model with the VLM's language model, saved after one step
     _losses([*RUN, "multimodal.vision=null", "data.multimodal=false", "data.mock=true", "training.train_iters=1",
              f"checkpoint.dir={tmp_path / 'gpt'}"])  # fmt: skip
@@ -141,6 +143,12 @@ def test_stage_1_then_stage_2_from_a_gpt_checkpoint(shards: Path, tmp_path: Path
     s2 = latest_checkpoint(tmp_path / "s2")
     assert len(stage2.losses) == 2 and read_metadata(s2)["step"] == 2
     assert len(stage2.eval_losses) == 1 and 0 < stage2.eval_losses[0][1] < 10
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(s2)]) == 0
+    assert (
+        "'vision': 'tiny-clip', 'image_token_id': 259, 'projector': 'mlp', 'freeze': ['vision']"
+        in capsys.readouterr().out
+    )
     assert all(torch.equal(v, _weights(s1, "vision")[k]) for k, v in _weights(s2, "vision").items())
     assert all(not torch.equal(v, lm[k]) for k, v in _weights(s2, "language").items())
 

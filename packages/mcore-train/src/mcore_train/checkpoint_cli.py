@@ -60,7 +60,12 @@ def _describe(ckpt: Path) -> dict[str, Any]:
     out.update({k: meta[k] for k in _COUNTERS if k in meta})
     out["saved_layout"] = meta.get("saved_layout")
     model = meta.get("model") or {}
-    out["model"] = {k: model[k] for k in _MODEL_SUMMARY if k in model}
+    lm = model.get("language", model)  # a LLaVA checkpoint: its language model, tower and image token
+    out["model"] = {k: lm[k] for k in _MODEL_SUMMARY if k in lm}
+    if "vision" in model:
+        vision = model["vision"]
+        out["model"]["vision"] = (vision.get("extra") or {}).get("preset") or f"{vision.get('num_layers')} layers"
+        out["model"].update({k: model[k] for k in ("image_token_id", "projector", "freeze") if k in model})
     out["config"] = _config_summary(meta)
     arrays: list[dict[str, Any]] = []
     for a in find_arrays(ckpt):
