@@ -91,6 +91,7 @@ def test_resume_is_bit_exact_with_the_data_stream(shards: Path, tmp_path: Path) 
     first = _losses([*args, "training.exit_interval=2", f"checkpoint.dir={tmp_path / 'b'}"])
     second = _losses([*args, f"checkpoint.dir={tmp_path / 'b'}"])
     assert len(first) == 2 and first + second == straight
+    assert _losses([*args, "multimodal.data_workers=2"]) == straight  # images decoded in DataLoader workers
     a, b = latest_checkpoint(tmp_path / "a"), latest_checkpoint(tmp_path / "b")
     assert read_metadata(b)["consumed_samples"] == 4 * 16 and read_metadata(b)["model"]["image_token_id"] == 259
     names = arrays(a)

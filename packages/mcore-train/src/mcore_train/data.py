@@ -94,7 +94,8 @@ def build_run_data(config: TrainConfig, train_iters: int, llava: Any = None) -> 
 
 
 class MicroBatchIterator:
-    """Yields this rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on."""
+    """Yields this rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on; multimodal
+    items are decoded in ``workers`` DataLoader processes when ``workers > 0`` (the same batches, bit for bit)."""
 
     def __init__(
         self,
@@ -105,19 +106,37 @@ class MicroBatchIterator:
         dp_size: int,
         consumed_samples: int,
         device: torch.device,
+        workers: int = 0,
     ) -> None:
         from mcore_data.multimodal_torch import MultimodalDataset
 
         # multimodal items are dicts of tensors already (pixels, tokens, labels, loss_mask, image_positions, ...)
-        self.ds = dataset if isinstance(dataset, MultimodalDataset) else TorchGPTDataset(dataset, batch_config)
+        self.ds: Any = dataset if isinstance(dataset, MultimodalDataset) else TorchGPTDataset(dataset, batch_config)
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.next_sample = consumed_samples  # global index of the first sample of the next micro-batch round
         self.device = device
+        self.workers = workers if isinstance(dataset, MultimodalDataset) else 0
+        self._loader: Iterator[dict[str, torch.Tensor]] | None = None
+
+    def _from_workers(self) -> dict[str, torch.Tensor]:
+        if self._loader is None:  # started on first use (no worker processes for an iterator never read)
+            from mcore_data.multimodal_torch import build_multimodal_dataloader
+
+            rng = torch.get_rng_state()  # the DataLoader draws its workers' seed from the global RNG (dropout's)
+            self._loader = iter(build_multimodal_dataloader(
+                self.ds, self.mbs, consumed_samples=self.next_sample, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                num_workers=self.workers, pin_memory=self.device.type == "cuda"))  # fmt: skip
+            torch.set_rng_state(rng)
+        batch = next(self._loader)
+        self.next_sample += self.mbs * self.dp_size
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self.workers:
+            return self._from_workers()
         lo = self.next_sample + self.dp_rank * self.mbs
         if self.next_sample + self.mbs * self.dp_size > len(self.ds):
             raise StopIteration

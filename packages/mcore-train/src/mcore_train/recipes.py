@@ -191,7 +191,8 @@ def llava_1b_clip336() -> TrainConfig:
     run.training.eval_iters = 0
     run.multimodal = MultimodalSection(vision="clip-vit-l14-336", vision_feature_layer=-2,
                                        image_mean=[0.48145466, 0.4578275, 0.40821073],
-                                       image_std=[0.26862954, 0.26130258, 0.27577711])  # fmt: skip
+                                       image_std=[0.26862954, 0.26130258, 0.27577711],
+                                       data_workers=4)  # fmt: skip
     return run
 
 

@@ -335,6 +335,9 @@ class MultimodalSection:
     """With ``image_std``: pixels normalized per channel (e.g. CLIP's [0.4815, 0.4578, 0.4082]); empty: [0, 1]."""
     image_std: list[float] = field(default_factory=list)
     """Per-channel standard deviation of the normalization (e.g. CLIP's [0.2686, 0.2613, 0.2758])."""
+    data_workers: int = 0
+    """DataLoader worker processes that decode and resize the images (0: in the training process); the batches are
+    the same either way."""
     language_load: str | None = None
     """A GPT checkpoint (mcore-train's, or a run directory) loaded into the language model before training (the
     first stage of a VLM from a pretrained LM); ignored when resuming a VLM checkpoint."""
@@ -343,6 +346,8 @@ class MultimodalSection:
         problems = []
         if len(self.image_mean) != len(self.image_std) or len(self.image_mean) not in (0, 3):
             problems.append("image_mean and image_std must both be 3 numbers (one per channel), or both empty")
+        if self.data_workers < 0:
+            problems.append(f"data_workers={self.data_workers} must be >= 0")
         if self.image_token_id is not None and self.image_token_id < 0:
             problems.append(f"image_token_id={self.image_token_id} must be a non-negative token id")
         _raise(problems)

@@ -97,7 +97,7 @@ class Run:
     def _iterator(self, dataset: Any, start: int) -> MicroBatchIterator:
         mbs = self.config.training.micro_batch_size
         return MicroBatchIterator(dataset, self.batch_config, mbs, self.state.dp.rank, self.state.dp_size, start,
-                                  self.state.device)  # fmt: skip
+                                  self.state.device, self.config.multimodal.data_workers)  # fmt: skip
 
 
 def build_model_chunks(
