@@ -145,6 +145,16 @@ def test_stage_1_then_stage_2_from_a_gpt_checkpoint(
     assert len(stage2.losses) == 2 and read_metadata(s2)["step"] == 2
     assert len(stage2.eval_losses) == 1 and 0 < stage2.eval_losses[0][1] < 10
     capsys.readouterr()
+    refusals = {
+        (f"checkpoint.load={tmp_path / 'gpt'}",): "holds a text-only GPT model; use multimodal.language_load",
+        (f"checkpoint.load={s1}", "multimodal.vision_config.num_layers=2"):
+            "multimodal.vision_config.num_layers: checkpoint has 3, config has 2",
+        (f"checkpoint.load={s1}", "model.num_layers=3"): "model.num_layers: checkpoint has 2, config has 3",
+        (f"checkpoint.load={s1}", "multimodal.projector=linear"): "multimodal.projector: checkpoint has 'mlp'",
+    }  # fmt: skip
+    for overrides, message in refusals.items():
+        assert main(["pretrain", "--recipe", "llava-tiny", *vlm(shards, "training.train_iters=1", *overrides)]) == 2
+        assert message in capsys.readouterr().err, overrides
     assert main(["checkpoint", "inspect", str(s2)]) == 0
     assert (
         "'vision': 'tiny-clip', 'image_token_id': 259, 'projector': 'mlp', 'freeze': ['vision']"
