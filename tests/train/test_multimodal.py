@@ -164,6 +164,39 @@ def test_stage_1_then_stage_2_from_a_gpt_checkpoint(
     assert all(not torch.equal(v, lm[k]) for k, v in _weights(s2, "language").items())
 
 
+def hf_tower(directory: Path, **changes: object) -> dict[str, torch.Tensor]:
+    """A Hugging Face CLIPVisionModel directory holding a tiny-clip tower of other weights (seed 7); its weights as
+    the trainer's tower names them."""
+    from safetensors.torch import save_file
+
+    from mcore_models.hf_vision import vision_config_to_hf, vision_mcore_to_hf
+    from mcore_models.vision import VisionEncoder, vision_preset
+
+    config = vision_preset("tiny-clip", seed=7)
+    weights = {n: p.detach().clone() for n, p in VisionEncoder(config).named_parameters()}
+    directory.mkdir()
+    hf = dict(vision_mcore_to_hf(config, weights.__getitem__, "vision_model."))
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({**vision_config_to_hf(config), **changes}))
+    return weights
+
+
+def test_a_hugging_face_tower_loads_into_stage_1(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = hf_tower(tmp_path / "clip")
+    _losses(vlm(shards, "training.train_iters=1", "multimodal.freeze=[vision,language]",
+                f"multimodal.vision_load={tmp_path / 'clip'}", f"checkpoint.dir={tmp_path / 's1'}"))  # fmt: skip
+    saved = _weights(latest_checkpoint(tmp_path / "s1"), "vision")
+    assert len(saved) == len(weights)
+    assert all(torch.equal(v, weights[k.removeprefix("model/vision.")]) for k, v in saved.items())
+    hf_tower(tmp_path / "wide", hidden_size=48)
+    for where, message in ((tmp_path / "wide", "multimodal.vision_config.hidden_size: "),
+                           (tmp_path, "not a Hugging Face model directory")):  # fmt: skip
+        assert main(["pretrain", "--recipe", "llava-tiny", *vlm(shards, f"multimodal.vision_load={where}")]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_config_errors_name_the_keys(shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["pretrain", "--recipe", "llava-tiny", f"data.path={shards}"]
     cases = {

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mcore_models.errors import ConfigError as ModelConfigError
+from mcore_models.errors import MCoreModelsError
 from mcore_models.multimodal import LlavaConfig
 from mcore_models.vision import VisionConfig, vision_preset
 from mcore_train.errors import ConfigError
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from mcore_train.config import TrainConfig
 
 __all__ = ["is_multimodal", "llava_config", "multimodal_problems", "multimodal_datasets", "llava_diffs",
-           "default_image_token_id"]  # fmt: skip
+           "default_image_token_id", "load_language", "load_vision"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +235,41 @@ def load_language(chunks: list[Any], path: str) -> Path:
         load_model(ckpt, chunk.language.sharded_state_dict())
     logger.info("language model loaded from %s", ckpt)
     return ckpt
+
+
+def _vision_files(path: str) -> tuple[dict[str, Any], list[Path]]:
+    d = Path(path)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    if not (d / "config.json").is_file() or not files:
+        raise ConfigError([f"multimodal.vision_load={path}: not a Hugging Face model directory (config.json and "
+                           "*.safetensors: a CLIPVisionModel / SiglipVisionModel, CLIPModel or LLaVA save)"])  # fmt: skip
+    import json
+
+    return json.loads((d / "config.json").read_text()), files
+
+
+def load_vision(chunks: list[Any], path: str, configured: VisionConfig) -> None:
+    """``multimodal.vision_load``: a Hugging Face CLIP / SigLIP tower's weights into the first stage's tower; its
+    config.json must describe the configured tower (each differing field is named)."""
+    from safetensors import safe_open
+
+    from mcore_models.hf_vision import hf_vision_prefix, vision_config_from_hf, vision_hf_to_mcore
+
+    hf, files = _vision_files(path)
+    try:
+        saved = vision_config_from_hf(hf, vision_feature_layer=configured.vision_feature_layer)
+    except MCoreModelsError as e:  # not a CLIP / SigLIP tower
+        raise ConfigError([f"multimodal.vision_load={path}: {e}"]) from None
+    mine, theirs = configured.to_dict(), saved.to_dict()
+    skip = {*_RUNTIME_VISION, "init_method_std"}
+    diffs = [f"multimodal.vision_config.{k}: {path} has {v!r}, the configured tower {mine.get(k)!r}"
+             for k, v in theirs.items() if k not in skip and mine.get(k) != v]  # fmt: skip
+    if diffs:
+        raise ConfigError(diffs, header="the vision tower of multimodal.vision_load differs from the configured one")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 (a safetensors handle is not iterable)
+    state = dict(vision_hf_to_mcore(configured, lambda k: where[k].get_tensor(k), hf_vision_prefix(where)))
+    for chunk in chunks:
+        if chunk.pre_process:
+            chunk.vision.load_global_state_dict(state)
+    logger.info("vision tower loaded from %s", path)

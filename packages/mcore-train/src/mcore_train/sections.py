@@ -342,6 +342,11 @@ class MultimodalSection:
     """A GPT checkpoint (mcore-train's, or a run directory) loaded into the language model before training (the
     first stage of a VLM from a pretrained LM); ignored when resuming a VLM checkpoint."""
 
+    vision_load: str | None = None
+    """A Hugging Face vision tower (a directory with config.json and *.safetensors: CLIPVisionModel, SiglipVisionModel,
+    CLIPModel or a LLaVA save) loaded into the tower before training; its config must match the configured tower
+    (e.g. clip-vit-l14-336 for openai/clip-vit-large-patch14-336); ignored when resuming a VLM checkpoint."""
+
     def __post_init__(self) -> None:
         problems = []
         if len(self.image_mean) != len(self.image_std) or len(self.image_mean) not in (0, 3):

@@ -40,7 +40,7 @@ from mcore_parallel.topology import resolve_dp_comm, resolve_tp_comm
 from mcore_train.config import TrainConfig
 from mcore_train.data import MicroBatchIterator, RunData, build_run_data, build_tokenizer_for
 from mcore_train.errors import ConfigError
-from mcore_train.multimodal import is_multimodal, llava_config, llava_diffs, load_language
+from mcore_train.multimodal import is_multimodal, llava_config, llava_diffs, load_language, load_vision
 from mcore_train.scheduler import LRScheduler
 from mcore_train.speed import SpeedChoices, describe, resolve_speed
 
@@ -276,8 +276,11 @@ def setup(config: TrainConfig) -> Run:
     llava = llava_config(config, build_tokenizer_for(config).vocab_size) if is_multimodal(config) else None
     chunks = build_model_chunks(config, model_config, state, tracker, compile=speed.compile, llava=llava)
     path = _load_path(config)
-    if llava is not None and path is None and config.multimodal.language_load:
-        load_language(chunks, config.multimodal.language_load)  # before the optimizer copies the weights
+    if llava is not None and path is None:  # pretrained parts, before the optimizer copies the weights
+        if config.multimodal.language_load:
+            load_language(chunks, config.multimodal.language_load)
+        if config.multimodal.vision_load:
+            load_vision(chunks, config.multimodal.vision_load, llava.vision)
     ddp_config = dataclasses.replace(
         config.parallel.ddp,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
