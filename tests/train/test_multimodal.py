@@ -79,7 +79,7 @@ def test_a_tiny_vlm_learns_captions_that_text_alone_cannot(tmp_path: Path) -> No
 def test_tp2_sp_dp2_zero_and_pp2_equal_one_process(shards: Path) -> None:
     args = vlm(shards, "training.train_iters=3")
     one = _losses(args)
-    for layout in (["parallel.tp=2", "parallel.sequence_parallel=true"],
+    for layout in (["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
                    ["optimizer.use_distributed_optimizer=true"], ["parallel.pp=2"]):  # fmt: skip
         losses = run_distributed(_losses, 2, [*args, *layout], timeout=300)[0]
         assert losses == pytest.approx(one, rel=2e-5), layout
