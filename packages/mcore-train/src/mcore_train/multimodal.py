@@ -251,7 +251,10 @@ def _vision_files(path: str) -> tuple[dict[str, Any], list[Path]]:
 def load_vision(chunks: list[Any], path: str, configured: VisionConfig) -> None:
     """``multimodal.vision_load``: a Hugging Face CLIP / SigLIP tower's weights into the first stage's tower; its
     config.json must describe the configured tower (each differing field is named)."""
-    from safetensors import safe_open
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConfigError([f"multimodal.vision_load={path} reads safetensors: pip install 'mcore-train[hf]'"]) from None
 
     from mcore_models.hf_vision import hf_vision_prefix, vision_config_from_hf, vision_hf_to_mcore
 
