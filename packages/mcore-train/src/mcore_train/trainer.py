@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -124,10 +123,10 @@ def build_model_chunks(
     for v in range(vpp):
         layers = stage_layers(model_config, par.pp, state.pp.rank, vpp, v, par.first_stage_layers,
                               par.last_stage_layers)  # fmt: skip
-        kind: Any = GPTModel if llava is None else functools.partial(LlavaModel, llava)
+        kind: Any = GPTModel if llava is None else LlavaModel  # a LlavaModel's LM is llava.language (model_config)
         chunks.append(
             kind(
-                *(() if llava is not None else (model_config,)),
+                model_config if llava is None else llava,
                 tp=state.tp,
                 sequence_parallel=state.sequence_parallel,
                 pre_process=state.is_first_stage and v == 0,
