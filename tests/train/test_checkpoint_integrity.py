@@ -232,6 +232,19 @@ def test_finetune_loads_weights_and_checks_them(run_dir: Path, tmp_path: Path) -
         pretrain(config("training.train_iters=3", f"checkpoint.load={ckpt}", "checkpoint.finetune=true"))
 
 
+def test_an_interrupted_finetune_resumes_its_own_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    """checkpoint.load gives a fine-tune its starting weights; rerun after an interruption, the same command
+    continues from the fine-tune's own checkpoint.dir (step 2 of 4), not from the loaded weights again."""
+    ckpt, own = latest_checkpoint(run_dir), tmp_path / "finetune"
+    common = [f"checkpoint.load={ckpt}", "checkpoint.finetune=true", f"checkpoint.dir={own}"]
+    straight = pretrain(config("training.train_iters=4", *common[:2]))
+    first = pretrain(config("training.train_iters=4", "training.exit_interval=2", *common))
+    assert first.steps == 2 and latest_checkpoint(own) is not None
+    rest = pretrain(config("training.train_iters=4", *common))
+    assert rest.steps == 4 and len(rest.losses) == 2  # steps 3 and 4 only
+    assert [*first.losses, *rest.losses] == straight.losses
+
+
 def test_verify_sample_resumes_a_good_checkpoint_and_catches_a_sampled_chunk(run_dir: Path) -> None:
     _resume(run_dir, "checkpoint.verify=sample")
     chunk = _chunk(run_dir, "master")

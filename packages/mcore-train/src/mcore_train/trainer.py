@@ -304,14 +304,29 @@ def setup(config: TrainConfig) -> Run:
     return run
 
 
-def _resume(run: Run, path: Path) -> None:
+def _own_checkpoint(config: TrainConfig, path: Path) -> Path | None:
+    """The latest checkpoint of this run's own ``checkpoint.dir`` when ``checkpoint.load`` (``path``) only gives the
+    run its starting weights (fine-tuning, a new VLM stage): rerunning an interrupted fine-tune continues it, as
+    Megatron's ``--load`` does beside ``--pretrained-checkpoint``, instead of starting it again from the weights."""
+    ck = config.checkpoint
+    if ck.load is None or ck.dir is None or not ck.auto_resume:
+        return None
+    found = latest_checkpoint(ck.dir)
+    return None if found is None or found.resolve() == path.resolve() else found
+
+
+def _resume(run: Run, path: Path, own: bool = False) -> None:
     meta = read_metadata(path)
     saved_model = meta.get("model")
     new_stage = _check_saved_model(run, path, saved_model)
     choice = run.config.checkpoint.verify
     verify: Verify = "sample" if choice == "sample" else choice not in ("off", False)
     manager = run.checkpoints or CheckpointManager(path.parent, run.state)
-    if run.config.checkpoint.finetune or new_stage:
+    if (run.config.checkpoint.finetune or new_stage) and not own:
+        mine = _own_checkpoint(run.config, path)
+        if mine is not None:
+            logger.info("resuming this run from %s (checkpoint.load=%s gave it its starting weights)", mine, path)
+            return _resume(run, mine, own=True)
         manager.load(run.items, None, path, verify=verify)  # weights only (every rank checks, then all load)
         # the optimizer's fp32 master weights must start from the loaded weights too
         _reseed_master(run)
