@@ -43,7 +43,11 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids``, ``position_ids``: ``[s, b]`` → ``[s (/ tp under SP), b, hidden]``."""
-        h = self.word_embeddings(input_ids)
+        return self.finish(self.word_embeddings(input_ids), position_ids)
+
+    def finish(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Word embeddings ``h`` (``[s (/ tp under SP), b, hidden]``, possibly with some rows replaced, as a VLM
+        splices its image embeddings) plus the learned positions, then dropout."""
         if self.position_embeddings is not None:
             pos = self.position_embeddings(position_ids)
             if self.ctx.sequence_parallel:

@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mcore_models.gpt import GPTModel
@@ -252,15 +251,7 @@ class LlavaModel(nn.Module):
                 chunk = s // ctx.tp.size
                 mask = mask[ctx.tp.rank * chunk : (ctx.tp.rank + 1) * chunk]
             h = torch.where(mask.unsqueeze(-1), full, h)
-        if emb.position_embeddings is not None:  # as LanguageModelEmbedding.forward, after the splice
-            pos = emb.position_embeddings(lm._positions(position_ids, s, h.device))
-            if ctx.sequence_parallel:
-                pos = scatter_to_sp_region(pos, ctx.tp)
-            h = h + pos
-        if emb.dropout > 0 and emb.training:
-            with ctx.sp_region_rng():
-                h = F.dropout(h, emb.dropout, training=True)
-        return h
+        return emb.finish(h, lm._positions(position_ids, s, h.device))
 
     # ---------------------------------------------------------------------------------------- state handling
     def _tower_parts(self) -> list[tuple[str, nn.Module]]:

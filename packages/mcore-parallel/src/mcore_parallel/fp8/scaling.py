@@ -46,6 +46,11 @@ def _triton(t: torch.Tensor) -> bool:
     return t.is_cuda and CAST_KERNELS == "auto" and cast_triton.available()
 
 
+def _triton_amax(t: torch.Tensor, rowwise: bool) -> bool:
+    """Whether ``t``'s amax is the Triton reduction (tensorwise, contiguous, on CUDA)."""
+    return not rowwise and _triton(t) and t.is_contiguous()
+
+
 def _kernel(name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
     """``fn`` compiled (once, shape-dynamic) for CUDA tensors; ``fn`` itself elsewhere."""
     if device.type != "cuda":
@@ -85,7 +90,7 @@ def _amax(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
 def amax_of(t: torch.Tensor, rowwise: bool = False, group: Group | None = None) -> torch.Tensor:
     """The largest ``|t|`` (float32; per row of a 2-D ``t`` with ``rowwise``), the maximum over ``group`` when given
     (the tensor's elements are split over its ranks)."""
-    if not rowwise and _triton(t) and t.is_contiguous():
+    if _triton_amax(t, rowwise):
         m = cast_triton.amax_triton(t)
     else:
         m = _kernel("amax_rowwise" if rowwise else "amax", _amax, t.device)(t, rowwise)
@@ -111,7 +116,7 @@ def _amax_scale(t: torch.Tensor, rowwise: bool, top: float) -> torch.Tensor:
 def current_scale(t: torch.Tensor, fmt: Fp8Format, rowwise: bool, margin: int, group: Group | None) -> torch.Tensor:
     """The scale of ``t`` from its own absolute maximum (over ``group`` when its elements are split there); one
     kernel on CUDA when no group is involved."""
-    if (group is None or group.size == 1) and not (not rowwise and _triton(t) and t.is_contiguous()):
+    if (group is None or group.size == 1) and not _triton_amax(t, rowwise):
         return _kernel("amax_scale", _amax_scale, t.device)(t, rowwise, fmt.max / 2.0**margin)
     return scale_from_amax(amax_of(t, rowwise, group), fmt, margin)
 
