@@ -72,6 +72,9 @@ class TokenizedConversation:
     loss_mask: npt.NDArray[np.float32]
     image_positions: npt.NDArray[np.int64]
     num_images: int = 0
+    """Image placeholders."""
+    num_tiles: int = 0
+    """Images the vision tower sees (with tiling, an image is several tiles; else one per placeholder)."""
     pieces: list[tuple[str, int]] = field(default_factory=list)
     """(text, loss) of each encoded piece, for inspection."""
 
@@ -84,11 +87,17 @@ def tokenize_conversation(
     image_tokens: int = 1,
     loss_on: str = "assistant",
     append_eod: bool = True,
+    tiles: Sequence[Sequence[str]] | None = None,
 ) -> TokenizedConversation:
     """Encode ``messages`` in the chat format; ``<image>`` becomes ``image_tokens`` copies of ``image_token_id``.
 
     ``loss_on``: ``assistant`` (default: the content and closing newline of assistant turns, and the final EOD), or
     ``all`` (every text token: headers, prompts and answers). Image tokens never carry loss.
+
+    ``tiles``: for each placeholder in order, the text tag of each of its tiles ('' for none; see
+    :func:`mcore_data.tiling.tile_tags`): the placeholder becomes, per tile, its tag's tokens (no loss) and
+    ``image_tokens`` image tokens. None: one untagged tile per placeholder. A count that differs from the
+    placeholders' is a ConfigError.
     """
     if loss_on not in ("assistant", "all"):
         raise ConfigError(f"loss_on must be 'assistant' or 'all', not {loss_on!r}")
@@ -98,6 +107,14 @@ def tokenize_conversation(
     mask: list[float] = []
     pieces: list[tuple[str, int]] = []
     positions: list[int] = []
+    placeholders = sum(content.count(IMAGE_PLACEHOLDER) for _, content in _turns(messages))
+    if tiles is not None and len(tiles) != placeholders:
+        raise ConfigError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the conversation but tiles for "
+                          f"{len(tiles)} image(s)")  # fmt: skip
+    layout = [[""] for _ in range(placeholders)] if tiles is None else [list(t) for t in tiles]
+    if any(not t for t in layout):
+        raise ConfigError("every image needs at least one tile")
+    image = 0
 
     def add(text: str, loss: bool) -> None:
         if text:
@@ -111,10 +128,13 @@ def tokenize_conversation(
         add(f"<|{role}|>\n", loss_on == "all")
         for j, part in enumerate(content.split(IMAGE_PLACEHOLDER)):
             if j:
-                positions.extend(range(len(ids), len(ids) + image_tokens))
-                ids.extend([image_token_id] * image_tokens)
-                mask.extend([0.0] * image_tokens)
-                pieces.append((IMAGE_PLACEHOLDER, 0))
+                for tag in layout[image]:
+                    add(tag, False)
+                    positions.extend(range(len(ids), len(ids) + image_tokens))
+                    ids.extend([image_token_id] * image_tokens)
+                    mask.extend([0.0] * image_tokens)
+                    pieces.append((IMAGE_PLACEHOLDER, 0))
+                image += 1
             add(part, answer)
         add("\n", answer)
     if append_eod:
@@ -124,6 +144,7 @@ def tokenize_conversation(
         tokens=np.asarray(ids, dtype=np.int64),
         loss_mask=np.asarray(mask, dtype=np.float32),
         image_positions=np.asarray(positions, dtype=np.int64),
-        num_images=len(positions) // image_tokens,
+        num_images=placeholders,
+        num_tiles=len(positions) // image_tokens,
         pieces=pieces,
     )

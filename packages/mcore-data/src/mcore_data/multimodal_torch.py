@@ -30,10 +30,12 @@ from mcore_data._png import decode_png
 from mcore_data.chat import IMAGE_PLACEHOLDER, caption_conversation, tokenize_conversation
 from mcore_data.errors import ConfigError, ImageDecodeError
 from mcore_data.multimodal import ShardReader
+from mcore_data.tiling import Tiling, tile_grid
 from mcore_data.tokenizer import Tokenizer
 from mcore_data.torch import ResumableSampler, _torch
 
-__all__ = ["MultimodalConfig", "MultimodalDataset", "build_multimodal_dataloader", "decode_image", "sample_order"]
+__all__ = ["MultimodalConfig", "MultimodalDataset", "build_multimodal_dataloader", "decode_image", "image_tiles",
+           "sample_order"]  # fmt: skip
 
 
 @dataclass
@@ -65,6 +67,34 @@ class MultimodalConfig:
             raise ConfigError(f"seq_length must be >= 2 and image_size >= 1, got {self.seq_length}, {self.image_size}")
         if (self.mean is None) != (self.std is None):
             raise ConfigError("give both mean and std, or neither")
+
+
+def _resize(t: Any, height: int, width: int) -> Any:
+    """``[C, H, W]`` float pixels resized (bilinear with antialiasing, stretched) and clamped to [0, 1]."""
+    torch = _torch()
+    if tuple(t.shape[1:]) == (height, width):
+        return t
+    out = torch.nn.functional.interpolate(t[None], size=(height, width), mode="bilinear", antialias=True,
+                                          align_corners=False)[0]  # fmt: skip
+    return out.clamp_(0.0, 1.0)
+
+
+def image_tiles(pixels: Any, size: int, tiling: Tiling | None = None) -> Any:
+    """One image's tower inputs ``[k, C, size, size]`` from float pixels ``[C, H, W]`` in [0, 1]: the image resized
+    to one tile without tiling, else its grid of tiles row-major plus the thumbnail (:mod:`mcore_data.tiling`)."""
+    torch = _torch()
+    tiling = tiling or Tiling()
+    if not tiling.enabled:
+        return _resize(pixels, size, size)[None]
+    height, width = int(pixels.shape[1]), int(pixels.shape[2])
+    cols, rows = tile_grid(width, height, tiling.max_tiles, size)
+    if cols * rows == 1:
+        return _resize(pixels, size, size)[None]
+    big = _resize(pixels, rows * size, cols * size)
+    tiles = big.view(-1, rows, size, cols, size).permute(1, 3, 0, 2, 4).reshape(rows * cols, -1, size, size)
+    if tiling.thumbnail:
+        tiles = torch.cat([tiles, _resize(pixels, size, size)[None]])
+    return tiles.contiguous()
 
 
 def sample_order(num_stored: int, epoch: int, seed: int) -> npt.NDArray[np.int64]:
