@@ -183,10 +183,10 @@ def text(s: str) -> dict[str, Any]:
 
 
 class Server:
-    def __init__(self, model: LlavaModel) -> None:
+    def __init__(self, model: LlavaModel, llm: LLM | None = None, **engine: Any) -> None:
         self.model = model
-        self.llm = vlm_llm(model)
-        self.reference = vlm_llm(model)
+        self.llm = llm or vlm_llm(model, **engine)
+        self.reference = vlm_llm(model, **engine)
         self.app = build_app(AsyncEngine(self.llm.engine), self.llm.tokenizer, "tiny-vlm", shutdown_timeout=2.0)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -202,13 +202,13 @@ class Server:
     def expected(self, messages: list[dict[str, Any]], n: int) -> str:
         """The engine's own answer to the prompt and pixels the server makes of ``messages``."""
         from mcore_infer.protocol import CHAT_STOP, chat_messages
-        from mcore_infer.server.images import decode_data_url, prompt_with_images, to_pixels
+        from mcore_infer.server.images import prompt_with_images, request_pixels
 
         vision = self.llm.runner.vision
         assert vision is not None
         chat = chat_messages(messages)
-        ids = prompt_with_images(self.llm.tokenizer, chat.turns, vision)
-        px = torch.stack([to_pixels(*decode_data_url(u, w), vision, w) for u, w in chat.images])
+        px, tiles = request_pixels(chat.images, vision)
+        ids = prompt_with_images(self.llm.tokenizer, chat.turns, vision, tiles)
         p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop=CHAT_STOP)
         rid = self.reference.engine.add_request(ids, p, images=px)
         while True:
@@ -361,3 +361,93 @@ def test_a_llava_checkpoint_at_tp_2_is_refused(vlm: LlavaModel, tmp_path: Any) -
     path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path)
     with pytest.raises(InvalidRequestError, match=r"vision-language \(LLaVA\) checkpoint: it is served at --tp 1"):
         load_model(path, tp=SimpleNamespace(size=2), device="cpu")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------------- tiling
+def tiled_checkpoint(vlm: LlavaModel, tmp_path: Any, **multimodal: Any) -> Any:
+    from mcore_models.multimodal.checkpoint import save_llava_weights
+    from mcore_parallel import ParallelState
+
+    meta = {"config": {"multimodal": multimodal}}  # as an mcore-train run saves its tiling
+    return save_llava_weights(vlm, ParallelState.initialize(), tmp_path, metadata=meta)
+
+
+TILED: dict[str, Any] = dict(max_model_len=256, max_num_batched_tokens=64)
+
+
+def test_a_tiled_checkpoint_serves_its_tiles_as_trained(vlm: LlavaModel, tmp_path: Any) -> None:
+    from mcore_data.chat import tokenize_conversation
+    from mcore_data.multimodal_torch import image_tiles
+    from mcore_data.tiling import Tiling, tile_tags
+
+    path = tiled_checkpoint(vlm, tmp_path, max_tiles=4)
+    llm = LLM(path, config=EngineConfig(num_blocks=64, max_num_seqs=4, max_images=2, **TILED), device="cpu")
+    assert llm.runner.vision is not None and llm.runner.vision.tiling == Tiling(4)
+    srv = Server(vlm, llm, max_tiles=4, **TILED)
+    seen: list[tuple[list[int], Any]] = []  # what the engine is asked: prompt ids and pixels
+    add = llm.engine.add_request
+
+    def spy(ids: list[int], params: SamplingParams, **k: Any) -> str:
+        seen.append((list(ids), k.get("images")))
+        return add(ids, params, **k)
+
+    llm.engine.add_request = spy  # type: ignore[method-assign,assignment]
+    try:
+        wide = np.random.default_rng(4).integers(0, 256, (16, 40, 3), dtype=np.uint8)  # a 3 x 1 grid + thumbnail
+        url = "data:image/png;base64," + base64.b64encode(encode_png(wide)).decode()
+        messages = user(image(url), text("What is it?"))
+        r = srv.client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                                               temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        tiles = image_tiles(torch.from_numpy(wide).permute(2, 0, 1).float() / 255, S, Tiling(4))
+        conv = tokenize_conversation(llm.tokenizer, [{"role": "user", "content": "<image>What is it?"}],
+                                     image_token_id=IMG, image_tokens=T, append_eod=False,
+                                     tiles=[tile_tags(4, Tiling(4))])  # fmt: skip
+        ((ids, px),) = seen
+        assert ids == [*conv.tokens.tolist(), *llm.tokenizer.encode("<|assistant|>\n")] and conv.num_tiles == 4
+        assert px.shape == (4, 3, S, S) and torch.equal(px, tiles)
+        assert bytes(ids).count(b"<tile_") == 4 and b"<tile_3><tile_global_thumbnail>" not in bytes(ids)
+        assert r.choices[0].message.content == srv.expected(messages, 6)  # = LlavaModel.forward over those tiles
+        seen.clear()
+        two = user(image(url), text(" vs "), image(png_url(2, 16, 16)))  # the square one: 1 tile
+        r = srv.client.chat.completions.create(model="tiny-vlm", messages=two, max_tokens=4,  # type: ignore[arg-type]
+                                               temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert seen[0][1].shape[0] == 5 and r.choices[0].message.content == srv.expected(two, 4)
+        r3 = _post(srv, user(*[image(png_url(i)) for i in range(3)]))  # still counted in images, before decoding
+        assert r3.status_code == 400 and r3.json()["error"]["code"] == "too_many_images", r3.text
+        assert "at most 2 per request" in r3.json()["error"]["message"]
+    finally:
+        srv.close()
+    with pytest.raises(ValueError, match=r"11 image tiles; this server takes at most 10 per request \(2 images"):
+        llm.engine.add_request([IMG] * T * 11, GREEDY, images=torch.rand(11, 3, S, S))
+    with pytest.raises(ValueError, match="16 image tokens .* but 2 image tile"):
+        llm.engine.add_request([1, *[IMG] * T], GREEDY, images=torch.rand(2, 3, S, S))
+
+
+def test_tiling_flags_override_the_checkpoint(vlm: LlavaModel, tmp_path: Any, capsys: Any) -> None:
+    from mcore_data.tiling import Tiling
+    from mcore_infer.cli import _engine_config, _parser, main
+
+    path = tiled_checkpoint(vlm, tmp_path, max_tiles=4, tile_tags=False)
+    small: dict[str, Any] = dict(num_blocks=16, max_num_seqs=2)
+    vision = lambda **kw: LLM(path, config=EngineConfig(**small, **kw), device="cpu").runner.vision  # noqa: E731
+    assert vision().tiling == Tiling(4, thumbnail=True, tags=False)  # type: ignore[union-attr]
+    assert vision(max_tiles=2, tile_tags=True).tiling == Tiling(2, True, True)  # type: ignore[union-attr]
+    assert vision(max_tiles=1).tiling == Tiling(1, True, False)  # type: ignore[union-attr]
+    assert vision_of_plain(vlm, tmp_path / "plain").tiling == Tiling()  # no tiling saved: none
+    args = ["generate", "--checkpoint", str(path), "Hi", "--max-tokens", "2", "--device", "cpu", "--num-blocks", "16",
+            "--max-num-seqs", "2"]  # fmt: skip
+    config = _engine_config(_parser().parse_args([*args, "--max-tiles", "6", "--no-tile-thumbnail", "--tile-tags"]),
+                            "cpu")  # fmt: skip
+    assert config.tiling() == Tiling(6, thumbnail=False, tags=True)
+    assert _engine_config(_parser().parse_args(args), "cpu").max_tiles is None  # unset: the checkpoint's
+    assert main([*args, "--max-tiles", "3"]) == 0 and capsys.readouterr().out.strip()
+    assert main([*args, "--max-tiles", "0"]) == 2
+    assert "max_tiles=0 must be an integer >= 1" in capsys.readouterr().err
+    bad = tiled_checkpoint(vlm, tmp_path / "bad", max_tiles="4")
+    assert main(["generate", "--checkpoint", str(bad), *args[3:]]) == 2
+    assert "multimodal.max_tiles='4' is not valid" in capsys.readouterr().err
+
+
+def vision_of_plain(vlm: LlavaModel, tmp_path: Any) -> Any:
+    return LLM(tiled_checkpoint(vlm, tmp_path), config=EngineConfig(num_blocks=16, max_num_seqs=2),
+               device="cpu").runner.vision  # fmt: skip

@@ -4,7 +4,9 @@
 tokenizer named in the checkpoint (the byte tokenizer when none is named), and drives an :class:`LLMEngine` in the
 caller's thread. A LLaVA checkpoint (:mod:`mcore_models.multimodal.checkpoint`: its metadata's model has a vision
 and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel`, served at tp=1 with images
-(:mod:`mcore_infer.images`), normalised as its mcore-train run did unless ``EngineConfig.image_mean`` says otherwise. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
+(:mod:`mcore_infer.images`), normalised as its mcore-train run did unless ``EngineConfig.image_mean`` says otherwise,
+and tiled as it did (``multimodal.max_tiles`` / ``tile_thumbnail`` / ``tile_tags``) unless ``EngineConfig.max_tiles``
+/ ``tile_thumbnail`` / ``tile_tags`` say otherwise. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
 calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
 """
 
@@ -101,6 +103,29 @@ def _trained_normalization(checkpoint: str | Path, config: EngineConfig) -> Engi
     return replace(config, image_mean=tuple(mean), image_std=tuple(std))
 
 
+def _trained_tiling(checkpoint: str | Path, config: EngineConfig) -> EngineConfig:
+    """``config`` with the image tiling an mcore-train VLM run used (its saved ``multimodal.max_tiles`` /
+    ``tile_thumbnail`` / ``tile_tags``) in the fields ``config`` leaves unset; a checkpoint without them (an older
+    run, an imported Hugging Face model) is not tiled."""
+    ckpt = resolve_checkpoint(checkpoint)
+    mm = (read_metadata(ckpt).get("config") or {}).get("multimodal") or {}
+    saved: dict[str, Any] = {}
+    for key in ("max_tiles", "tile_thumbnail", "tile_tags"):
+        value = mm.get(key)
+        if value is None or getattr(config, key) is not None:
+            continue
+        if type(value) is not (int if key == "max_tiles" else bool) or (key == "max_tiles" and value < 1):
+            raise InvalidRequestError(f"{ckpt}: the checkpoint's multimodal.{key}={value!r} is not valid; give "
+                                      f"--{key.replace('_', '-')} to serve it")  # fmt: skip
+        saved[key] = value
+    if not saved:
+        return config
+    config = replace(config, **saved)
+    if config.tiling().enabled:
+        log.info("images tiled as in training: %s", config.tiling())
+    return config
+
+
 def _load_llava(ckpt: Path, tp: Group | None, device: torch.device, dtype: str) -> LlavaModel:
     from mcore_models.multimodal.checkpoint import llava_config_from_checkpoint, load_llava_weights
 
@@ -141,6 +166,8 @@ class LLM:
         self.config = config or EngineConfig()
         if checkpoint is not None and isinstance(model, LlavaModel) and self.config.image_mean is None:
             self.config = _trained_normalization(checkpoint, self.config)
+        if checkpoint is not None and isinstance(model, LlavaModel):
+            self.config = _trained_tiling(checkpoint, self.config)
         lm = model.language if isinstance(model, LlavaModel) else model
         self.name = name or str(lm.config.extra.get("preset", "mcore-model"))
         self.runner = ModelRunner(model, self.config, tp)

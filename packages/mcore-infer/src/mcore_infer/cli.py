@@ -1,7 +1,8 @@
 """``mcore-infer``: ``serve`` (OpenAI-compatible HTTP server) and ``generate`` (one-off completions).
 
 A LLaVA checkpoint (``mcore_models.multimodal``) is served as a vision-language model at ``--tp 1``: chat requests
-may carry ``image_url`` data URLs (``--max-images``, ``--image-mean`` / ``--image-std``).
+may carry ``image_url`` data URLs (``--max-images``, ``--image-mean`` / ``--image-std``, ``--max-tiles``,
+``--tile-thumbnail`` / ``--tile-tags``; the normalisation and tiling default to the checkpoint's training run's).
 
 Tensor parallel serving: ``torchrun --nproc-per-node N -m mcore_infer.cli serve --tp N ...``; rank 0 runs the
 scheduler (the engine loop) and starts the HTTP front-end processes, the other ranks follow its steps.
@@ -69,6 +70,14 @@ def _vision_args(p: argparse.ArgumentParser) -> None:
                    help="with --image-std: normalise pixels in [0, 1] as (x - mean) / std per channel, as the model "
                    "was trained (CLIP: 0.4815,0.4578,0.4082 / 0.2686,0.2613,0.2758); default: pixels in [0, 1]")  # fmt: skip
     p.add_argument("--image-std", type=_floats, default=None, metavar="R,G,B")
+    p.add_argument("--max-tiles", type=int, default=None, metavar="N",
+                   help="cut each image into a grid of at most N tiles (1: no tiling), as the model was trained; "
+                   "default: the checkpoint's multimodal.max_tiles, else no tiling")  # fmt: skip
+    p.add_argument("--tile-thumbnail", action=argparse.BooleanOptionalAction, default=None,
+                   help="with tiling, the whole image as one more tile (default: the checkpoint's, else on)")  # fmt: skip
+    p.add_argument("--tile-tags", action=argparse.BooleanOptionalAction, default=None,
+                   help="with tiling, a text tag (<tile_1>, ...) before each tile's image tokens (default: the "
+                   "checkpoint's, else on)")  # fmt: skip
 
 
 def _build_llm(args: argparse.Namespace, name: str | None = None) -> object:
@@ -102,6 +111,9 @@ def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
         max_images=args.max_images,
         image_mean=args.image_mean,
         image_std=args.image_std,
+        max_tiles=args.max_tiles,
+        tile_thumbnail=args.tile_thumbnail,
+        tile_tags=args.tile_tags,
     )
     try:
         return EngineConfig(**options)  # type: ignore[arg-type]

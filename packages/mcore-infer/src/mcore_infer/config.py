@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_data.tiling import Tiling
 from mcore_infer.decode import DecodeKernels, DecodePlan, check_decode_kernels
 
 __all__ = ["STEP_GRAPH_MAX_TOKENS", "EngineConfig"]
@@ -66,12 +67,29 @@ class EngineConfig:
     seed: int = 0
     """Seed of the generator used by requests without their own seed."""
     max_images: int = 8
-    """Vision-language models: most images per request (more are refused, HTTP 400)."""
+    """Vision-language models: most images per request (more are refused, HTTP 400). With tiling each image is up
+    to ``tiling().most_tiles`` tower inputs: a request's prefill encodes up to ``max_images * most_tiles`` tiles at
+    once, and its prompt holds ``image_tokens`` tokens per tile."""
     image_mean: tuple[float, ...] | None = None
     """Vision-language models, with ``image_std``: the server normalises pixels in [0, 1] as ``(x - mean) / std``
     per channel (e.g. CLIP's ``(0.4815, 0.4578, 0.4082)`` / ``(0.2686, 0.2613, 0.2758)``), as the model was trained
     (mcore-data's ``MultimodalConfig.mean`` / ``std``); None: pixels stay in [0, 1], mcore-data's default."""
     image_std: tuple[float, ...] | None = None
+    max_tiles: int | None = None
+    """Vision-language models: image tiling as the model was trained (:mod:`mcore_data.tiling`): most grid tiles per
+    image, 1 for no tiling. None (and for ``tile_thumbnail`` / ``tile_tags``): the checkpoint's ``multimodal``
+    settings when ``LLM`` loads one, else :class:`~mcore_data.tiling.Tiling`'s defaults (no tiling)."""
+    tile_thumbnail: bool | None = None
+    """With tiling: the whole image as one more tile after the grid."""
+    tile_tags: bool | None = None
+    """With tiling: a text tag before each tile's image tokens (``<tile_1>``, ..., ``<tile_global_thumbnail>``)."""
+
+    def tiling(self) -> Tiling:
+        """How the server tiles each image (the unset fields at :class:`~mcore_data.tiling.Tiling`'s defaults)."""
+        d = Tiling()
+        return Tiling(d.max_tiles if self.max_tiles is None else self.max_tiles,
+                      d.thumbnail if self.tile_thumbnail is None else self.tile_thumbnail,
+                      d.tags if self.tile_tags is None else self.tile_tags)  # fmt: skip
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,6 +117,8 @@ class EngineConfig:
             problems.append("image_mean and image_std go together: give both or neither")
         elif self.image_std is not None and (len(self.image_std) != len(self.image_mean or ()) or 0 in self.image_std):
             problems.append(f"image_mean={self.image_mean} / image_std={self.image_std}: one non-zero std per mean")
+        if self.max_tiles is not None and (type(self.max_tiles) is not int or self.max_tiles < 1):
+            problems.append(f"max_tiles={self.max_tiles!r} must be an integer >= 1 (1: no tiling)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -127,7 +127,8 @@ class LLMEngine:
         note = ""
         if vision is not None and vision.image_token_id in prompt_ids:
             k = prompt_ids.count(vision.image_token_id)
-            note = f" ({k} of them image tokens: {vision.image_tokens} per image)"
+            per = "image tile" if vision.tiling.enabled else "image"
+            note = f" ({k} of them image tokens: {vision.image_tokens} per {per})"
         if n >= self.max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens{note}",
@@ -161,7 +162,7 @@ class LLMEngine:
         (a streamed request without stop strings): its outputs carry token ids and no text, for a caller that
         detokenizes them itself (:class:`~mcore_infer.detokenizer.IncrementalText`, as the engine process's front
         end does). ``images``: a VLM request's pixels ``[n, C, S, S]`` (a tensor or a list of ``[C, S, S]``), one per
-        ``image_tokens`` run of the image token in the prompt (:mod:`mcore_infer.images`)."""
+        ``image_tokens`` run of the image token in the prompt (with tiling: one per tile; :mod:`mcore_infer.images`)."""
         imgs = check_images(self.vision, prompt_ids, images)
         max_tokens = self.check_request(prompt_ids, params)
         if self._pending + len(self.scheduler.waiting) >= self.max_queue:

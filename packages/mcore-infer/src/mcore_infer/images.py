@@ -2,8 +2,11 @@
 
 A request to a :class:`~mcore_models.multimodal.LlavaModel` may carry images: pixels ``[n, C, S, S]`` already
 resized to the tower's ``image_size`` and normalised (:mod:`mcore_infer.server.images` does that for the server);
-its prompt holds ``image_tokens`` copies of ``image_token_id`` per image, in order. The engine keeps them with the
-request (:class:`RequestImages`):
+its prompt holds ``image_tokens`` copies of ``image_token_id`` per image, in order. With tiling
+(:attr:`VisionInfo.tiling`, as the model was trained: :mod:`mcore_data.tiling`) each image is several tower inputs,
+its tiles: the ``n`` pixels are then every tile of every image in order, and the engine checks tiles
+(``image_tokens`` per tile, at most ``max_images * tiling.most_tiles`` per request) without knowing which image a
+tile came from. The engine keeps them with the request (:class:`RequestImages`):
 
 - the first prefill step whose chunk reaches an image token encodes the request's images once
   (``LlavaModel.image_embeddings``) and keeps the embeddings ``[n * image_tokens, hidden]``;
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mcore_data.tiling import Tiling
 from mcore_infer.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -38,7 +42,7 @@ class VisionInfo:
 
     image_token_id: int
     image_tokens: int
-    """Prompt tokens one image becomes."""
+    """Prompt tokens one tower input (an image, or with tiling one tile of it) becomes."""
     image_size: int
     """Side of the square pixels the tower takes."""
     num_channels: int
@@ -47,14 +51,23 @@ class VisionInfo:
     mean: tuple[float, ...] | None = None
     """With ``std``: pixels in [0, 1] are normalised as ``(pixels - mean) / std`` per channel; None: left in [0, 1]."""
     std: tuple[float, ...] | None = None
+    tiling: Tiling = field(default_factory=Tiling)
+    """How each image is cut into tiles (``EngineConfig.tiling()``); the default: no tiling, one tile per image."""
+
+    @property
+    def max_request_tiles(self) -> int:
+        """Most tower inputs per request: ``max_images`` images of at most ``tiling.most_tiles`` tiles each."""
+        return self.max_images * self.tiling.most_tiles
 
 
-def vision_info(model: Any, max_images: int, mean: Any = None, std: Any = None) -> VisionInfo:
+def vision_info(model: Any, max_images: int, mean: Any = None, std: Any = None, tiling: Tiling | None = None
+                ) -> VisionInfo:  # fmt: skip
     """The :class:`VisionInfo` of a ``LlavaModel``."""
     cfg = model.config
     v = cfg.vision
     return VisionInfo(cfg.image_token_id, cfg.image_tokens, v.image_size, v.num_channels, max_images,
-                      None if mean is None else tuple(mean), None if std is None else tuple(std))  # fmt: skip
+                      None if mean is None else tuple(mean), None if std is None else tuple(std),
+                      tiling or Tiling())  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -62,7 +75,7 @@ class RequestImages:
     """One request's images while it runs."""
 
     pixels: torch.Tensor
-    """``[n, C, S, S]``, as given."""
+    """``[n, C, S, S]``, as given (with tiling: every tile of every image)."""
     positions: list[int]
     """The prompt positions of the image tokens (sorted; ``n * image_tokens`` of them)."""
     embeds: torch.Tensor | None = None
@@ -77,19 +90,25 @@ class RequestImages:
 def check_images(
     vision: VisionInfo | None, prompt_ids: list[int], images: Any, param: str = "images"
 ) -> RequestImages | None:
-    """Validate a request's images against its prompt; None for a request without images (and none expected)."""
+    """Validate a request's images against its prompt; None for a request without images (and none expected).
+    With tiling, ``images`` are the tiles of all the request's images: at most ``vision.max_request_tiles`` of them."""
     n = 0 if images is None else (len(images) if isinstance(images, list | tuple) else int(images.shape[0]))
     if vision is None:
         if n:
             raise InvalidRequestError("this model is text-only: it does not take images", param=param)
         return None
     positions = [i for i, t in enumerate(prompt_ids) if t == vision.image_token_id]
-    if n > vision.max_images:
-        raise InvalidRequestError(f"the request has {n} images; this server takes at most {vision.max_images} per "
-                                  "request", param=param, code="too_many_images")  # fmt: skip
+    tiled, bound = vision.tiling.enabled, vision.max_request_tiles
+    what = "image tile(s)" if tiled else "image(s)"
+    if n > bound:
+        msg = f"the request has {n} images; this server takes at most {bound} per request"
+        if tiled:
+            msg = (f"the request has {n} image tiles; this server takes at most {bound} per request "
+                   f"({vision.max_images} images of at most {vision.tiling.most_tiles} tiles each)")  # fmt: skip
+        raise InvalidRequestError(msg, param=param, code="too_many_images")
     if len(positions) != n * vision.image_tokens:
         raise InvalidRequestError(f"the prompt holds {len(positions)} image tokens (id {vision.image_token_id}) but "
-                                  f"{n} image(s) x {vision.image_tokens} image_tokens = {n * vision.image_tokens} were "
+                                  f"{n} {what} x {vision.image_tokens} image_tokens = {n * vision.image_tokens} were "
                                   "expected", param=param)  # fmt: skip
     if not n:
         return None

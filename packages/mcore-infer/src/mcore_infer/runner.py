@@ -145,7 +145,8 @@ class ModelRunner:
                 raise ValueError("serving a vision-language (LLaVA) model runs at tp=1; tensor-parallel VLM serving "
                                  "is not supported")  # fmt: skip
             self.vlm, model = model, model.language
-            self.vision = vision_info(self.vlm, config.max_images, config.image_mean, config.image_std)
+            self.vision = vision_info(self.vlm, config.max_images, config.image_mean, config.image_std,
+                                      config.tiling())  # fmt: skip
         self.model = model  # the caller's (in eval mode): read, never changed
         self.config = config
         param = next(model.parameters())

@@ -2,10 +2,14 @@
 
 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: PNG by mcore-data's own decoder, JPEG
 and WebP (and GIF) through Pillow when it is installed (:func:`mcore_data.multimodal_torch.decode_image`). The server
-fetches nothing: an ``http(s)`` URL is refused. The image is resized to the tower's ``image_size`` (bilinear with
-antialiasing, stretched, as mcore-data's training images are) and normalised with ``EngineConfig.image_mean`` /
-``image_std`` when set. The prompt is the chat template with the image placeholder where each image part was
-(:func:`mcore_data.chat.tokenize_conversation`): ``image_tokens`` copies of the image token per image.
+fetches nothing: an ``http(s)`` URL is refused. Each image becomes its tiles, as the model was trained
+(:func:`~mcore_data.multimodal_torch.image_tiles` with ``VisionInfo.tiling``; without tiling, one tile: the image
+resized to the tower's ``image_size``, bilinear with antialiasing, stretched, as mcore-data's training images are),
+each normalised with ``EngineConfig.image_mean`` / ``image_std`` when set; a request's pixels are every tile of every
+image, in order.
+The prompt is the chat template with the image placeholder where each image part was
+(:func:`mcore_data.chat.tokenize_conversation` with each image's :func:`~mcore_data.tiling.tile_tags`): per tile,
+its tag's tokens then ``image_tokens`` copies of the image token, as mcore-data tokenizes the conversation to train.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Any
 import torch
 
 from mcore_data.chat import IMAGE_PLACEHOLDER, tokenize_conversation
+from mcore_data.tiling import tile_tags
 from mcore_infer.errors import InvalidRequestError
 from mcore_infer.images import ImagePrompt, VisionInfo
 from mcore_infer.protocol import ChatMessages
 
-__all__ = ["MAX_PIXELS", "ImagePart", "decode_data_url", "prepare_images", "prompt_with_images", "to_pixels"]
+__all__ = ["MAX_PIXELS", "ImagePart", "decode_data_url", "prepare_images", "prompt_with_images", "request_pixels",
+           "to_tiles"]  # fmt: skip
 
 ImagePart = tuple[str, str]
 """An image content part: its URL and where it is in the request (``messages[i].content[j]``)."""
@@ -59,10 +65,11 @@ def decode_data_url(url: str, where: str) -> tuple[bytes, str]:
     return data, _TYPES[kind]
 
 
-def to_pixels(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Tensor:
-    """Decoded, resized and normalised pixels ``[C, S, S]`` float32 (a 400 when the image cannot be decoded)."""
+def to_tiles(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Tensor:
+    """An image's decoded, tiled (or resized) and normalised pixels ``[k, C, S, S]`` float32, its ``k`` tiles in
+    :func:`mcore_data.multimodal_torch.image_tiles`' order (a 400 when the image cannot be decoded)."""
     from mcore_data.errors import ImageDecodeError
-    from mcore_data.multimodal_torch import decode_image
+    from mcore_data.multimodal_torch import decode_image, image_tiles
 
     if ext == "png" and data[12:16] == b"IHDR":  # a few compressed bytes can stand for gigabytes of pixels
         w, h = struct.unpack(">II", data[16:24])
@@ -76,25 +83,28 @@ def to_pixels(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Te
     t = torch.from_numpy(px.copy()).permute(2, 0, 1).float().div_(255.0)
     if t.shape[0] != vision.num_channels:
         raise InvalidRequestError(f"{where}: the model takes {vision.num_channels}-channel images", param=where)
-    size = vision.image_size
-    if t.shape[1:] != (size, size):
-        t = torch.nn.functional.interpolate(t[None], size=(size, size), mode="bilinear", antialias=True,
-                                            align_corners=False)[0].clamp_(0.0, 1.0)  # fmt: skip
+    tiles = image_tiles(t, vision.image_size, vision.tiling)
     if vision.mean is not None and vision.std is not None:
-        t = (t - torch.tensor(vision.mean).view(-1, 1, 1)) / torch.tensor(vision.std).view(-1, 1, 1)
-    return t.contiguous()
+        tiles = (tiles - torch.tensor(vision.mean).view(-1, 1, 1)) / torch.tensor(vision.std).view(-1, 1, 1)
+    return tiles.contiguous()
 
 
-def prompt_with_images(tokenizer: Any, turns: list[dict[str, str]], vision: VisionInfo) -> list[int]:
-    """The chat prompt's token ids with each image placeholder of ``turns`` as ``image_tokens`` image tokens, as
-    mcore-data tokenizes a training conversation, then the generation prompt."""
+def prompt_with_images(tokenizer: Any, turns: list[dict[str, str]], vision: VisionInfo,
+                       tiles: list[int] | None = None) -> list[int]:  # fmt: skip
+    """The chat prompt's token ids with each image placeholder of ``turns`` as its tiles (``tiles[i]`` of image
+    ``i``, default one each): per tile its tag (:func:`~mcore_data.tiling.tile_tags`) and ``image_tokens`` image
+    tokens, as mcore-data tokenizes a training conversation; then the generation prompt."""
+    tags = None if tiles is None else [tile_tags(k, vision.tiling) for k in tiles]
     conv = tokenize_conversation(tokenizer, turns, image_token_id=vision.image_token_id,
-                                 image_tokens=vision.image_tokens, append_eod=False)  # fmt: skip
+                                 image_tokens=vision.image_tokens, append_eod=False, tiles=tags)  # fmt: skip
     return [int(t) for t in conv.tokens] + list(tokenizer.encode("<|assistant|>\n"))
 
 
-def _decode_all(parts: list[ImagePart], vision: VisionInfo) -> torch.Tensor:
-    return torch.stack([to_pixels(*decode_data_url(url, where), vision, where) for url, where in parts])
+def request_pixels(parts: list[ImagePart], vision: VisionInfo) -> tuple[torch.Tensor, list[int]]:
+    """The pixels of a request's image parts, every tile of every image in order ``[sum k_i, C, S, S]``, and each
+    image's tile count ``k_i``."""
+    per_image = [to_tiles(*decode_data_url(url, where), vision, where) for url, where in parts]
+    return torch.cat(per_image), [int(t.shape[0]) for t in per_image]
 
 
 async def prepare_images(tokenizer: Any, chat: ChatMessages, vision: VisionInfo | None, model: str) -> ImagePrompt:
@@ -111,5 +121,5 @@ async def prepare_images(tokenizer: Any, chat: ChatMessages, vision: VisionInfo 
     if chat.placeholder_in_text is not None:
         raise InvalidRequestError(f"{chat.placeholder_in_text}: text must not hold {IMAGE_PLACEHOLDER!r} (the image "
                                   "placeholder) in a request with images", param=chat.placeholder_in_text)  # fmt: skip
-    pixels = await asyncio.to_thread(_decode_all, parts, vision)
-    return ImagePrompt.of(prompt_with_images(tokenizer, chat.turns, vision), pixels)
+    pixels, tiles = await asyncio.to_thread(request_pixels, parts, vision)
+    return ImagePrompt.of(prompt_with_images(tokenizer, chat.turns, vision, tiles), pixels)
