@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("multimodal", help="images + JSONL captions/conversations (or synthetic ones) into tar shards")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help="a JSONL file of {image, caption|conversations} records, or a directory of them")
+    src.add_argument("--input", help="a JSONL file of {image|images, caption|conversations} records, or a directory of "
+                     "them")  # fmt: skip
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic pattern images with their captions")
     p.add_argument("--output", required=True, help="prefix: writes PREFIX-000000.tar, ... and PREFIX.json")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")

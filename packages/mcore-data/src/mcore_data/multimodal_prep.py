@@ -5,9 +5,17 @@ Input records, one JSON object per line, image paths relative to the JSONL file'
     {"image": "imgs/0001.jpg", "caption": "a dog on a beach"}
     {"image": "imgs/0002.png", "conversations": [{"role": "user", "content": "<image>\\nWhat is this?"},
                                                  {"role": "assistant", "content": "A cat."}]}
+    {"images": ["imgs/0003.png", "imgs/0004.jpg"],
+     "conversations": [{"role": "user", "content": "<image> or <image>: which is bigger?"},
+                       {"role": "assistant", "content": "The first."}]}
 
-Every record is checked before anything is written (a bad line, an unknown key, a missing or non-image file is an
-:class:`~mcore_data.errors.InputFormatError` naming ``file:line``), so a failed run leaves no partial output.
+A record gives exactly one of ``image`` (one path) and ``images`` (a non-empty list of paths, in the order of the
+``<image>`` placeholders). A conversation holds one placeholder per image, except a one-image conversation without
+any (the dataset puts the image first in the first user turn); a caption record takes exactly one image.
+
+Every record is checked before anything is written (a bad line, an unknown key, a placeholder count that differs
+from the image count, a missing or non-image file is an :class:`~mcore_data.errors.InputFormatError` naming
+``file:line``), so a failed run leaves no partial output.
 
 The synthetic set: deterministic images of simple patterns (a coloured square, disc, cross or stripes on a
 contrasting background) written with mcore-data's own PNG encoder, each with a caption that describes it, e.g.
@@ -44,7 +52,7 @@ __all__ = [
     "write_synthetic_folder",
 ]
 
-_KEYS = {"image", "caption", "conversations", "id"}
+_KEYS = {"image", "images", "caption", "conversations", "id"}
 
 
 @dataclass
@@ -57,8 +65,8 @@ class MultimodalSummary:
 
 @dataclass
 class _Record:
-    image: Path
-    ext: str
+    images: list[Path]
+    exts: list[str]
     record: dict[str, Any]
 
 
@@ -82,7 +90,7 @@ def _image_ext(path: Path, head: bytes) -> str | None:
     return None
 
 
-def _check_conversations(conv: Any, where: tuple[Path, int]) -> None:
+def _check_conversations(conv: Any, where: tuple[Path, int], images: int) -> None:
     if not isinstance(conv, list) or not conv:
         raise InputFormatError(*where, "'conversations' must be a non-empty list of {role, content} turns")
     for j, turn in enumerate(conv):
@@ -92,11 +100,41 @@ def _check_conversations(conv: Any, where: tuple[Path, int]) -> None:
             raise InputFormatError(*where, f"conversations[{j}].role {turn['role']!r} is not one of {CHAT_ROLES}")
         if not isinstance(turn["content"], str):
             raise InputFormatError(*where, f"conversations[{j}].content must be a string")
-    images = sum(t["content"].count(IMAGE_PLACEHOLDER) for t in conv)
-    if images > 1:
-        raise InputFormatError(*where, f"{images} {IMAGE_PLACEHOLDER} placeholders; a sample holds one image")
+    placeholders = sum(t["content"].count(IMAGE_PLACEHOLDER) for t in conv)
+    if placeholders != images and not (images == 1 and placeholders == 0):
+        raise InputFormatError(*where, f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the conversation but "
+                                       f"{images} image(s): give one placeholder per image (a single image may have "
+                                       "none)")  # fmt: skip
     if not any(t["role"] == "assistant" for t in conv):
         raise InputFormatError(*where, "the conversation has no assistant turn (nothing to train on)")
+
+
+def _image_paths(obj: dict[str, Any], where: tuple[Path, int]) -> list[str]:
+    if ("image" in obj) == ("images" in obj):
+        raise InputFormatError(*where, "needs exactly one of 'image' (a path relative to the JSONL file) and "
+                                       "'images' (a list of them)")  # fmt: skip
+    if "image" in obj:
+        if not isinstance(obj["image"], str) or not obj["image"]:
+            raise InputFormatError(*where, "'image' must be the image path relative to the JSONL file")
+        return [obj["image"]]
+    paths = obj["images"]
+    if not isinstance(paths, list) or not paths:
+        raise InputFormatError(*where, "'images' must be a non-empty list of image paths (relative to the JSONL file)")
+    for j, rel in enumerate(paths):
+        if not isinstance(rel, str) or not rel:
+            raise InputFormatError(*where, f"images[{j}] must be an image path, not {rel!r}")
+    return paths
+
+
+def _check_image(path: Path, rel: str, where: tuple[Path, int]) -> tuple[Path, str]:
+    image = path.parent / rel
+    if not image.is_file():
+        raise InputFormatError(*where, f"image file {image} not found")
+    with open(image, "rb") as f:
+        ext = _image_ext(image, f.read(8))
+    if ext is None:
+        raise InputFormatError(*where, f"image file {image} is neither PNG nor JPEG")
+    return image, ext
 
 
 def _parse_line(raw: bytes, path: Path, line: int) -> _Record:
@@ -110,28 +148,23 @@ def _parse_line(raw: bytes, path: Path, line: int) -> _Record:
     unknown = sorted(set(obj) - _KEYS)
     if unknown:
         raise InputFormatError(path, line, f"unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
-    if not isinstance(obj.get("image"), str) or not obj["image"]:
-        raise InputFormatError(path, line, "needs 'image': the image path relative to the JSONL file")
+    rels = _image_paths(obj, where)
     if ("caption" in obj) == ("conversations" in obj):
         raise InputFormatError(path, line, "needs exactly one of 'caption' and 'conversations'")
     if "caption" in obj:
         if not isinstance(obj["caption"], str) or not obj["caption"].strip():
             raise InputFormatError(path, line, "'caption' must be a non-empty string")
+        if len(rels) != 1:
+            raise InputFormatError(path, line, f"a caption record takes exactly one image, got {len(rels)} in 'images'")
         record: dict[str, Any] = {"caption": obj["caption"]}
     else:
-        _check_conversations(obj["conversations"], where)
+        _check_conversations(obj["conversations"], where, len(rels))
         record = {"conversations": obj["conversations"]}
-    image = path.parent / obj["image"]
-    if not image.is_file():
-        raise InputFormatError(path, line, f"image file {image} not found")
-    with open(image, "rb") as f:
-        ext = _image_ext(image, f.read(8))
-    if ext is None:
-        raise InputFormatError(path, line, f"image file {image} is neither PNG nor JPEG")
-    record["source"] = obj["image"]
+    checked = [_check_image(path, rel, where) for rel in rels]
+    record["source"] = obj["image"] if "image" in obj else list(rels)
     if "id" in obj:
         record["id"] = obj["id"]
-    return _Record(image, ext, record)
+    return _Record([image for image, _ in checked], [ext for _, ext in checked], record)
 
 
 def iter_records(source: str | os.PathLike[str]) -> Iterator[_Record]:
@@ -164,10 +197,10 @@ def preprocess_multimodal(
     bar = Progress("multimodal", total, unit="samples", enabled=progress)
     with ShardWriter(output_prefix, shard_size, overwrite=overwrite) as w:
         for r in iter_records(source):
-            data = r.image.read_bytes()
-            w.add(data, r.ext, r.record)
+            images = [(image.read_bytes(), ext) for image, ext in zip(r.images, r.exts)]
+            w.add_images(images, r.record)
             summary.samples += 1
-            summary.image_bytes += len(data)
+            summary.image_bytes += sum(len(data) for data, _ in images)
             bar.update(1)
     bar.close()
     summary.shards = len(w.shards)
