@@ -107,6 +107,51 @@ def test_resume_is_bit_exact_with_the_data_stream(shards: Path, tmp_path: Path) 
     assert logged and logged == pytest.approx([per_token] * len(logged), rel=1e-9)
 
 
+def pair_shards(prefix: Path, n: int = 64) -> list[str]:
+    """``n`` samples of two images each, a 16 px square then a 32 x 16 one, each of one colour; the caption names
+    both colours in order."""
+    rng = np.random.default_rng(1)
+    names = list(COLORS)
+    captions = []
+    with ShardWriter(prefix, overwrite=True) as w:
+        for _ in range(n):
+            a, b = (names[int(i)] for i in rng.integers(len(names), size=2))
+            square = np.tile(np.array(COLORS[a], np.uint8), (16, 16, 1))
+            wide = np.tile(np.array(COLORS[b], np.uint8), (16, 32, 1))
+            caption = f"{a} {b}"
+            w.add_images([(encode_png(square), "png"), (encode_png(wide), "png")],
+                         {"conversations": [{"role": "user", "content": "<image><image>"},
+                                            {"role": "assistant", "content": caption}]})  # fmt: skip
+            captions.append(caption)
+    return captions
+
+
+def test_two_images_per_sample_with_tiling_learn_both_colours(tmp_path: Path) -> None:
+    captions = pair_shards(tmp_path / "pairs")
+    # the 32 x 16 image is a 2 x 1 grid of 16 px tiles plus its thumbnail: 1 + 3 tiles of 16 image tokens a sample
+    args = vlm(tmp_path / "pairs", "data.seq_length=160", "multimodal.max_tiles=2", "training.train_iters=120",
+               f"checkpoint.dir={tmp_path / 'run'}")  # fmt: skip
+    run = setup(load_config(recipe="llava-tiny", overrides=args))
+    batch = next(run.train_iterators()[0])
+    assert batch["pixels"].shape == (8 * 4, 3, 16, 16) and batch["image_mask"].sum() == 8 * 4 * 16
+    assert batch["loss_mask"][batch["image_mask"]].sum() == 0
+    tokens = batch["tokens"][0].tolist()
+    text = bytes(t for t in tokens if t < 256).decode()
+    assert text.count("<tile_1>") == 2 and "<tile_2>" in text and "<tile_global_thumbnail>" in text
+    counts = collections.Counter(captions)  # text alone cannot name the colours: the captions' entropy per token
+    entropy = -sum(c / len(captions) * math.log(c / len(captions)) for c in counts.values())
+    bound = entropy / (sum(len(c) + 2 for c in captions) / len(captions))
+    losses = pretrain(load_config(recipe="llava-tiny", overrides=args)).losses
+    assert np.mean(losses[-10:]) < bound / 2, (np.mean(losses[-10:]), bound)
+    # the logged FLOPs count the tiles the steps read: 4 per sample
+    llava = llava_config(load_config(recipe="llava-tiny", overrides=args), 259)
+    per_sample = llava_training_flops(llava, batch_size=1, seq_length=160, num_images=4)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["tflops_per_gpu"] * 1e12 / r["samples_per_s"] for r in records if "tflops_per_gpu" in r]
+    assert logged and logged == pytest.approx([per_sample] * len(logged), rel=1e-9)
+    assert all(r["data_ms_per_step"] > 0 and 0 < r["data_share"] < 1 for r in records if "data_share" in r)
+
+
 def _weights(ckpt: Path, part: str) -> dict[str, torch.Tensor]:
     return {str(n): read_region(ckpt / n) for n in arrays(ckpt) if str(n).startswith(f"model/{part}.")}
 
@@ -123,7 +168,8 @@ def test_stage_1_then_stage_2_from_a_gpt_checkpoint(
     run = setup(load_config(recipe="llava-tiny", overrides=stage1))
     assert isinstance(run.chunks[0], LlavaModel) and run.llava is not None
     batch = next(run.train_iterators()[0])  # image and prompt tokens carry no loss
-    assert batch["pixels"].shape == (8, 3, 16, 16) and batch["loss_mask"].gather(1, batch["image_positions"]).sum() == 0
+    assert batch["pixels"].shape == (8, 3, 16, 16) and batch["image_mask"].sum() == 8 * 16
+    assert batch["loss_mask"][batch["image_mask"]].sum() == 0
     trained = {n for n, p in run.chunks[0].named_parameters() if p.requires_grad}
     assert trained and all(n.startswith("projector.") for n in trained)
     initial = LlavaModel(run.llava).global_state_dict()  # the per-name seeds: the trainer's initial weights

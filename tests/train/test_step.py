@@ -32,20 +32,20 @@ class _Clock:
 
 
 def _outcome(n: int, loss: float, *, batch: int = 8, seq: int = 16, norm: float = 1.5, zeros: float = 3.0,
-             update: StepResult | None = None) -> StepOutcome:  # fmt: skip
+             update: StepResult | None = None, data: float = 0.0, images: int = 0) -> StepOutcome:  # fmt: skip
     update = update if update is not None else StepResult(True, None, None, None)
     values = torch.tensor([loss * 2, 0.0, 0.0, norm, zeros], dtype=torch.float64)  # the loss sum over dp=2 ranks
     return StepOutcome(step=n, lr=0.1 * n, global_batch=batch, tokens=batch * seq, samples_before=(n - 1) * batch,
                        tokens_after=n * batch * seq, logged=True, update=update, end=f"end-{n}", values=values,
-                       ready=None, dp_size=2)  # fmt: skip
+                       ready=None, dp_size=2, data_seconds=data, images=images)  # fmt: skip
 
 
 def test_the_metrics_window_averages_counts_and_starts_again() -> None:
     clock = _Clock(2.0)
     window = MetricsWindow(clock, flops_per_token=1e9, world_size=4, peak_tflops=0.5, device=torch.device("cpu"))
-    window.add(_outcome(1, 2.0))
-    window.add(_outcome(2, math.nan))  # a skipped step: its tokens count, its loss does not
-    window.add(_outcome(3, 4.0, batch=16))
+    window.add(_outcome(1, 2.0, data=0.1))
+    window.add(_outcome(2, math.nan, data=0.2))  # a skipped step: its tokens count, its loss does not
+    window.add(_outcome(3, 4.0, batch=16, data=0.3))
     record = window.close(_outcome(3, 4.0, batch=16), skipped_steps=1)
     tokens = (8 + 8 + 16) * 16
     assert record["loss"] == pytest.approx(3.0)
@@ -57,8 +57,10 @@ def test_the_metrics_window_averages_counts_and_starts_again() -> None:
                                                                                              3, None)  # fmt: skip
     assert (record["global_batch_size"], record["consumed_tokens"], record["skipped_steps"]) == (16, 3 * 16 * 16, 1)
     assert list(record) == ["loss", "lr", "grad_norm", "num_zeros", "loss_scale", "tokens_per_s", "samples_per_s",
-                            "tflops_per_gpu", "global_batch_size", "consumed_tokens", "skipped_steps",
-                            "mem_rss_peak_gib", "mfu"]  # fmt: skip
+                            "tflops_per_gpu", "data_ms_per_step", "data_share", "global_batch_size",
+                            "consumed_tokens", "skipped_steps", "mem_rss_peak_gib", "mfu"]  # fmt: skip
+    # the data loader's host time: per step, and as a share of the window's 2 s
+    assert record["data_ms_per_step"] == pytest.approx(200.0) and record["data_share"] == pytest.approx(0.3)
     assert clock.ends == ["end-3"]  # timed to the end of the window's last step
     # the next window starts empty: only its own step, flagged when it ran under the profiler
     window.add(_outcome(4, 5.0), profiled=True)
@@ -67,6 +69,16 @@ def test_the_metrics_window_averages_counts_and_starts_again() -> None:
     assert record["profiled"] is True and record["grad_norm"] is None and record["num_zeros"] is None
     window.add(_outcome(5, 6.0))
     assert "profiled" not in window.close(_outcome(5, 6.0), skipped_steps=1)
+
+
+def test_the_metrics_window_counts_the_images_of_a_vlm() -> None:
+    """A VLM's FLOPs: the LM's per token plus the tower's per image read, times the data-parallel ranks."""
+    window = MetricsWindow(_Clock(2.0), flops_per_token=1e9, world_size=4, peak_tflops=None, device=torch.device("cpu"),
+                           flops_per_image=5e10, image_scale=2)  # fmt: skip
+    window.add(_outcome(1, 2.0, images=3))
+    window.add(_outcome(2, 2.0, images=5))
+    record = window.close(_outcome(2, 2.0), skipped_steps=0)
+    assert record["tflops_per_gpu"] == pytest.approx((2 * 8 * 16 * 1e9 + 8 * 2 * 5e10) / 2.0 / 4 / 1e12)
 
 
 def _train_losses(overrides: list[str]) -> list[float]:

@@ -7,6 +7,7 @@ over ranks of one step's samples does not depend on dp), starting at ``consumed_
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,11 @@ class MicroBatchIterator:
         self.device = device
         self.workers = workers if isinstance(dataset, MultimodalDataset) else 0
         self._loader: Iterator[dict[str, torch.Tensor]] | None = None
+        self.wait_seconds = 0.0
+        """Host seconds spent in ``next()`` so far: reading, decoding and collating (or waiting for the workers), and
+        starting the copy to the device."""
+        self.images = 0
+        """Images (tiles) in the micro-batches read so far."""
 
     def _from_workers(self) -> dict[str, torch.Tensor]:
         if self._loader is None:  # started on first use (no worker processes for an iterator never read)
@@ -129,12 +135,24 @@ class MicroBatchIterator:
             torch.set_rng_state(rng)
         batch = next(self._loader)
         self.next_sample += self.mbs * self.dp_size
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return self._count({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+
+    def _count(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "pixels" in batch:
+            self.images += int(batch["pixels"].shape[0])
+        return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _next(self) -> dict[str, torch.Tensor]:
         if self.workers:
             return self._from_workers()
         lo = self.next_sample + self.dp_rank * self.mbs
@@ -142,8 +160,15 @@ class MicroBatchIterator:
             raise StopIteration
         items = [self.ds[(lo + i)] for i in range(self.mbs)]
         self.next_sample += self.mbs * self.dp_size
-        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        batch = self._collate(items)
         if self.device.type == "cuda":
             # from pinned memory the copy is asynchronous: the host does not wait for the GPU to drain its queue
-            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
-        return {k: v.to(self.device) for k, v in batch.items()}
+            return self._count({k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()})
+        return self._count({k: v.to(self.device) for k, v in batch.items()})
+
+    def _collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if "pixels" in items[0]:  # the images of a micro-batch are concatenated (any number per sample)
+            from mcore_data.multimodal_torch import collate_multimodal
+
+            return collate_multimodal(items)
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}

@@ -162,12 +162,17 @@ class _Bookkeeping:
                                     config=cfg.to_dict())  # fmt: skip
         self.profiler = StepProfiler(lg.profile_steps, log_dir, st.rank, lg.profile_ranks, lg.profile_trace)
         self.bar = _progress(run) if self.is_logger and lg.progress_bar else None
-        flops = training_flops_per_token(run.model_config, cfg.data.seq_length, tp_size=st.tp.size)
-        if run.llava is not None:  # the tower and projector too: one image per sample
-            seq = cfg.data.seq_length
-            flops = llava_training_flops(run.llava, batch_size=1, seq_length=seq, tp_size=st.tp.size) / seq
+        seq = cfg.data.seq_length
+        flops = training_flops_per_token(run.model_config, seq, tp_size=st.tp.size)
+        per_image = 0.0
+        if run.llava is not None:  # the tower and projector too, for the images (tiles) the steps read
+            flops = (
+                llava_training_flops(run.llava, batch_size=1, seq_length=seq, num_images=0, tp_size=st.tp.size) / seq
+            )
+            per_image = llava_training_flops(run.llava, batch_size=0, seq_length=seq, num_images=1, tp_size=st.tp.size)
         self.window = MetricsWindow(StepClock(st.device), flops_per_token=flops, world_size=st.world_size,
-                                    peak_tflops=peak_tflops_for(st.device, lg.peak_tflops), device=st.device)  # fmt: skip
+                                    peak_tflops=peak_tflops_for(st.device, lg.peak_tflops), device=st.device,
+                                    flops_per_image=per_image, image_scale=st.dp_size)  # fmt: skip
         self.window_first = run.step + 1  # the first step of the open log window
         self.eta_origin: tuple[int, float] | None = None  # (step, time) once the run's first step is done
 

@@ -88,9 +88,12 @@ class MetricsWindow:
     makes the log record and starts the next window."""
 
     def __init__(self, clock: _Clock, *, flops_per_token: float, world_size: int, peak_tflops: float | None,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, flops_per_image: float = 0.0, image_scale: int = 1) -> None:  # fmt: skip
+        """``flops_per_image``: model FLOPs of one image's tower and projector (a VLM), counted for the images of
+        this rank's steps times ``image_scale`` (the data-parallel ranks, each reading as many batches)."""
         self.clock = clock
         self.flops_per_token = flops_per_token
+        self.flops_per_image, self.image_scale = flops_per_image, image_scale
         self.world_size = world_size
         self.peak_tflops = peak_tflops
         self.device = device
@@ -101,6 +104,9 @@ class MetricsWindow:
         self.losses = 0  # the finite ones
         self.samples = 0
         self.tokens = 0
+        self.steps = 0
+        self.images = 0
+        self.data_seconds = 0.0
         self.profiled = False
 
     def add(self, step: StepOutcome, profiled: bool = False) -> None:
@@ -111,6 +117,9 @@ class MetricsWindow:
             self.losses += 1
         self.samples += step.global_batch
         self.tokens += step.tokens
+        self.steps += 1
+        self.images += step.images
+        self.data_seconds += step.data_seconds
         self.profiled = self.profiled or profiled
 
     def close(self, last: StepOutcome, skipped_steps: int) -> dict[str, Any]:
@@ -118,7 +127,8 @@ class MetricsWindow:
         reports), and a new, empty window from there."""
         elapsed = self.clock.lap(last.end)
         tok_s = self.tokens / elapsed
-        tflops = tok_s * self.flops_per_token / self.world_size / 1e12
+        flops = self.tokens * self.flops_per_token + self.images * self.image_scale * self.flops_per_image
+        tflops = flops / elapsed / self.world_size / 1e12
         norm = last.grad_norm
         record: dict[str, Any] = {
             "loss": self.loss_sum / max(self.losses, 1),
@@ -129,6 +139,9 @@ class MetricsWindow:
             "tokens_per_s": tok_s,
             "samples_per_s": self.samples / elapsed,
             "tflops_per_gpu": tflops,
+            # the data loader's host time per step (rank 0), and its share of the window's time
+            "data_ms_per_step": 1e3 * self.data_seconds / max(self.steps, 1),
+            "data_share": self.data_seconds / elapsed,
             "global_batch_size": last.global_batch,
             "consumed_tokens": last.tokens_after,
             "skipped_steps": skipped_steps,

@@ -182,14 +182,16 @@ def multimodal_datasets(config: TrainConfig, llava: LlavaConfig, tokenizer: Toke
     ``data.path`` (or ``train_path``), sized ``sizes[0]`` (epochs in the seeded order), validation from
     ``data.valid_path`` (None without it), no test set."""
     from mcore_data.multimodal_torch import MultimodalConfig, MultimodalDataset
+    from mcore_data.tiling import Tiling
 
     d, mm = config.data, config.multimodal
     norm: dict[str, Any] = {}
     if mm.image_mean:
         norm = {"mean": tuple(mm.image_mean), "std": tuple(mm.image_std)}
+    tiling = Tiling(mm.max_tiles, thumbnail=mm.tile_thumbnail, tags=mm.tile_tags)
     mc = MultimodalConfig(image_token_id=llava.image_token_id, seq_length=d.seq_length,
                           image_size=llava.vision.image_size, image_tokens=llava.image_tokens, loss_on=mm.loss_on,
-                          seed=d.seed, **norm)  # fmt: skip
+                          seed=d.seed, tiling=tiling, **norm)  # fmt: skip
     train_prefix = (d.path or d.train_path)[0]
     train = MultimodalDataset(train_prefix, tokenizer, mc, num_samples=max(sizes[0], 1))
     valid = None

@@ -324,6 +324,13 @@ class MultimodalSection:
     """2x2 token reduction before the projector (InternVL / NVLM): a quarter of the image tokens."""
     vision_feature_select: Literal["patches", "all"] = "patches"
     """patches (the class token dropped) or all."""
+    max_tiles: int = 1
+    """Image tiling (NVLM / InternVL): each image cut into at most this many tower-sized tiles, the grid closest to
+    its aspect ratio (mcore_data.tiling); 1: no tiling (the image resized to one tile)."""
+    tile_thumbnail: bool = True
+    """With tiling: the whole image resized to one tile follows its grid (when the grid has more than one tile)."""
+    tile_tags: bool = True
+    """With tiling: a text tag (<tile_1>, ..., <tile_global_thumbnail>) before each tile's image tokens."""
     image_token_id: int | None = None
     """The token the image embeddings replace; None: the tokenizer's vocabulary size (the first id the tokenizer
     never produces; model.vocab_size must exceed it)."""
@@ -353,6 +360,8 @@ class MultimodalSection:
             problems.append("image_mean and image_std must both be 3 numbers (one per channel), or both empty")
         if self.data_workers < 0:
             problems.append(f"data_workers={self.data_workers} must be >= 0")
+        if self.max_tiles < 1:
+            problems.append(f"max_tiles={self.max_tiles} must be >= 1 (1: no tiling)")
         if self.image_token_id is not None and self.image_token_id < 0:
             problems.append(f"image_token_id={self.image_token_id} must be a non-negative token id")
         _raise(problems)

@@ -45,7 +45,7 @@ def _forward_step(data_iterator: Any, chunk: Any, cp: Group | None = None) -> tu
     if "pixels" in batch:  # a vision-language model: the images and where their tokens go, on the first stage
         first = model.pre_process
         output = chunk(tokens, batch["pixels"] if first else None, None, labels,
-                       image_positions=batch["image_positions"] if first else None)  # fmt: skip
+                       image_positions=batch["image_mask"] if first else None)  # fmt: skip
     elif "document_ids" in batch:  # packed sequences (data.packing): attention and positions per document
         output = chunk(tokens, batch["position_ids"], labels=labels, document_ids=batch["document_ids"])
     else:
@@ -190,6 +190,11 @@ class StepOutcome:
     """Data-parallel ranks the loss sum is over (each context-parallel rank reports its part)."""
     cp_size: int = 1
     """Context-parallel ranks."""
+    data_seconds: float = 0.0
+    """Host seconds this rank spent getting the step's micro-batches from the data iterators (the data loader's
+    time in the step: decoding, collating, waiting for workers)."""
+    images: int = 0
+    """Images (tiles) in this rank's micro-batches of the step."""
     moe: dict[str, float] = field(default_factory=dict)
     """MoE models, on logged steps: the routing metrics of the log window
     (:func:`~mcore_train.metrics.moe_window_metrics`, filled in by the loop)."""
@@ -278,6 +283,13 @@ def _set_aux_loss_scale(run: Run, num_micro: int) -> None:
     set_aux_loss_scale(run.chunks, _loss_weight(run, num_micro))
 
 
+def _data_counters(iterators: list[Any]) -> tuple[float, int]:
+    """(host seconds the iterators spent producing batches, images they served) so far: MicroBatchIterator's
+    counters (0 for other iterators); the images of the first chunk's iterator (every chunk reads each batch)."""
+    waited = sum(getattr(it, "wait_seconds", 0.0) for it in iterators)
+    return waited, int(getattr(iterators[0], "images", 0)) if iterators else 0
+
+
 def train_step(
     run: Run, iterators: list[Any], *, logged: bool = True, stop_vote: Callable[[], bool] | None = None
 ) -> StepOutcome:
@@ -300,8 +312,10 @@ def train_step(
     # FP8 layers: weights cast once for the step's micro-batches; delayed scaling rolled over the stage's ranks, its
     # gradient maxima per unit of the loss weight each rank backpropagates (times cp: a cp rank's loss is its share
     # times cp, mcore_train.context_parallel), so the histories do not depend on dp or cp
+    data_before = _data_counters(iterators)
     with fp8_step(run.chunks, st.tp_dp_cp, grad_weight=_loss_weight(run, num_micro) * st.cp.size):
         local_loss = _schedule_loss(run, iterators, num_micro, False)
+    data_after = _data_counters(iterators)
     if moe:  # aux-loss-free balancing: the step's tokens per expert move the expert biases (no-op without them)
         update_expert_biases(run.chunks, st.tp_dp_cp)
     t = _agree_start(run, local_loss, stop_vote is not None and stop_vote())
@@ -317,7 +331,8 @@ def train_step(
     outcome = StepOutcome(
         step=run.step + 1, lr=lr, global_batch=gb, tokens=tokens, samples_before=run.consumed_samples,
         tokens_after=run.consumed_tokens + tokens, logged=logged, update=update, end=end, values=values, ready=ready,
-        dp_size=st.dp_size, cp_size=st.cp.size,
+        dp_size=st.dp_size, cp_size=st.cp.size, data_seconds=data_after[0] - data_before[0],
+        images=data_after[1] - data_before[1],
     )  # fmt: skip
     run.step += 1
     run.consumed_samples += gb

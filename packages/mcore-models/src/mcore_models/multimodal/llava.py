@@ -181,10 +181,9 @@ class LlavaModel(nn.Module):
 
         The image positions are, in order, those where ``input_ids == image_token_id``, taken row-major (row 0
         left to right, then row 1, ...); they receive image 0's ``image_tokens`` embeddings, then image 1's, ....
-        ``image_positions`` gives them instead: a boolean mask ``[b, s]`` (the same row-major order), or integer
-        positions ``[b, k]`` within each row (row 0's ``k`` positions first, each row in the given order; e.g. the
-        data loader's ``image_positions`` ``[b, image_tokens]``). The number of positions must be
-        ``n * image_tokens``.
+        ``image_positions`` gives them instead: a boolean mask ``[b, s]`` (the same row-major order; e.g. the data
+        loader's ``image_mask``), or integer positions ``[b, k]`` within each row (row 0's ``k`` positions first,
+        each row in the given order). The number of positions must be ``n * image_tokens``.
         """
         index = self._image_index(input_ids, image_positions)
         count, per_image = index.numel(), self.config.image_tokens
