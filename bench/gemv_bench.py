@@ -39,6 +39,7 @@ QKV and fc1 against cuBLAS / compiled SwiGLU + cuBLAS, and ``--best-plan FILE`` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -117,12 +118,18 @@ FMA_SWEEP = [f"{sp},{bn},{bk},{w}" for sp in (1, 2, 4) for bn in (8, 16, 32) for
              for w in (4, 8)]  # fmt: skip
 
 
-def fma_sweep(launches: list[str]) -> dict[str, Any]:
+COLD_BYTES = 256 << 20
+"""``--cold``: each call reads another copy of the weight, out of this many bytes of copies (5x an H200's 50 MB L2),
+so that every call streams its weight from HBM as a decode step does (it reads 2 GB of weights once each)."""
+
+
+def fma_sweep(launches: list[str], cold: bool = False) -> dict[str, Any]:
     """One row (batch-1 decoding), µs per call in a CUDA graph: the row kernel of ``small_gemv`` at each launch
     (``SPLITS,BLOCK_N,BLOCK_K,WARPS``; the partial sums alone, as the residual add after the output projection and
     fc2 consumes them) against what the engine runs otherwise: cuBLAS (with its own split-K reduction) for the output
     projection and fc2, compiled SwiGLU + cuBLAS for SwiGLU + fc2. Returns every timing, the best launch per shape
-    and whether it beat the baseline."""
+    and whether it beat the baseline. ``cold``: the weights are read from HBM (:data:`COLD_BYTES`), not from the L2
+    where a weight of up to 50 MB stays between back-to-back calls on it."""
     from mcore_infer.kernels.small_gemv import gemv_partials
 
     cases = {"proj": (*SHAPES["proj"], False), "fc2": (*SHAPES["fc2"], False), "swiglu + fc2": (*SHAPES["fc2"], True),
@@ -137,12 +144,17 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
     compiled = torch.compile(unfused_swiglu, dynamic=False)
     for name, (n, k, swiglu) in cases.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        copies = [w, *(w.clone() for _ in range(math.ceil(COLD_BYTES / w.nbytes) - 1))] if cold else [w]
         x = torch.randn(1, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
         ref = unfused_swiglu(x.double(), w.double()) if swiglu else F.linear(x.double(), w.double())
+        weights = itertools.cycle(copies)  # each captured call takes the next copy
         base = (
-            time_in_graph(lambda x=x, w=w: compiled(x, w)) if swiglu else time_in_graph(lambda x=x, w=w: F.linear(x, w))
+            time_in_graph(lambda x=x, ws=weights: compiled(x, next(ws)))
+            if swiglu
+            else time_in_graph(lambda x=x, ws=weights: F.linear(x, next(ws)))
         )
-        row: dict[str, Any] = {"shape": name, "rows": 1, "baseline_us": base, "us_by_launch": {}, "errors": {}}
+        row: dict[str, Any] = {"shape": name, "rows": 1, "baseline_us": base, "us_by_launch": {}, "errors": {},
+                               "cold": cold, "weight_copies": len(copies)}  # fmt: skip
         for launch in launches:
             sp, bn, bk, warps = (int(v) for v in launch.split(","))
             if name in summed and sp != 1:
@@ -158,7 +170,7 @@ def fma_sweep(launches: list[str]) -> dict[str, Any]:
                 if err > 0.05:
                     row["errors"][launch] = f"max |diff| {err:.3g} against float64"
                     continue
-                row["us_by_launch"][launch] = time_in_graph(fn)
+                row["us_by_launch"][launch] = time_in_graph(lambda fn=fn, ws=weights: fn(w=next(ws)))
             except Exception as e:  # keep the other launches
                 row["errors"][launch] = repr(e)[:200]
         if row["us_by_launch"]:
@@ -360,6 +372,7 @@ def _parser() -> argparse.ArgumentParser:
         help="only time the one-row kernel's launches for the output projection, fc2 and SwiGLU + fc2",
     )
     ap.add_argument("--fma-launches", nargs="+", default=FMA_SWEEP, metavar="SPLITS,BLOCK_N,BLOCK_K,WARPS")
+    ap.add_argument("--cold", action="store_true", help="--fma-sweep with the weights read from HBM (COLD_BYTES)")
     return ap
 
 
@@ -415,7 +428,7 @@ def main() -> None:
     args = _parser().parse_args()
     if args.fma_sweep:
         start = time.perf_counter()
-        fma_rows = fma_sweep(args.fma_launches)
+        fma_rows = fma_sweep(args.fma_launches, cold=args.cold)
         print(f"row-kernel sweep: {time.perf_counter() - start:.0f} s", flush=True)
         if args.best_plan:
             write_fma_plan(args.best_plan, fma_rows)

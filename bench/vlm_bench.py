@@ -127,12 +127,12 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
         eng = llm.engine
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        rid = eng.add_request(ids, params, images=images)
+        rid = eng.add_request(ids, params, images=images, stream=True)
         first = done = None
         while eng.has_work():
             for o in eng.step():
                 now = time.perf_counter()
-                if o.request_id == rid and first is None and o.token_ids:
+                if o.request_id == rid and first is None and o.new_token_ids:
                     first = now
                 if o.finished:
                     done = now

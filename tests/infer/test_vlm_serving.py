@@ -23,17 +23,9 @@ from mcore_data._png import encode_png
 from mcore_infer import LLM, EngineConfig, SamplingParams
 from mcore_infer.async_engine import AsyncEngine
 from mcore_infer.server import build_app
-from mcore_models.multimodal import LlavaModel, llava_preset
+from mcore_models.multimodal import LlavaModel
 from tests.infer._tiny import tiny_model
-
-IMG = 255  # llava-tiny's image token (byte 0xff, never in UTF-8 text)
-T = 16  # its image tokens per image
-S = 16  # its image size
-
-
-def tiny_vlm() -> LlavaModel:
-    config = llava_preset("llava-tiny", language={"vocab_size": 259, "init_method_std": 0.2, "seed": 7})
-    return LlavaModel(config).eval()
+from tests.infer._vlm import IMG, S, T, prompt, tiny_vlm
 
 
 def vlm_llm(model: LlavaModel, **kw: Any) -> LLM:
@@ -56,15 +48,6 @@ def reference(model: LlavaModel, prompt: list[int], images: torch.Tensor, n: int
         out.append(t)
         ids.append(t)
     return out
-
-
-def prompt(before: int, after: int, images: int = 1, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    text = lambda k: torch.randint(0, 255, (k,), generator=g).tolist()  # noqa: E731
-    ids = text(before)
-    for _ in range(images):
-        ids += [IMG] * T + text(after)
-    return ids
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -183,9 +183,10 @@ class Launch(NamedTuple):
 
 def heuristic_launch(k: int, row: bool = False) -> Launch:
     """8 output features per program, 1,024 K elements per step, 4 warps, and K split in two where it spans at
-    least four steps (one split for ``row``: an output the consumer needs summed). The best of 54 launches at each
-    of llama-1b's shapes (one H200, one row, CUDA graphs, ``bench/gemv_bench.py --fma-sweep``): output projection
-    3.30 µs (cuBLAS 4.86), QKV 3.78 (5.14), fc2 7.10 (11.05), SwiGLU + fc2 7.80 (compiled SwiGLU + cuBLAS 12.29)."""
+    least four steps (one split for ``row``: an output the consumer needs summed). The best of 72 launches at each
+    of llama-1b's shapes with the weights read from HBM (one H200, one row, CUDA graphs, ``bench/gemv_bench.py
+    --fma-sweep --cold``): output projection 4.64 µs (cuBLAS 5.69), QKV 5.60 (6.43), fc2 10.66 (14.04), SwiGLU +
+    fc2 11.65 (compiled SwiGLU + cuBLAS 15.07)."""
     block_n, block_k = 8, 1024
     return Launch(1 if row or k < 4 * block_k else 2, block_n, block_k, 4)
 
