@@ -85,6 +85,15 @@ def test_tp2_sp_dp2_zero_and_pp2_equal_one_process(shards: Path) -> None:
         assert losses == pytest.approx(one, rel=2e-5), layout
 
 
+def test_recompute_and_compiled_layers_train_like_eager(shards: Path) -> None:
+    args = vlm(shards, "training.train_iters=3")
+    eager = _losses(args)
+    assert _losses([*args, "model.recompute=full"]) == pytest.approx(eager, rel=1e-6)
+    assert _losses([*args, "model.recompute=selective"]) == pytest.approx(eager, rel=1e-6)
+    # the LM's and the tower's layers compiled (LlavaModel.compile_layers)
+    assert _losses([*args, "training.compile=layers"]) == pytest.approx(eager, rel=2e-5)
+
+
 def test_resume_is_bit_exact_with_the_data_stream(shards: Path, tmp_path: Path) -> None:
     args = vlm(shards, "training.train_iters=4", "model.hidden_dropout=0.1")
     straight = _losses([*args, f"checkpoint.dir={tmp_path / 'a'}"])
