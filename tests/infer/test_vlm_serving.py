@@ -333,17 +333,39 @@ def test_a_preempted_request_encodes_its_images_again(vlm: LlavaModel) -> None:
     assert [done[r] for r in rids] == [reference(vlm, ids, px, 30) for ids, px in reqs]
 
 
-def test_a_llava_checkpoint_at_tp_2_is_refused(vlm: LlavaModel, tmp_path: Any) -> None:
-    from types import SimpleNamespace
+def _serve_checkpoint_at_tp_2(path: str, cases: list[tuple[list[int], torch.Tensor]]) -> list[list[int]] | None:
+    from mcore_parallel import ParallelConfig, ParallelState
 
-    from mcore_infer.api import load_model
-    from mcore_infer.errors import InvalidRequestError
+    state = ParallelState.initialize(ParallelConfig(tp=2))
+    llm = LLM(path, config=EngineConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24), tp=state.tp,
+              device="cpu")  # fmt: skip
+    vlm = llm.runner.vlm
+    assert vlm is not None and llm.runner.vision is not None and llm.runner.vision.image_tokens == T
+    tower: Any = vlm.vision.decoder.layers["0"]
+    lm: Any = vlm.language.decoder.layers["0"]
+    assert tower.self_attention.linear_qkv.weight.shape == (48, 32)  # this rank's half of the tower's heads
+    assert lm.self_attention.linear_qkv.weight.shape == (64, 64)  # and of the LM's
+    assert vlm.projector.linear_fc1.weight.shape == (64, 32)  # the projector whole
+    if not llm.is_driver:
+        llm.follow()
+        return None
+    out = [_run(llm, ids, px) for ids, px in cases]
+    llm.shutdown()
+    return out
+
+
+def test_a_llava_checkpoint_serves_at_tp_2(vlm: LlavaModel, tmp_path: Any) -> None:
+    """Saved from one process, loaded at tp=2 (each rank its shard of the tower and the LM): the greedy tokens of
+    ``LlavaModel.forward`` for an image across the chunk boundary and for two images (tests/infer/test_vlm_tp.py
+    checks the engine at tp=2 in depth)."""
     from mcore_models.multimodal.checkpoint import save_llava_weights
     from mcore_parallel import ParallelState
+    from mcore_parallel.testing import run_distributed
 
     path = save_llava_weights(vlm, ParallelState.initialize(), tmp_path)
-    with pytest.raises(InvalidRequestError, match=r"vision-language \(LLaVA\) checkpoint: it is served at --tp 1"):
-        load_model(path, tp=SimpleNamespace(size=2), device="cpu")  # type: ignore[arg-type]
+    cases = [(prompt(16, 9), pixels(1)), (prompt(2, 4, images=2, seed=4), pixels(11, 2))]
+    want = [reference(vlm, ids, px, 6) for ids, px in cases]
+    assert run_distributed(_serve_checkpoint_at_tp_2, 2, str(path), cases) == [want, None]
 
 
 # ------------------------------------------------------------------------------------------------------- tiling

@@ -3,9 +3,10 @@
 ``LLM`` loads an mcore checkpoint (weights only, any training layout) into this process's TP shard, builds the
 tokenizer named in the checkpoint (the byte tokenizer when none is named), and drives an :class:`LLMEngine` in the
 caller's thread. A LLaVA checkpoint (:mod:`mcore_models.multimodal.checkpoint`: its metadata's model has a vision
-and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel`, served at tp=1 with images
-(:mod:`mcore_infer.images`), normalised as its mcore-train run did unless ``EngineConfig.image_mean`` says otherwise,
-and tiled as it did (``multimodal.max_tiles`` / ``tile_thumbnail`` / ``tile_tags``) unless ``EngineConfig.max_tiles``
+and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel` (this rank's TP shard of the tower
+and the language model, the projector whole), served at any tp with images (:mod:`mcore_infer.images`; at tp > 1
+the first rank sends the others the pixels: :mod:`mcore_infer.tp_images`), normalised as its mcore-train run did
+unless ``EngineConfig.image_mean`` says otherwise, and tiled as it did (``multimodal.max_tiles`` / ``tile_thumbnail`` / ``tile_tags``) unless ``EngineConfig.max_tiles``
 / ``tile_thumbnail`` / ``tile_tags`` say otherwise. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
 calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
 """
@@ -62,7 +63,7 @@ def load_model(
 ) -> tuple[GPTModel | LlavaModel, Any]:
     """Build the checkpoint's model on ``device`` (this rank's TP shard), load its weights; and its tokenizer. MoE
     layers hold every expert (ep=1), each split over the tensor-parallel ranks (expert_tp = tp). A LLaVA checkpoint
-    gives a ``LlavaModel`` (tp=1 only)."""
+    gives a ``LlavaModel`` (the tower split over the TP ranks like the language model)."""
     ckpt = resolve_checkpoint(checkpoint)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
@@ -72,13 +73,16 @@ def load_model(
         model = _load_llava(ckpt, tp, device, dtype)
     else:
         config = _inference_config(model_config_from_checkpoint(ckpt), dtype)
-        # serving runs without sequence parallelism, so MoE layers split each expert over the tensor-parallel ranks
-        expert_tp = tp if config.moe is not None and tp is not None and tp.size > 1 else None
-        model = GPTModel(config, tp=tp, device=device, expert_tp=expert_tp)
+        model = GPTModel(config, tp=tp, device=device, expert_tp=_expert_tp(config, tp))
         load_weights(model, ckpt)
     spec = tokenizer_spec_from_checkpoint(ckpt)
     tokenizer = ByteTokenizer() if spec is None else build_tokenizer(TokenizerSpec(spec["kind"], spec.get("path")))
     return model.eval(), tokenizer
+
+
+def _expert_tp(config: TransformerConfig, tp: Group | None) -> Group | None:
+    """Serving runs without sequence parallelism, so MoE layers split each expert over the tensor-parallel ranks."""
+    return tp if config.moe is not None and tp is not None and tp.size > 1 else None
 
 
 def _inference_config(config: TransformerConfig, dtype: str) -> TransformerConfig:
@@ -129,14 +133,11 @@ def _trained_tiling(checkpoint: str | Path, config: EngineConfig) -> EngineConfi
 def _load_llava(ckpt: Path, tp: Group | None, device: torch.device, dtype: str) -> LlavaModel:
     from mcore_models.multimodal.checkpoint import llava_config_from_checkpoint, load_llava_weights
 
-    if tp is not None and tp.size > 1:
-        raise InvalidRequestError(f"{ckpt} is a vision-language (LLaVA) checkpoint: it is served at --tp 1 only "
-                                  f"(got tp={tp.size}); tensor-parallel VLM serving is not supported")  # fmt: skip
     config = llava_config_from_checkpoint(ckpt)
     config = config.replace(language=_inference_config(config.language, dtype), freeze=(),
                             vision=config.vision.replace(params_dtype=dtype))  # fmt: skip
-    model = LlavaModel(config, tp=tp, device=device)
-    load_llava_weights(model, ckpt)
+    model = LlavaModel(config, tp=tp, device=device, expert_tp=_expert_tp(config.language, tp))
+    load_llava_weights(model, ckpt)  # this rank's pieces (the checkpoint's arrays are global: any training layout)
     return model
 
 

@@ -1,6 +1,6 @@
 """``mcore-infer``: ``serve`` (OpenAI-compatible HTTP server) and ``generate`` (one-off completions).
 
-A LLaVA checkpoint (``mcore_models.multimodal``) is served as a vision-language model at ``--tp 1``: chat requests
+A LLaVA checkpoint (``mcore_models.multimodal``) is served as a vision-language model at any ``--tp``: chat requests
 may carry ``image_url`` data URLs (``--max-images``, ``--image-mean`` / ``--image-std``, ``--max-tiles``,
 ``--tile-thumbnail`` / ``--tile-tags``; the normalisation and tiling default to the checkpoint's training run's).
 

@@ -16,11 +16,15 @@ tile came from. The engine keeps them with the request (:class:`RequestImages`):
 - once the prompt is prefilled the embeddings are dropped (the image tokens' keys and values are in the KV cache like
   any prompt token's; decode steps never see the image again); the pixels stay with the request until it finishes or
   is aborted, so a preempted request, recomputed from its prompt, encodes them again.
+
+At tp > 1 every TP rank runs the tower on the same pixels and splices the same rows: the first rank sends the
+followers the pixels and each step's image rows (:mod:`mcore_infer.tp_images`).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +85,22 @@ class RequestImages:
     embeds: torch.Tensor | None = None
     """``[n * image_tokens, hidden]`` once encoded, until the prompt is prefilled."""
     num_encodes: int = 0
+    key: int | None = None
+    """At tp > 1, while ``embeds`` is set: the key the follower ranks keep their copy under
+    (:mod:`mcore_infer.tp_images`); ``forget`` tells them to drop it."""
+    forget: Callable[[int], None] | None = field(default=None, repr=False)
     last_position: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.last_position = self.positions[-1] if self.positions else -1
+
+    def drop_embeds(self) -> None:
+        """Drop the embeddings (and, at tp > 1, the followers' copy)."""
+        self.embeds = None
+        if self.key is not None:
+            assert self.forget is not None
+            self.forget(self.key)
+            self.key = None
 
 
 def check_images(
@@ -128,6 +144,9 @@ class ImageSplice:
     """``[k]`` int64 flat token indices of the step (on the device)."""
     embeds: torch.Tensor
     """``[k, hidden]``."""
+    rows: tuple[list[int], list[tuple[int, int, int]]] | None = None
+    """At tp > 1, for the follower ranks: the flat indices on the host and the ``(key, lo, hi)`` row ranges of
+    ``embeds`` (:mod:`mcore_infer.tp_images`)."""
 
 
 def image_splice(plan: list[Scheduled], runner: ModelRunner) -> ImageSplice | None:
@@ -135,6 +154,8 @@ def image_splice(plan: list[Scheduled], runner: ModelRunner) -> ImageSplice | No
     chunk reaches an image token and that hold no embeddings yet; None when the step has no image token."""
     index: list[int] = []
     parts: list[torch.Tensor] = []
+    driver = runner.driver_images  # tp > 1: the followers get the pixels and the rows' keys (None at tp=1)
+    rows: list[tuple[int, int, int]] = []
     t0 = 0
     for item in plan:
         seq, n = item.seq, item.num_tokens
@@ -145,22 +166,28 @@ def image_splice(plan: list[Scheduled], runner: ModelRunner) -> ImageSplice | No
             hi = bisect.bisect_left(imgs.positions, start + n)
             if hi > lo:
                 if imgs.embeds is None:
-                    imgs.embeds = runner.encode_images(imgs.pixels)
+                    imgs.embeds = runner.encode_images(imgs.pixels) if driver is None else driver.encode(imgs)
                     imgs.num_encodes += 1
                 index.extend(t0 + p - start for p in imgs.positions[lo:hi])
                 parts.append(imgs.embeds[lo:hi])
+                if driver is not None:
+                    assert imgs.key is not None
+                    rows.append((imgs.key, lo, hi))
         t0 += n
     if not index:
         return None
     ids = torch.tensor(index, dtype=torch.long, device=runner.device)
-    return ImageSplice(ids, torch.cat(parts) if len(parts) > 1 else parts[0])
+    splice = ImageSplice(ids, torch.cat(parts) if len(parts) > 1 else parts[0])
+    if driver is not None:
+        splice.rows = (index, rows)
+    return splice
 
 
 def prefilled(seq: Any) -> None:
     """After a step: drop the embeddings of a request whose image tokens are all computed now."""
     imgs: RequestImages | None = seq.images
     if imgs is not None and imgs.embeds is not None and seq.num_computed > imgs.last_position:
-        imgs.embeds = None
+        imgs.drop_embeds()
 
 
 class ImagePrompt(list[int]):

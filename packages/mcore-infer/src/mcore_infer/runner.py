@@ -18,7 +18,9 @@ fresh, zeroed before the forward; the context's ``mamba`` view hands them to the
 Vision-language models (a :class:`~mcore_models.multimodal.LlavaModel`): the runner runs its language model; a
 step with image tokens in its prefill chunks (:mod:`mcore_infer.images`) runs eagerly, never through a CUDA graph
 (the graphs take token ids only), with the word embeddings' image rows replaced by the image embeddings as the
-first layer's input. VLMs are served at tp=1.
+first layer's input. At tp > 1 the vision tower is split over the TP ranks too (a collective): the first rank
+sends the followers each request's pixels before it encodes them and each image step's rows
+(:mod:`mcore_infer.tp_images`), so every rank runs the tower and splices the same rows.
 
 Tensor parallelism: the first rank of the TP group runs the scheduler and broadcasts each :class:`StepBatch` to the
 other ranks (``torch.distributed.broadcast_object_list`` over the TP group); they run :meth:`ModelRunner.follow`,
@@ -46,6 +48,7 @@ from mcore_infer.graphs import StaticInputs, capture_graphs, replay_decode, repl
 from mcore_infer.images import ImageSplice, VisionInfo, vision_info
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
+from mcore_infer.tp_images import DriverImages, DropImages, FollowerImages
 from mcore_models import GPTModel
 from mcore_models.moe import grouped_mm_applies, moe_layers
 from mcore_models.multimodal import LlavaModel
@@ -134,16 +137,13 @@ class StepBatch:
 
 
 class ModelRunner:
-    """Runs steps of one ``GPTModel`` (this rank's TP shard; or a ``LlavaModel`` at tp=1) over a paged KV cache."""
+    """Runs steps of one ``GPTModel`` or ``LlavaModel`` (this rank's TP shard) over a paged KV cache."""
 
     def __init__(self, model: GPTModel | LlavaModel, config: EngineConfig, tp: Group | None = None) -> None:
         self.vlm: LlavaModel | None = None
         self.vision: VisionInfo | None = None
         """Set for a vision-language model: what requests' images must be (:mod:`mcore_infer.images`)."""
         if isinstance(model, LlavaModel):
-            if (tp or model.ctx.tp).size > 1:
-                raise ValueError("serving a vision-language (LLaVA) model runs at tp=1; tensor-parallel VLM serving "
-                                 "is not supported")  # fmt: skip
             self.vlm, model = model, model.language
             self.vision = vision_info(self.vlm, config.max_images, config.image_mean, config.image_std,
                                       config.tiling())  # fmt: skip
@@ -161,6 +161,16 @@ class ModelRunner:
         if config.compile:
             self.decode.compile_layers()  # compiled on the first steps (and the CUDA-graph warm-up)
         self.tp = tp or Group.single("tp")
+        self.driver_images: DriverImages | None = None
+        """A VLM at tp > 1, on the first rank: the embeddings it mirrors on the followers
+        (:mod:`mcore_infer.tp_images`)."""
+        self.follower_images: FollowerImages | None = None
+        """A VLM at tp > 1, on the other ranks: the first rank's embeddings, by key."""
+        if self.vlm is not None and self.tp.size > 1:
+            if self.tp.rank == 0:
+                self.driver_images = DriverImages(self)
+            else:
+                self.follower_images = FollowerImages(self)
         self.keep_alive_s = 60.0
         """Seconds of idling after which :meth:`keep_alive` tells the followers the first rank is alive."""
         self._last_broadcast = time.monotonic()
@@ -238,12 +248,13 @@ class ModelRunner:
         if self.tp.size > 1:
             if device_ids is not None:
                 raise ValueError("device-side input ids need tp=1 (followers replay host batches)")
-            self._broadcast(batch)
+            self._send_followers(batch if self.driver_images is None else self.driver_images.message(batch, images))
         return self._run(batch, device_ids, images)
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """A VLM's image embeddings ``[n * image_tokens, hidden]`` of pixels ``[n, C, S, S]``."""
+        """A VLM's image embeddings ``[n * image_tokens, hidden]`` of pixels ``[n, C, S, S]`` (at tp > 1 every rank runs
+        this at once, on the same pixels: :mod:`mcore_infer.tp_images`)."""
         assert self.vlm is not None
         emb = self.vlm.image_embeddings(pixels.to(self.device, self.dtype))
         return emb.reshape(-1, emb.shape[-1])
@@ -255,23 +266,36 @@ class ModelRunner:
             dist.broadcast_object_list(box, src=self.tp.ranks[0], group=self.tp.pg)
             if box[0] is None:
                 return
-            if isinstance(box[0], StepBatch):  # (anything else is keep_alive's message)
+            if isinstance(box[0], StepBatch):
                 self._run(box[0])
+            elif isinstance(box[0], DropImages):  # a VLM's images (:mod:`mcore_infer.tp_images`)
+                assert self.follower_images is not None
+                self.follower_images.handle(box[0])
+            # (anything else is keep_alive's message)
 
     def stop_followers(self) -> None:
         if self.tp.size > 1 and self.tp.rank == 0:
+            self._flush_drops()
             dist.broadcast_object_list([None], src=self.tp.ranks[0], group=self.tp.pg)
 
     def keep_alive(self) -> None:
         """On the first TP rank of an idle engine (its loops call this while they wait for requests): once
         :attr:`keep_alive_s` have passed since the last step, a message the followers pass over. They wait for the
         next step inside a collective, which fails after the process group's timeout (10 minutes by default): an
-        idle tensor-parallel server would otherwise lose its followers."""
-        if self.tp.size > 1 and self.tp.rank == 0 and time.monotonic() - self._last_broadcast >= self.keep_alive_s:
-            self._send_followers(KEEP_ALIVE)
+        idle tensor-parallel server would otherwise lose its followers. A VLM's embedding drops not sent yet (its
+        last requests' images, :mod:`mcore_infer.tp_images`) go at once instead."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            if self._flush_drops():  # an idle engine's followers free the embeddings its last requests dropped
+                return
+            if time.monotonic() - self._last_broadcast >= self.keep_alive_s:
+                self._send_followers(KEEP_ALIVE)
 
-    def _broadcast(self, batch: StepBatch) -> None:
-        self._send_followers(batch)
+    def _flush_drops(self) -> bool:
+        """Send the followers the embeddings' drops not sent yet (a VLM at tp > 1); whether there were any."""
+        if self.driver_images is None or not self.driver_images.drops:
+            return False
+        self._send_followers(DropImages(self.driver_images.take_drops()))
+        return True
 
     def _send_followers(self, item: Any) -> None:
         dist.broadcast_object_list([item], src=self.tp.ranks[0], group=self.tp.pg)

@@ -129,7 +129,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
         self._free_slot(seq)
-        seq.images = None  # its pixels (and embeddings, if any were left)
+        if seq.images is not None:  # its pixels (and embeddings, if any were left; at tp > 1 the followers' too)
+            seq.images.drop_embeds()
+            seq.images = None
 
     def _free_slot(self, seq: Sequence) -> None:
         if self.state_slots is not None and seq.state_slot:
