@@ -30,6 +30,7 @@ embeddings in order), ``num_tiles`` (int64 scalar) and ``sample_index`` (the sto
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ from mcore_data.tokenizer import Tokenizer
 from mcore_data.torch import ResumableSampler, _torch
 
 __all__ = ["MultimodalConfig", "MultimodalDataset", "build_multimodal_dataloader", "collate_multimodal", "decode_image",
-           "image_tiles", "sample_order"]  # fmt: skip
+           "image_pixels", "image_tiles", "sample_order"]  # fmt: skip
 
 
 @dataclass
@@ -109,6 +110,24 @@ def image_tiles(pixels: Any, size: int, tiling: Tiling | None = None) -> Any:
     tiles = big.view(-1, rows, size, cols, size).permute(1, 3, 0, 2, 4).reshape(rows * cols, -1, size, size)
     if tiling.thumbnail:
         tiles = torch.cat([tiles, _resize(pixels, size, size)[None]])
+    return tiles.contiguous()
+
+
+def image_pixels(
+    image: npt.NDArray[np.uint8],
+    size: int,
+    tiling: Tiling | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> Any:
+    """One decoded image (``uint8 [H, W, C]``) as the tower's inputs ``[k, C, size, size]`` float32: scaled to [0, 1],
+    tiled (:func:`image_tiles`), then normalized per channel with ``mean`` / ``std`` when given. Training items and
+    the server's image parts both go through it, so a served image is exactly what the model was trained on."""
+    torch = _torch()
+    t = torch.from_numpy(image if image.flags.writeable else image.copy()).permute(2, 0, 1).float().div_(255.0)
+    tiles = image_tiles(t, size, tiling)
+    if mean is not None and std is not None:
+        tiles = (tiles - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
     return tiles.contiguous()
 
 
@@ -234,14 +253,10 @@ class MultimodalDataset:
         return self._tokens(idx, turns, sizes)
 
     def _pixels(self, decoded: list[npt.NDArray[np.uint8]]) -> Any:
-        torch = _torch()
-        cfg, size = self.config, self.config.image_size
-        tiles = [image_tiles(torch.from_numpy(px).permute(2, 0, 1).float().div_(255.0), size, cfg.tiling)
-                 for px in decoded]  # fmt: skip
-        t = torch.cat(tiles) if tiles else torch.zeros(0, 3, size, size)
-        if cfg.mean is not None and cfg.std is not None:
-            t = (t - torch.tensor(cfg.mean).view(3, 1, 1)) / torch.tensor(cfg.std).view(3, 1, 1)
-        return t.contiguous()
+        cfg = self.config
+        if not decoded:
+            return _torch().zeros(0, 3, cfg.image_size, cfg.image_size)
+        return _torch().cat([image_pixels(px, cfg.image_size, cfg.tiling, cfg.mean, cfg.std) for px in decoded])
 
     def pixels(self, i: int) -> Any:
         """The tiles of item ``i``'s images, decoded, resized (and normalized): float32 ``[num_tiles, 3, S, S]``."""

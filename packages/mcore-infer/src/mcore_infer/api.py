@@ -5,10 +5,11 @@ tokenizer named in the checkpoint (the byte tokenizer when none is named), and d
 caller's thread. A LLaVA checkpoint (:mod:`mcore_models.multimodal.checkpoint`: its metadata's model has a vision
 and a language part) builds a :class:`~mcore_models.multimodal.LlavaModel` (this rank's TP shard of the tower
 and the language model, the projector whole), served at any tp with images (:mod:`mcore_infer.images`; at tp > 1
-the first rank sends the others the pixels: :mod:`mcore_infer.tp_images`), normalised as its mcore-train run did
-unless ``EngineConfig.image_mean`` says otherwise, and tiled as it did (``multimodal.max_tiles`` / ``tile_thumbnail`` / ``tile_tags``) unless ``EngineConfig.max_tiles``
-/ ``tile_thumbnail`` / ``tile_tags`` say otherwise. Under tensor parallelism every rank builds an ``LLM`` with the same arguments; the first TP rank
-calls ``generate`` and then ``shutdown``, the others call :meth:`LLM.follow` (it returns at ``shutdown``).
+the first rank sends the others the pixels: :mod:`mcore_infer.tp_images`), normalised and tiled as its
+mcore-train run did (``multimodal.image_mean`` / ``image_std``, ``max_tiles`` / ``tile_thumbnail`` / ``tile_tags``)
+unless the ``EngineConfig`` fields of those names say otherwise. Under tensor parallelism every rank builds an
+``LLM`` with the same arguments; the first TP rank calls ``generate`` and then ``shutdown``, the others call
+:meth:`LLM.follow` (it returns at ``shutdown``).
 """
 
 from __future__ import annotations

@@ -67,9 +67,10 @@ def decode_data_url(url: str, where: str) -> tuple[bytes, str]:
 
 def to_tiles(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Tensor:
     """An image's decoded, tiled (or resized) and normalised pixels ``[k, C, S, S]`` float32, its ``k`` tiles in
-    :func:`mcore_data.multimodal_torch.image_tiles`' order (a 400 when the image cannot be decoded)."""
+    :func:`mcore_data.multimodal_torch.image_pixels`, as training items are (a 400 when the image cannot be
+    decoded)."""
     from mcore_data.errors import ImageDecodeError
-    from mcore_data.multimodal_torch import decode_image, image_tiles
+    from mcore_data.multimodal_torch import decode_image, image_pixels
 
     if ext == "png" and data[12:16] == b"IHDR":  # a few compressed bytes can stand for gigabytes of pixels
         w, h = struct.unpack(">II", data[16:24])
@@ -80,13 +81,9 @@ def to_tiles(data: bytes, ext: str, vision: VisionInfo, where: str) -> torch.Ten
         px = decode_image(data, ext, where)
     except ImageDecodeError as e:
         raise InvalidRequestError(str(e), param=where, code="invalid_image") from None
-    t = torch.from_numpy(px.copy()).permute(2, 0, 1).float().div_(255.0)
-    if t.shape[0] != vision.num_channels:
+    if px.shape[2] != vision.num_channels:
         raise InvalidRequestError(f"{where}: the model takes {vision.num_channels}-channel images", param=where)
-    tiles = image_tiles(t, vision.image_size, vision.tiling)
-    if vision.mean is not None and vision.std is not None:
-        tiles = (tiles - torch.tensor(vision.mean).view(-1, 1, 1)) / torch.tensor(vision.std).view(-1, 1, 1)
-    return tiles.contiguous()
+    return image_pixels(px, vision.image_size, vision.tiling, vision.mean, vision.std)
 
 
 def prompt_with_images(tokenizer: Any, turns: list[dict[str, str]], vision: VisionInfo,
