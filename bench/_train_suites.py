@@ -171,7 +171,7 @@ def train_moe(ctx: Context) -> list[dict[str, Any]]:
     if ctx.importable("megatron"):
         for model in ("moe-8x4k", "moe-32x1k"):
             out = ctx.path(f"megatron-{model}.json")
-            s = ctx.run([PY, "bench/megatron_moe_bench.py", "--model", model, "--micro-batch", "2", "--steps",
+            s = ctx.run([PY, "bench/megatron_bench.py", "--model", model, "--micro-batch", "2", "--steps",
                          "3" if ctx.quick else "4", "--json", out], timeout=300, out=out)  # fmt: skip
             d = s.data or {}
             rows.append(ctx.row(s, name=f"Megatron-Core {d.get('megatron_core', '')}, {model}, local spec "
@@ -192,7 +192,7 @@ def train_moe(ctx: Context) -> list[dict[str, Any]]:
         _MFU_NOTE + "; Megatron-Core against the rate its own process measured",
         "moe-8x4k: llama-1b's attention with 8 experts of ffn 4096, top-2 (3.5 B parameters); moe-32x1k: 32 of "
         "1024, top-8; sequence 4096, bf16 with fp32 master weights, mock data, dropless",
-        "Megatron-Core (bench/megatron_moe_bench.py): no Transformer Engine, so the local spec; its experts run "
+        "Megatron-Core (bench/megatron_bench.py): no Transformer Engine, so the local spec; its experts run "
         "as a loop (SequentialMLP); torch SDPA in place of its unfused core attention; distributed optimizer",
     ]
     return [table("MoE training on one GPU", cols, rows, notes)]

@@ -56,6 +56,7 @@ FAST = ("training.compile=layers", "parallel.gradient_accumulation_fusion=true")
 EAGER = ("training.compile=none", "parallel.gradient_accumulation_fusion=false")
 _SP = ("parallel.sequence_parallel=true",)
 _8B = {"preset": "llama3-8b", "seq": 8192}
+_MLP_RECOMPUTE = ("model.recompute=selective", "model.recompute_modules=[mlp]")
 
 CASES: dict[str, Case] = {
     "llama-1b/best": Case(1, (*_batch(8, 256), *FAST),
@@ -88,6 +89,18 @@ CASES: dict[str, Case] = {
     "moe-32x1k/mb4": Case(1, (*_batch(4, 64), *FAST), "moe-32x1k (32 experts of ffn 1024, top-8), compiled layers, "
                           "micro-batch 4", preset="moe-32x1k"),
     "moe-32x1k/mb8": Case(1, (*_batch(8, 64), *FAST), "moe-32x1k at micro-batch 8", preset="moe-32x1k"),
+    # long context (train-long): micro-batch 1, 131,072 tokens a step; at 128k the fused loss keeps float32 logits
+    # of the whole sequence from existing and the MLPs of 8 layers are recomputed (what does not fit otherwise)
+    "llama-1b/16k": Case(1, (*_batch(1, 8), *FAST), "llama-1b at sequence 16,384", seq=16384),
+    "llama-1b/32k": Case(1, (*_batch(1, 4), *FAST), "llama-1b at sequence 32,768", seq=32768),
+    "llama-1b/64k": Case(1, (*_batch(1, 2), *FAST), "llama-1b at sequence 65,536", seq=65536),
+    "llama-1b/128k": Case(1, (*_batch(1, 1), *FAST, "model.cross_entropy_fusion=true", *_MLP_RECOMPUTE,
+                              "model.recompute_num_layers=8"),
+                          "llama-1b at sequence 131,072, fused loss, the MLPs of 8 layers recomputed", seq=131072),
+    "llama-1b/64k-full": Case(1, (*_batch(1, 2), *FAST, "model.recompute=full"), "llama-1b at 65,536, full "
+                              "recompute", seq=65536),
+    "llama-1b/128k-full": Case(1, (*_batch(1, 1), *FAST, "model.recompute=full"), "llama-1b at 131,072, full "
+                               "recompute", seq=131072),
     "moe-8x4k/ep2": Case(2, ("parallel.ep=2", *_batch(4, 128), *FAST), "moe-8x4k, expert parallel 2 (dp 2)",
                          preset="moe-8x4k"),
 }  # fmt: skip
@@ -114,8 +127,10 @@ def run_case(label: str, case: Case, extra: list[str], args: argparse.Namespace,
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return {**head, "error": f"timed out after {args.case_timeout} s\n{out[-3000:]}"}
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        return {**head, "error": (proc.stdout + proc.stderr)[-3000:]}
+    if proc.returncode != 0:  # the first traceback is the training process's own (torchrun's wrapper follows it)
+        out = proc.stdout + proc.stderr
+        first = out.find("Traceback (most recent call last)")
+        return {**head, "error": out[first : first + 3000] if first >= 0 else out[-3000:]}
     if args.profile and (run_dir / "profile-rank0.md").exists():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         shutil.copy(run_dir / "profile-rank0.md", Path(args.profile) / f"profile-{run_dir.name}.md")

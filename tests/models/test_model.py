@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+from unittest.mock import patch
+
 import pytest
 import torch
 
 from mcore_models import ConfigError, GPTModel, TransformerConfig, num_parameters, preset, training_flops_per_token
+from mcore_models.transformer.context import ModelContext
 from mcore_parallel import Group
 from mcore_parallel.tensor import model_parallel_seed
 from tests._model_configs import gpt2, llama
@@ -22,6 +26,29 @@ def test_invalid_config_lists_every_problem() -> None:
                      "attention_backend='flash3' is not one of auto, flash, cudnn, efficient, math"):  # fmt: skip
         assert expected in text
     assert len(exc.value.problems) == 6 and isinstance(exc.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(recompute="selective", recompute_modules=("mlp", "norms")),
+         "recompute_modules=['mlp', 'norms'] has unknown entries ['norms']; use some of core_attn, mlp"),
+        (dict(recompute="selective", recompute_modules=()), "recompute_modules is empty with recompute='selective'"),
+        (dict(recompute="full", recompute_modules=("mlp",)),
+         "recompute_modules=['mlp'] needs recompute='selective' (recompute='full')"),
+        (dict(recompute="selective", recompute_modules="mlp"), "recompute_modules='mlp' must be a list of names"),
+    ],
+)  # fmt: skip
+def test_recompute_modules_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        llama(**kwargs)
+    assert message in str(exc.value)
+
+
+def test_recompute_modules_from_a_list() -> None:
+    cfg = llama(recompute="selective", recompute_modules=["mlp"])
+    assert cfg.recompute_modules == ("mlp",) and cfg.recompute_mlp and not cfg.recompute_attention
+    assert TransformerConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_tp_specific_problems() -> None:
@@ -76,15 +103,39 @@ def _grads(model: GPTModel, ids: torch.Tensor, labels: torch.Tensor, tracker_see
     return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("recompute,num", [("selective", None), ("full", None), ("full", 1)])
+RECOMPUTES = [
+    ("selective", None, ("core_attn",)),
+    ("selective", None, ("mlp",)),
+    ("selective", None, ("core_attn", "mlp")),
+    ("selective", 1, ("core_attn", "mlp")),
+    ("full", None, ("core_attn",)),
+    ("full", 1, ("core_attn",)),
+]
+
+
+@pytest.mark.parametrize("recompute,num,modules", RECOMPUTES, ids=[f"{r}-{n}-{'+'.join(m)}" for r, n, m in RECOMPUTES])
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
-def test_recompute_gives_the_same_gradients(recompute: str, num: int | None, dropout: float) -> None:
+def test_recompute_gives_the_same_gradients(
+    recompute: str, num: int | None, modules: tuple[str, ...], dropout: float
+) -> None:
     base = llama(num_layers=3, attention_dropout=dropout, hidden_dropout=dropout)
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     ref = _grads(GPTModel(base).train(), ids, labels, 5 if dropout else None)
-    other = _grads(GPTModel(base.replace(recompute=recompute, recompute_num_layers=num)).train(), ids, labels,
-                   5 if dropout else None)  # fmt: skip
+    calls = []
+    real = ModelContext.recompute
+
+    def counted(self: ModelContext, fn: Any, *args: Any) -> torch.Tensor:
+        calls.append(type(fn).__name__)
+        return real(self, fn, *args)
+
+    cfg = base.replace(recompute=recompute, recompute_num_layers=num, recompute_modules=modules)
+    with patch.object(ModelContext, "recompute", counted):
+        other = _grads(GPTModel(cfg).train(), ids, labels, 5 if dropout else None)
+    if recompute == "selective":  # each named part of each of the 3 layers (MLPs: of the first num) recomputed
+        assert sorted(set(calls)) == sorted({"core_attn": "SDPACoreAttention", "mlp": "_NormMLP"}[m] for m in modules)
+        assert calls.count("SDPACoreAttention") == 3 * ("core_attn" in modules)
+        assert calls.count("_NormMLP") == (num or 3) * ("mlp" in modules)
     for k in ref:
         torch.testing.assert_close(other[k], ref[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 

@@ -26,6 +26,7 @@ RECOMPUTE = {
     "selective": ["model.recompute=selective"],
     "full": ["model.recompute=full"],
     "full-2-layers": ["model.recompute=full", "model.recompute_num_layers=2"],
+    "selective-mlp": ["model.recompute=selective", "model.recompute_modules=[mlp]"],
 }
 SWITCHES = {
     "fast": FAST,  # the CUDA defaults together
@@ -34,8 +35,9 @@ SWITCHES = {
     "all": [*FAST, "model.cross_entropy_fusion=true", "model.attention_contiguous=true"],
 }
 
-# one process: every switch set x every recompute mode (recompute of some layers only with the CUDA defaults)
-SINGLE = [(s, r) for s in SWITCHES for r in RECOMPUTE if r != "full-2-layers" or s == "fast"]
+# one process: every switch set x every recompute mode (recompute of some layers, and of the MLPs, only with the CUDA
+# defaults)
+SINGLE = [(s, r) for s in SWITCHES for r in RECOMPUTE if r not in ("full-2-layers", "selective-mlp") or s == "fast"]
 
 # the layouts, each with the CUDA defaults on and a recompute mode (every layout meets full recompute, the mode that
 # crashed with the fusion, or selective); world size first
@@ -44,6 +46,7 @@ DISTOPT = ["optimizer.use_distributed_optimizer=true"]
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2-full": (2, ["parallel.tp=2", "model.recompute=full"]),
     "tp2-sp-full": (2, [*TP2_SP, "model.recompute=full"]),
+    "tp2-sp-selective-mlp": (2, [*TP2_SP, "model.recompute=selective", "model.recompute_modules=[core_attn,mlp]"]),
     "tp2-sp-p2p-selective": (
         2,
         [*TP2_SP, "parallel.tp_comm=p2p", "model.recompute=selective", "model.cross_entropy_fusion=true"],

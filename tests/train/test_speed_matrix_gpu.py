@@ -27,6 +27,7 @@ RECOMPUTE = {
     "selective": ["model.recompute=selective"],
     "full": ["model.recompute=full"],
     "full-2-layers": ["model.recompute=full", "model.recompute_num_layers=2"],
+    "selective-mlp": ["model.recompute=selective", "model.recompute_modules=[core_attn,mlp]"],
 }
 BF16 = dict(rel=2e-2, abs_=2e-2)
 

@@ -116,13 +116,17 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True  # type: ignore[union-attr]
         if pre_process and not post_process and config.share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
-        self._full_recompute = self._recompute_set(config)
+        self._full_recompute = self._recompute_set(config) if config.recompute == "full" else set()
+        if config.recompute_mlp:  # the MLPs of the first recompute_num_layers layers (all by default)
+            recomputed = self._recompute_set(config)
+            for key, layer in self.decoder.layers.items():
+                if hasattr(layer, "recompute_mlp"):
+                    layer.recompute_mlp = layer.recompute_mlp and int(key) in recomputed
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
         self._fused_vocab_loss = False  # set by compile_layers (several tensor-parallel ranks)
 
     def _recompute_set(self, config: TransformerConfig) -> set[int]:
-        if config.recompute != "full":
-            return set()
+        """The layer numbers recompute covers: the stage's first ``recompute_num_layers`` (None = all)."""
         n = len(self.layer_numbers) if config.recompute_num_layers is None else config.recompute_num_layers
         return set(list(self.layer_numbers)[:n])
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
-from mcore_models.transformer.layer import dropout_add
+from mcore_models.transformer.layer import dropout_add, norm_mlp
 from mcore_models.transformer.packed import DocumentMask, mask_kwargs
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class AttentionLayer(_Residual):
         super().__init__(config, ctx, layer_number)
         self.input_layernorm = spec.norm(config, config.hidden_size, ctx.device, ctx.sequence_parallel)
         self.self_attention = spec.attention(
-            config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute == "selective"
+            config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute_attention
         )
 
     def forward(
@@ -154,6 +154,7 @@ class MLPLayer(_Residual):
         super().__init__(config, ctx, layer_number)
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, ctx.device, ctx.sequence_parallel)
         self.mlp = (spec.moe if moe else spec.mlp)(config, ctx, spec, f"{prefix}.mlp")
+        self.recompute_mlp = config.recompute_mlp and not moe
 
     def forward(
         self,
@@ -162,7 +163,7 @@ class MLPLayer(_Residual):
         inference_context: InferenceContext | None = None,
         document_mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        return dropout_add(self, self.mlp(self.pre_mlp_layernorm(x)), x)
+        return dropout_add(self, norm_mlp(self, x), x)
 
 
 def hybrid_layer(

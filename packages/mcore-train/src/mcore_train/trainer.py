@@ -367,7 +367,7 @@ def _check_saved_model(run: Run, path: Path, saved: dict[str, Any] | None) -> bo
 
 # settings that change how the model runs, not what its weights are: a resumed run may change them (the layer
 # backend too: every backend has the same parameters, and FP8 scaling state is optional in a checkpoint)
-_RUNTIME_FIELDS = ("recompute", "recompute_num_layers", "cross_entropy_fusion", "attention_backend",
+_RUNTIME_FIELDS = ("recompute", "recompute_modules", "recompute_num_layers", "cross_entropy_fusion", "attention_backend",
                    "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout",
                    "hidden_dropout", "seed", "backend", "fp8", "fp8_recipe", "fp8_amax_compute_algo", "fp8_margin",
                    "fp8_modules", "fp8_first_layers_bf16", "fp8_last_layers_bf16", "fp8_allgather",

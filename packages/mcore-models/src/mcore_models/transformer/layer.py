@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
     from mcore_models.transformer.attention import InferenceContext
 
-__all__ = ["TransformerLayer", "dropout_add"]
+__all__ = ["TransformerLayer", "dropout_add", "norm_mlp"]
 
 
 def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,25 @@ def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     return residual + x
 
 
+def norm_mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer.mlp(layer.pre_mlp_layernorm(x))``, recomputed in backward from ``x`` alone when the layer's
+    ``recompute_mlp`` is set (``TransformerConfig.recompute_modules`` with ``mlp``) and it trains."""
+    if getattr(layer, "recompute_mlp", False) and layer.training:
+        ctx: ModelContext = layer.ctx  # type: ignore[assignment]
+        return ctx.recompute(_NormMLP(layer), x)
+    return layer.mlp(layer.pre_mlp_layernorm(x))  # type: ignore[operator, no-any-return]
+
+
+class _NormMLP:
+    """The pre-MLP norm and MLP of ``layer`` as one function (what ``norm_mlp`` recomputes)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.mlp(self.layer.pre_mlp_layernorm(x))  # type: ignore[operator, no-any-return]
+
+
 class TransformerLayer(nn.Module):
     def __init__(
         self, config: TransformerConfig, ctx: ModelContext, spec: LayerSpec, layer_number: int, prefix: str
@@ -40,11 +59,12 @@ class TransformerLayer(nn.Module):
         sp = ctx.sequence_parallel
         self.input_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
         self.self_attention = spec.attention(
-            config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute == "selective"
+            config, ctx, spec, f"{prefix}.self_attention", selective_recompute=config.recompute_attention
         )
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, ctx.device, sp)
         moe_layer = config.moe is not None and config.moe.is_moe_layer(layer_number)
         self.mlp = (spec.moe if moe_layer else spec.mlp)(config, ctx, spec, f"{prefix}.mlp")
+        self.recompute_mlp = config.recompute_mlp and not moe_layer
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return dropout_add(self, x, residual)
@@ -61,4 +81,4 @@ class TransformerLayer(nn.Module):
         packed sequences, see :mod:`~mcore_models.transformer.packed`)."""
         attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, **mask_kwargs(document_mask))
         x = self._dropout_add(attn, x)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        return self._dropout_add(norm_mlp(self, x), x)

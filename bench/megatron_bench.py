@@ -1,8 +1,8 @@
-"""Megatron-Core anchor for mcore's MoE training benchmark (not a test): one GPU, one process.
+"""Megatron-Core anchor for mcore's training benchmarks (not a test): one GPU, one process.
 
-Trains ``moe-8x4k`` or ``moe-32x1k`` (mcore's presets, rebuilt as a Megatron-Core ``GPTModel``) on mock random
-tokens with Megatron's own training pieces: the local layer spec (no Transformer Engine; experts are
-``SequentialMLP``), the ``alltoall`` token dispatcher, dropless routing with the aux load-balancing loss,
+Trains ``llama-1b``, ``moe-8x4k`` or ``moe-32x1k`` (mcore's presets, rebuilt as a Megatron-Core ``GPTModel``) on
+mock random tokens with Megatron's own training pieces: the local layer spec (no Transformer Engine; experts are
+``SequentialMLP``), for MoE the ``alltoall`` token dispatcher, dropless routing with the aux load-balancing loss,
 ``DistributedDataParallel`` (fp32 grad buffers) and the distributed optimizer (bf16 params, fp32 master weights,
 Adam), stepped through ``get_forward_backward_func()``. Prints and writes tokens/s, seconds per step, peak memory,
 model TFLOP/s by mcore's ``training_flops_per_token`` and MFU against a bf16 8192^3 matmul measured first.
@@ -11,8 +11,9 @@ Deviation: Megatron-Core 0.19.2's local spec has no SDPA core attention (its ``D
 the s x s scores; SDPA there exists only through the proprietary Kitchen extension), so the spec's
 ``core_attention`` is replaced by ``SDPAttention`` below: ``F.scaled_dot_product_attention``, causal, native GQA.
 
-    python3 bench/megatron_moe_bench.py --model moe-8x4k --micro-batch 2 --steps 8 --json OUT.json
-    python3 bench/megatron_moe_bench.py --smoke   # tiny model; without a GPU it only builds (Megatron needs CUDA)
+    python3 bench/megatron_bench.py --model moe-8x4k --micro-batch 2 --steps 8 --json OUT.json
+    python3 bench/megatron_bench.py --model llama-1b --seq 32768 --micro-batch 1 --global-batch 4 --steps 4
+    python3 bench/megatron_bench.py --smoke   # tiny model; without a GPU it only builds (Megatron needs CUDA)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import MegatronModule, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-MODELS = {"moe-8x4k": (8, 4096, 2), "moe-32x1k": (32, 1024, 8)}  # experts, expert ffn, top-k
+MODELS = {"llama-1b": None, "moe-8x4k": (8, 4096, 2), "moe-32x1k": (32, 1024, 8)}  # experts, expert ffn, top-k
 CORE_ATTENTION = "SDPAttention (torch scaled_dot_product_attention, causal, enable_gqa) in place of DotProductAttention"
 
 
@@ -75,7 +76,7 @@ def _args() -> argparse.Namespace:
 
 def _build(args: argparse.Namespace, cuda: bool) -> tuple[Any, Any, dict[str, Any]]:
     """Megatron's TransformerConfig and GPTModel (local spec, SDPA core attention) and the run's sizes."""
-    experts, expert_ffn, topk = (4, 64, 2) if args.smoke else MODELS[args.model]
+    moe = (4, 64, 2) if args.smoke else MODELS[args.model]
     layers, hidden, heads, groups, vocab = (2, 64, 4, 2, 256) if args.smoke else (16, 2048, 32, 8, 32768)
     seq, mb = (128, 2) if args.smoke else (args.seq, args.micro_batch)
     global_batch = mb * 2 if args.smoke else args.global_batch
@@ -87,11 +88,13 @@ def _build(args: argparse.Namespace, cuda: bool) -> tuple[Any, Any, dict[str, An
         normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, add_qkv_bias=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=not cuda,
-        num_moe_experts=experts, moe_ffn_hidden_size=expert_ffn, moe_router_topk=topk,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher,
-        moe_grouped_gemm=False, moe_expert_capacity_factor=None,
+        **({} if moe is None else dict(
+            num_moe_experts=moe[0], moe_ffn_hidden_size=moe[1], moe_router_topk=moe[2],
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher,
+            moe_grouped_gemm=False, moe_expert_capacity_factor=None)),
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=None if moe is None else moe[0], moe_grouped_gemm=False,
+                                    normalization="RMSNorm")  # fmt: skip
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
@@ -99,7 +102,7 @@ def _build(args: argparse.Namespace, cuda: bool) -> tuple[Any, Any, dict[str, An
     )  # fmt: skip
     if cuda:
         model.cuda()
-    dims = dict(seq=seq, mb=mb, global_batch=global_batch, vocab=vocab, dispatcher=dispatcher)
+    dims = dict(seq=seq, mb=mb, global_batch=global_batch, vocab=vocab, dispatcher=dispatcher if moe else None)
     return config, model, dims
 
 
@@ -179,7 +182,7 @@ def main() -> None:
     result = {
         "framework": "megatron-core", "megatron_core": _version(), "torch": torch.__version__,
         "model": "smoke" if args.smoke else args.model, "seq": dims["seq"], "micro_batch": dims["mb"],
-        "global_batch": dims["global_batch"], "steps": args.steps, "spec": "local (SequentialMLP)",
+        "global_batch": dims["global_batch"], "steps": args.steps, "spec": "local" + (" (SequentialMLP)" if MODELS.get(args.model) else ""),
         "dispatcher": dims["dispatcher"], "core_attention": CORE_ATTENTION, "matmul_tflops": peak,
         "gpu": torch.cuda.get_device_name(), **_train(args, config, model, dims),
     }  # fmt: skip
