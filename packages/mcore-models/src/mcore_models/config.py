@@ -343,20 +343,27 @@ class TransformerConfig:
             p.append(f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' (or 'selective' with "
                      "mlp in recompute_modules)")  # fmt: skip
         p.extend(self._recompute_module_problems())
-        if tp_size > 1:
-            if heads % tp_size:
-                p.append(f"num_attention_heads={heads} is not divisible by the tensor-parallel size {tp_size}")
-            if groups % tp_size:
-                p.append(
-                    f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}; "
-                    f"use tp <= {groups} that divides it"
-                )
-            if self.ffn_size % tp_size:
-                p.append(f"ffn_hidden_size={self.ffn_size} is not divisible by the tensor-parallel size {tp_size}")
-            shared = None if self.moe is None else self.moe.shared_expert_ffn_hidden_size
-            if shared is not None and shared % tp_size:
-                p.append(f"moe.shared_expert_ffn_hidden_size={shared} is not divisible by the tensor-parallel size "
-                         f"{tp_size}")  # fmt: skip
+        p.extend(self._tp_problems(tp_size))
+        return p
+
+    def _tp_problems(self, tp_size: int) -> list[str]:
+        p: list[str] = []
+        if tp_size <= 1:
+            return p
+        heads, groups = self.num_attention_heads, self.query_groups
+        if heads % tp_size:
+            p.append(f"num_attention_heads={heads} is not divisible by the tensor-parallel size {tp_size}")
+        if groups % tp_size:
+            p.append(
+                f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}; "
+                f"use tp <= {groups} that divides it"
+            )
+        if self.ffn_size % tp_size:
+            p.append(f"ffn_hidden_size={self.ffn_size} is not divisible by the tensor-parallel size {tp_size}")
+        shared = None if self.moe is None else self.moe.shared_expert_ffn_hidden_size
+        if shared is not None and shared % tp_size:
+            p.append(f"moe.shared_expert_ffn_hidden_size={shared} is not divisible by the tensor-parallel size "
+                     f"{tp_size}")  # fmt: skip
         return p
 
     def _fp8_problems(self) -> list[str]:

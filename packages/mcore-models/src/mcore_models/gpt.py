@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
             recomputed = self._recompute_set(config)
             for key, layer in self.decoder.layers.items():
                 if hasattr(layer, "recompute_mlp"):
-                    layer.recompute_mlp = layer.recompute_mlp and int(key) in recomputed
+                    layer.recompute_mlp = bool(layer.recompute_mlp) and int(key) in recomputed  # type: ignore[assignment]
         self._compiled_loss: Any = None  # set by compile_layers (one tensor-parallel rank)
         self._fused_vocab_loss = False  # set by compile_layers (several tensor-parallel ranks)
 
