@@ -1,6 +1,7 @@
 """Ring attention (context parallelism) against one-process causal attention in float64: cp 2 and 4, with grouped
-K/V, both K/V exchanges (ring of sends, all-gather), output and every gradient; and the causal load balancing
-(rank r holds chunks r and 2cp-1-r)."""
+K/V, both K/V exchanges (ring of sends, all-gather), blocks through the fused kernels and exact, output and every
+gradient; the fused blocks against the exact ones (CPU, and CUDA's flash kernel on a GPU); and the causal load
+balancing (rank r holds chunks r and 2cp-1-r)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
 
 
-def _check(cp: int, groups: int, comm: str, packed: bool = False) -> float:
+def _check(cp: int, groups: int, comm: str, packed: bool = False, fused: bool = True) -> float:
     """Ring attention at ``cp`` against one process in float64 (output and every gradient); ``packed``: rows of
-    several documents (:func:`_packed_ids`) and per-document attention."""
+    several documents (:func:`_packed_ids`) and per-document attention; ``fused=False``: every block exact."""
+    from mcore_models.transformer import ring_attention as module
     from mcore_models.transformer.packed import document_mask
     from mcore_models.transformer.ring_attention import ring_attention, ring_document_mask
 
+    module.FUSED_BLOCKS = fused
     state = ParallelState.initialize(ParallelConfig(cp=cp))
     g = torch.Generator().manual_seed(7)
     q = torch.randn(S, B, HEADS, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -58,6 +61,12 @@ def _check(cp: int, groups: int, comm: str, packed: bool = False) -> float:
 @pytest.mark.parametrize("groups", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
 def test_ring_attention_equals_causal_attention(cp: int, comm: str, groups: int) -> None:
     worst = run_distributed(_check, cp, cp, groups, comm)
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.parametrize("cp,comm,groups", [(2, "p2p", 2), (4, "allgather", 1), (4, "p2p", HEADS)])
+def test_ring_attention_with_exact_blocks_equals_causal_attention(cp: int, comm: str, groups: int) -> None:
+    worst = run_distributed(_check, cp, cp, groups, comm, False, False)
     assert max(worst) < 1e-10
 
 
@@ -123,7 +132,7 @@ def _tiled(cp: int) -> float:
 
     ring_attention.SCORE_TILE_ELEMENTS = 3 * B * HEADS * S  # a few query rows per tile, uneven last tile
     try:
-        return _check(cp, 2, "p2p")
+        return _check(cp, 2, "p2p", fused=False)
     finally:
         ring_attention.SCORE_TILE_ELEMENTS = 1 << 28
 
@@ -151,3 +160,63 @@ def test_ring_attention_over_packed_sequences_equals_document_attention(cp: int,
     ring, output and every gradient equal to one-process per-document causal attention in float64."""
     worst = run_distributed(_check, cp, cp, groups, comm, True)
     assert max(worst) < 1e-10
+
+
+def _block_pair(device: str, dtype: torch.dtype, causal: bool, n: int, m: int, groups: int) -> list[torch.Tensor]:
+    """The fused block's (out, lse, dq, dk, dv) minus the exact block's, for queries ``[b, G, hg, n, d]`` against
+    K/V ``[b, G, m, d]``, the backward given a made-up merged output and log-sum-exp (as the ring's are: larger
+    than the block's own, from other blocks' keys)."""
+    from mcore_models.transformer.ring_attention import (
+        block_backward,
+        block_forward,
+        fused_block_backward,
+        fused_block_forward,
+        fused_blocks,
+    )
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, groups, HEADS // groups, n, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(B, groups, m, D, generator=g).to(device, dtype) for _ in range(2))
+    assert fused_blocks(q)
+    o_f, l_f, aux = fused_block_forward(q, k, v, causal, 0.3)
+    o_e, l_e = block_forward(q, k, v, causal, 0.3)
+    lse = l_e + torch.rand(l_e.shape, generator=g).to(device, l_e.dtype)  # the merged log-sum-exp
+    out = (o_e * 0.7).to(dtype)  # and the merged output
+    dout = torch.randn(q.shape, generator=g).to(device, dtype)
+    delta = (dout.to(l_e.dtype) * out.to(l_e.dtype)).sum(-1)
+    fused = fused_block_backward(dout, q, k, v, out, lse, causal, 0.3, aux)
+    exact = block_backward(dout, delta, q, k, v, lse, causal, 0.3)
+    return [(a - b).abs().max() for a, b in zip((o_f, l_f, *fused), (o_e, l_e, *exact), strict=True)]
+
+
+@pytest.mark.parametrize("causal,n,m", [(True, 16, 16), (False, 16, 8), (False, 8, 16)], ids=["diag", "left", "right"])
+@pytest.mark.parametrize("groups", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_fused_blocks_equal_exact_blocks(causal: bool, n: int, m: int, groups: int) -> None:
+    """The three block shapes of a ring step (the causal diagonal, all queries against the first K/V chunk, the
+    second query chunk against all K/V) through the CPU's fused kernel: the exact blocks' values and gradients."""
+    assert max(float(e) for e in _block_pair("cpu", torch.float64, causal, n, m, groups)) < 1e-12
+    assert max(float(e) for e in _block_pair("cpu", torch.float32, causal, n, m, groups)) < 1e-5
+
+
+def test_fused_blocks_only_where_a_kernel_fits() -> None:
+    from mcore_models.transformer import ring_attention as module
+
+    q = torch.zeros(1, 1, 1, 4, 8)
+    assert module.fused_blocks(q) and not module.fused_blocks(q, docs=(q, q))
+    assert not module.fused_blocks(torch.zeros(1, 1, 1, 4, 512))  # head dim over the kernels' 256
+    module.FUSED_BLOCKS = False
+    try:
+        assert not module.fused_blocks(q)
+    finally:
+        module.FUSED_BLOCKS = True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal,n,m", [(True, 256, 256), (False, 256, 128), (False, 128, 256)])
+@pytest.mark.parametrize("groups", [HEADS, 1], ids=["mha", "mqa"])
+def test_flash_blocks_equal_exact_blocks_on_gpu(causal: bool, n: int, m: int, groups: int) -> None:
+    """CUDA's flash kernel and its backward (given the merged output and log-sum-exp) as the ring's blocks: the
+    exact float32 blocks' values and gradients within bf16 rounding."""
+    errors = _block_pair("cuda", torch.bfloat16, causal, n, m, groups)
+    assert max(float(e) for e in errors) < 3e-2, errors

@@ -23,9 +23,13 @@ owner after the last step (one more send); ``allgather`` gathers K/V again and r
 attention keeps K/V at their ``groups`` heads throughout: queries are viewed as ``[b, groups, heads / groups * s,
 d]`` so each group's queries meet its key head in one matmul, and nothing is expanded before or after the exchange.
 
-Blocks are computed exactly (scores in float32, float64 for float64 inputs, with the log-sum-exp), which is the
-path on every device here; a flash kernel returning the log-sum-exp can replace :func:`block_forward` /
-:func:`block_backward` without touching the ring.
+A block of an unpacked sequence runs through PyTorch's fused attention kernel that returns the log-sum-exp (flash
+attention on CUDA for 16-bit inputs, the CPU's flash kernel on CPUs; :func:`fused_block_forward`), and its backward
+through the same kernel's backward given the *merged* output and log-sum-exp, which is the flash-attention backward
+of the block's share of the whole softmax (:func:`fused_block_backward`). Grouped K/V are repeated to the query
+heads for the kernel only after the exchange, and their gradients summed back over each group. Packed blocks (a
+document mask) and other inputs are computed exactly (scores in float32, float64 for float64 inputs; row tiles
+bound the memory): :func:`block_forward` / :func:`block_backward`, the reference of the fused path.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ __all__ = [
     "block_backward",
     "block_forward",
     "context_parallel_spec",
+    "fused_block_backward",
+    "fused_block_forward",
     "ring_attention",
     "ring_document_mask",
 ]
@@ -162,6 +168,73 @@ def block_backward(
     return torch.cat(dqs, 3), dk, dv
 
 
+FUSED_BLOCKS = True
+"""Blocks of unpacked sequences through the fused kernels where :func:`fused_blocks` allows (False: every block
+exact; tests compare the two)."""
+
+FlashAux = tuple[Any, ...]
+"""What CUDA's flash forward returns after its output and log-sum-exp, handed to its backward (empty elsewhere)."""
+
+
+def fused_blocks(q: torch.Tensor, docs: object = None) -> bool:
+    """Whether blocks of ``q`` ``[b, G, hg, n, d]`` run through a fused kernel: unpacked, and flash attention's
+    inputs on CUDA (bf16/fp16, head dim a multiple of 8 up to 256) or any floating dtype on CPUs."""
+    if not FUSED_BLOCKS or docs is not None or q.shape[-1] > 256:
+        return False
+    if q.device.type == "cuda":
+        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+    return q.device.type == "cpu"
+
+
+def _heads(t: torch.Tensor, hg: int) -> torch.Tensor:
+    """K or V ``[b, G, m, d]`` repeated for the ``hg`` query heads of each group: ``[b, G * hg, m, d]``."""
+    b, g, m, d = t.shape
+    return t if hg == 1 else t[:, :, None].expand(b, g, hg, m, d).reshape(b, g * hg, m, d)
+
+
+def fused_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, FlashAux]:  # fmt: skip
+    """:func:`block_forward` through the fused kernel: (out, log-sum-exp) in the accumulation dtype, and what the
+    kernel's backward needs of the call."""
+    b, g, hg, n, d = q.shape
+    qh, kh, vh = q.reshape(b, g * hg, n, d), _heads(k, hg), _heads(v, hg)
+    if q.device.type == "cuda":
+        out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False,
+                                                                              scale=scale)  # fmt: skip
+        aux: FlashAux = tuple(rest[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
+        aux = ()
+    acc = _acc(q.dtype)
+    return out.reshape(b, g, hg, n, d).to(acc), lse[..., :n].reshape(b, g, hg, n).to(acc), aux
+
+
+def fused_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float, aux: FlashAux
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`block_backward` through the fused kernel's backward: ``out`` and ``lse`` are the merged (final) output
+    ``[b, G, hg, n, d]`` (``q``'s dtype) and log-sum-exp of these queries; (dq ``[b, G, hg, n, d]``, dk, dv
+    ``[b, G, m, d]``) in the accumulation dtype."""
+    b, g, hg, n, d = q.shape
+    m = k.shape[2]
+    qh, kh, vh = q.reshape(b, g * hg, n, d), _heads(k, hg), _heads(v, hg)
+    doh, oh = dout.reshape(b, g * hg, n, d), out.reshape(b, g * hg, n, d)
+    lh = lse.reshape(b, g * hg, n).contiguous()
+    if q.device.type == "cuda":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lh.float(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lh.to(q.dtype if q.dtype == torch.float64 else torch.float32), 0.0, causal,
+            scale=scale,
+        )  # fmt: skip
+    acc = _acc(q.dtype)
+    dk, dv = (t.to(acc).view(b, g, hg, m, d).sum(2) for t in (dk, dv))
+    return dq.to(acc).view(b, g, hg, n, d), dk, dv
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, lo: torch.Tensor) -> None:
     """Merge a block's (o, lo) into the rows ``rows`` of the running (out, lse), in place (online softmax)."""
     prev_o, prev_l = out[:, :, :, rows], lse[:, :, :, rows]
@@ -179,13 +252,20 @@ def _block_docs(docs: RingDocs, j: int, rows: slice, keys: slice) -> Docs:
 
 
 def _attend_source(q: torch.Tensor, kv: torch.Tensor, r: int, j: int, scale: float,
-                   acc: tuple[torch.Tensor, torch.Tensor] | None, docs: RingDocs = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Fold the blocks of rank ``j``'s K/V ``kv`` (``[2, b, G, n, d]``) into the running (out, lse) ``acc``."""
+                   acc: tuple[torch.Tensor, torch.Tensor] | None, docs: RingDocs = None,
+                   flash_aux: list[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Fold the blocks of rank ``j``'s K/V ``kv`` (``[2, b, G, n, d]``) into the running (out, lse) ``acc``; the
+    first fused kernel call's :data:`FlashAux` goes into ``flash_aux``."""
     c = q.shape[3] // 2
+    fused = fused_blocks(q, docs)
     for rows, keys, causal in _blocks(r, j, c):
-        bd = _block_docs(docs, j, rows, keys)
-        o, lo = block_forward(q[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale, bd)
+        qb, kb, vb = q[:, :, :, rows], kv[0][:, :, keys], kv[1][:, :, keys]
+        if fused:
+            o, lo, aux = fused_block_forward(qb, kb, vb, causal, scale)
+            if flash_aux is not None and not flash_aux:
+                flash_aux.extend(aux)
+        else:
+            o, lo = block_forward(qb, kb, vb, causal, scale, _block_docs(docs, j, rows, keys))
         if acc is None:  # the diagonal block comes first and covers every query
             acc = (o, lo)
         else:
@@ -194,14 +274,14 @@ def _attend_source(q: torch.Tensor, kv: torch.Tensor, r: int, j: int, scale: flo
     return acc
 
 
-def _forward_p2p(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _forward_p2p(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None,
+                 flash_aux: list[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     acc, cur = None, kv
     for i in range(cp.size):
         last = i == cp.size - 1
         if not last:
             nxt, reqs = ring_exchange(cur, cp)  # the next K/V travel while this block is computed
-        acc = _attend_source(q, cur, cp.rank, (cp.rank - i) % cp.size, scale, acc, docs)
+        acc = _attend_source(q, cur, cp.rank, (cp.rank - i) % cp.size, scale, acc, docs, flash_aux)
         if not last:
             wait_all(reqs)
             cur = nxt
@@ -214,10 +294,10 @@ def _gather_start(kv: torch.Tensor, cp: Group) -> tuple[torch.Tensor, Any]:
     return gathered, handle
 
 
-def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: float, docs: RingDocs = None,
+                       flash_aux: list[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     gathered, handle = _gather_start(kv, cp)
-    acc = _attend_source(q, kv, cp.rank, cp.rank, scale, None, docs)  # the local block while the others arrive
+    acc = _attend_source(q, kv, cp.rank, cp.rank, scale, None, docs, flash_aux)  # while the others arrive
     if handle is not None:
         handle.wait()
     every = gathered.view(cp.size, *kv.shape)
@@ -230,13 +310,23 @@ def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: floa
 def _grads_source(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor,
                   docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     """Add the blocks against rank ``j``'s K/V to ``dq`` (in place) and return their dK/dV ``[2, b, G, n, d]``."""
-    q, dout, delta, lse = saved
+    q, dout, delta, lse, out, *aux = saved
     c = q.shape[3] // 2
     dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)
+    fused = fused_blocks(q, docs)
     for rows, keys, causal in _blocks(r, j, c):
-        dqb, dkb, dvb = block_backward(dout[:, :, :, rows], delta[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, keys],
-                                       kv[1][:, :, keys], lse[:, :, :, rows], causal, scale,
-                                       _block_docs(docs, j, rows, keys))  # fmt: skip
+        qb, kb, vb, dob, lb = (
+            q[:, :, :, rows],
+            kv[0][:, :, keys],
+            kv[1][:, :, keys],
+            dout[:, :, :, rows],
+            lse[:, :, :, rows],
+        )
+        if fused:
+            dqb, dkb, dvb = fused_block_backward(dob, qb, kb, vb, out[:, :, :, rows], lb, causal, scale, tuple(aux))
+        else:
+            dqb, dkb, dvb = block_backward(dob, delta[:, :, :, rows], qb, kb, vb, lb, causal, scale,
+                                           _block_docs(docs, j, rows, keys))  # fmt: skip
         dq[:, :, :, rows] += dqb
         dkv[0][:, :, keys] += dkb
         dkv[1][:, :, keys] += dvb
@@ -287,10 +377,11 @@ class _RingAttention(torch.autograd.Function):
         q = q.contiguous()
         kv = torch.stack([k, v])  # one buffer per exchange: [2, b, G, n, d]
         run = _forward_p2p if comm == "p2p" else _forward_allgather
-        out, lse = run(q, kv, cp, scale, docs)
+        flash_aux: list[Any] = []
+        out, lse = run(q, kv, cp, scale, docs, flash_aux)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.cp, ctx.comm, ctx.scale, ctx.docs = cp, comm, scale, docs
+        ctx.cp, ctx.comm, ctx.scale, ctx.docs, ctx.flash_aux = cp, comm, scale, docs, flash_aux
         return out
 
     @staticmethod
@@ -298,10 +389,10 @@ class _RingAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         acc = lse.dtype
         dout = dout.contiguous()
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # the exact blocks' rowsum(dO * O); the kernels take O
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         run = _backward_p2p if ctx.comm == "p2p" else _backward_allgather
-        dkv = run((q, dout, delta, lse), kv, ctx.cp, ctx.scale, dq, ctx.docs)
+        dkv = run((q, dout, delta, lse, out, *ctx.flash_aux), kv, ctx.cp, ctx.scale, dq, ctx.docs)
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None
 
 
