@@ -16,7 +16,8 @@ _COLS = [("name", "system", ""), ("seq", "sequence", ",d"),
 
 
 def _seq(name: str) -> int:
-    return {"16k": 16384, "32k": 32768, "64k": 65536, "128k": 131072}[name.split("/")[1].split("+")[0]]
+    size = name.split("/")[1].split("+")[0].split("-")[0]
+    return {"16k": 16384, "32k": 32768, "64k": 65536, "128k": 131072, "256k": 262144}[size]
 
 
 def _megatron_rows(ctx: Context) -> list[dict[str, Any]]:
@@ -83,10 +84,31 @@ def train_packed(ctx: Context) -> list[dict[str, Any]]:
     return [table("packed sequences at 32k tokens a row", cols, rows, notes)]
 
 
+CP_CASES = ["llama-1b/64k", "llama-1b/128k", "llama-1b/128k-cp2", "llama-1b/256k-cp2"]
+
+
+def train_long_cp(ctx: Context) -> list[dict[str, Any]]:
+    """Context parallelism on two GPUs: cp2 at 128k and 256k against one GPU at 64k and 128k."""
+    cases = CP_CASES[::2] if ctx.quick else CP_CASES
+    step, results = run_cases(ctx, cases, case_timeout=300)
+    rows = [case_row(ctx, step, f"mcore loop, {c}", results.get(c), seq=_seq(c)) for c in cases]
+    cols = [("gpus", "GPUs", "d"), *[c for c in _COLS if c[0] != "vs_megatron"], ("vs_1gpu", "vs 1 GPU", ".1%")]
+    notes = [
+        _MFU_NOTE,
+        "vs 1 GPU: tokens/s per GPU against one GPU at the same sequence per GPU (cp2 at 131,072 against 65,536); "
+        "each GPU of a cp2 run also attends to the other's half, so its attention work per token is larger",
+        "ring attention (parallel.cp_comm=p2p): K/V sent to the next rank while the block in hand runs through "
+        "flash attention; llama-1b, micro-batch 1, mock data, compiled layers, weight-gradient fusion",
+    ]
+    return [table("context parallelism on two GPUs", cols, rows, notes)]
+
+
 LONG_SUITES = [
     Suite("train-long", "llama-1b at sequence 16k, 32k, 64k and 128k through the loop on one GPU",
           "Megatron-Core at 16k and 32k (when megatron-core imports) and the matmul rate, same call", 8, 1,
           train_long),
+    Suite("train-long-cp", "llama-1b over context parallelism 2 at sequence 128k and 256k",
+          "one GPU at the same sequence per GPU (64k, 128k) and the matmul rate, same call", 8, 2, train_long_cp),
     Suite("train-packed", "llama-1b at sequence 32k on the demo corpus's documents, packed against unpacked",
           "the unpacked causal run on the same rows, same call", 5, 1, train_packed),
 ]  # fmt: skip

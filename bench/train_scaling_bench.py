@@ -101,6 +101,12 @@ CASES: dict[str, Case] = {
                               "recompute", seq=65536),
     "llama-1b/128k-full": Case(1, (*_batch(1, 1), *FAST, "model.recompute=full"), "llama-1b at 131,072, full "
                                "recompute", seq=131072),
+    # context parallelism on two GPUs: each GPU holds half of every sequence (against one GPU at that half)
+    "llama-1b/128k-cp2": Case(2, ("parallel.cp=2", "parallel.cp_comm=p2p", *_batch(1, 2), *FAST),
+                              "llama-1b at 131,072 over cp 2 (65,536 per GPU), ring attention", seq=131072),
+    "llama-1b/256k-cp2": Case(2, ("parallel.cp=2", "parallel.cp_comm=p2p", *_batch(1, 1), *FAST,
+                                  "model.cross_entropy_fusion=true", *_MLP_RECOMPUTE, "model.recompute_num_layers=8"),
+                              "llama-1b at 262,144 over cp 2 (131,072 per GPU), as llama-1b/128k", seq=262144),
     "moe-8x4k/ep2": Case(2, ("parallel.ep=2", *_batch(4, 128), *FAST), "moe-8x4k, expert parallel 2 (dp 2)",
                          preset="moe-8x4k"),
 }  # fmt: skip
@@ -160,11 +166,17 @@ def measured_peak_tflops() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _cp(r: dict[str, Any]) -> int:
+    return int(next((o.split("=", 1)[1] for o in reversed(r["overrides"]) if o.startswith("parallel.cp=")), 1))
+
+
 def add_scaling(results: list[dict[str, Any]]) -> None:
-    """``scaling_vs_1gpu``: tokens/s per GPU against the first one-GPU case of the same model and sequence."""
+    """``scaling_vs_1gpu``: tokens/s per GPU against the first one-GPU case of the same model and sequence per GPU
+    (a context-parallel case's sequence divided by ``cp``)."""
     for r in results:
+        seq = r["seq"] // _cp(r)
         base = next((b for b in results if b["world"] == 1 and "error" not in b
-                     and (b["preset"], b["seq"]) == (r["preset"], r["seq"])), None)  # fmt: skip
+                     and (b["preset"], b["seq"]) == (r["preset"], seq)), None)  # fmt: skip
         if base is not None and "error" not in r:
             r["scaling_vs_1gpu"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
 
