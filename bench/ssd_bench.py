@@ -9,6 +9,10 @@ outputs: ``2 · b · s · H · (L · (N + P) + 2 · N · P)`` forward, 2x that b
 causal half.
 
     python bench/ssd_bench.py --seq 4096 16384 65536 --json /tmp/ssd.json
+    python bench/ssd_bench.py --seq 4096 --dots tf32 16bit   # the Triton kernels' product operands, A/B
+
+``--dots``: ``tf32`` (float32 operands, TF32 products; the default) and/or ``16bit`` (bf16 operands,
+``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``), each measured in turn in the same process (``scan_16bit``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from _timing import cuda_seconds
 
-from mcore_models.ssm import ssd_scan
+from mcore_models.ssm import ssd_scan, ssd_triton
 
 
 def scan_case(b: int, s: int, impl: str, chunk: int = 256) -> dict[str, Any]:
@@ -69,15 +73,19 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--tokens", type=int, default=8 * 4096, help="batch x sequence, held constant")
     ap.add_argument("--impl", default="triton", choices=["triton", "torch"])
+    ap.add_argument("--dots", nargs="+", default=["tf32"], choices=["tf32", "16bit"],
+                    help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
+    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots] + ["attention"]
     for s in args.seq:
         b = max(1, args.tokens // s)
         row: dict[str, Any] = {"batch": b, "seq": s}
-        for name in ("scan", "attention"):
+        for name in names:
+            ssd_triton.LOW_PRECISION_DOTS = name == "scan_16bit"
             try:
-                row[name] = scan_case(b, s, args.impl) if name == "scan" else attention_case(b, s)
+                row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl)
             except torch.OutOfMemoryError:
                 row[name] = {"error": "out of memory"}
             torch.cuda.empty_cache()

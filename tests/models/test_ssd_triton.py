@@ -174,6 +174,18 @@ def test_kernels_equal_the_torch_path(device: str) -> None:
         assert_close(grads[0][name], grads[1][name], 2e-5, f"d {name}")
 
 
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("low", [False, True], ids=["tf32-dots", "16bit-dots"])
+def test_bf16_inputs_with_either_product_precision(device: str, low: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 x, B, C: the products on float32 operands (TF32 on GPUs) or on bf16 operands
+    (``LOW_PRECISION_DOTS``) give the float64 recurrence's outputs and gradients within bf16 rounding."""
+    monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
+    assert ssd_triton._dot_dtypes(torch.zeros(1, dtype=torch.bfloat16))["DOT"].primitive_bitwidth == (16 if low else 32)
+    t = make_inputs(2, 37, 4, 2, 16, 16, D=True, bias=True, init=True, seed=4)
+    assert_runs_agree(t, run_both(t, chunk_size=16, device=device, dtype=torch.bfloat16), 2e-2)
+
+
 def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = make_inputs(1, 4, 2, 1, 2, 2)
@@ -185,9 +197,12 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
-def test_realistic_shapes_in_bf16_on_the_gpu() -> None:
+@pytest.mark.parametrize("low", [False, True], ids=["tf32-dots", "16bit-dots"])
+def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """b=2, H=32, P=64, G=1, N=128, chunks of 256, bf16: forward and every gradient against the float64 recurrence
-    on 600 positions (two whole chunks and a partial one); the forward at s=2048 against the recurrence too."""
+    on 600 positions (two whole chunks and a partial one); the forward at s=2048 against the recurrence too; with
+    the products on float32 (TF32) or bf16 operands."""
+    monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
     t = make_inputs(2, 600, 32, 1, 64, 128, D=True, bias=True, init=True, seed=7)
     (y, fin), (y_ref, fin_ref), grads, ref_grads = run_both(t, chunk_size=256, device="cuda", dtype=torch.bfloat16)
     assert_close(y, y_ref, 2e-2, "y")
@@ -214,5 +229,6 @@ def test_realistic_shapes_in_bf16_on_the_gpu() -> None:
                 y.backward(torch.ones_like(y))
         torch.cuda.synchronize()
         print(
-            f"ssd_scan_triton {label} b=2 s=2048 H=32 P=64 N=128 L=256 bf16: {(time.perf_counter() - start) / 5 * 1e3:.2f} ms"
+            f"ssd_scan_triton {label} b=2 s=2048 H=32 P=64 N=128 L=256 bf16 (16-bit products: {low}): "
+            f"{(time.perf_counter() - start) / 5 * 1e3:.2f} ms"
         )

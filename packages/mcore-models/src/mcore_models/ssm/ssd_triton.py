@@ -9,7 +9,8 @@ exp(cum_last) state_in_c + S_c``, parallel over batch, head and state tiles), an
 kernel on ``exp(cum_i) dy_i C_i^T``, the same pass in reverse (the gradient of every chunk's state and of the initial
 state), a kernel over columns ``j`` (``dx``, ``dB``, ``d dt``), one over rows ``i`` (``dC``) and a per-chunk kernel
 that turns the gradient of ``cum`` into those of ``dt``, ``A``, ``dt_bias`` and ``D``. All math is float32 (matrix
-products in TF32 for 16-bit inputs, IEEE float32 for float32 inputs); ``y`` comes back in ``x``'s dtype, the final
+products in TF32 for 16-bit inputs, or on 16-bit operands with :data:`LOW_PRECISION_DOTS`; IEEE float32 for float32
+inputs); ``y`` comes back in ``x``'s dtype, the final
 states in float32.
 
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
@@ -33,6 +34,10 @@ _BWD_ROWS = 32  # the same for the backward's column and row kernels
 _WARPS = 8  # warps per program of the forward's chunk kernels (b=2 s=2048 H=32 P=64 N=128 L=256 on an H200)
 _BWD_WARPS = 4  # and of the backward's
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
+LOW_PRECISION_DOTS = False
+"""16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
+accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
+float32 operands. Off until measured faster on the GPU (``bench/ssd_bench.py --low-precision-dots``)."""
 
 
 @functools.cache
@@ -66,7 +71,8 @@ def _kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def chunk_state(X, Bm, DTP, CUM, OUT, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
                     N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                    FROM_END: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                    FROM_END: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         # OUT[c] = sum_t w_t X_t^T Bm_t: w = exp(cum_last - cum_t) dt_t (chunk states), else exp(cum_t) (backward)
         c, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
@@ -88,7 +94,7 @@ def _kernels() -> dict[str, Any]:
             else:
                 w = tl.exp(tl.where(m, cu, float("-inf")))
             xw = xv.to(tl.float32) * w[:, None]
-            acc += tl.dot(tl.trans(xw), bv.to(tl.float32), input_precision=PREC)
+            acc += tl.dot(tl.trans(xw).to(DOT).to(DOT2), bv.to(DOT).to(DOT2), input_precision=PREC)
         o = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         tl.store(OUT + o, acc, mask=(p < P)[:, None] & (n < N)[None, :])
 
@@ -124,7 +130,8 @@ def _kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def chunk_out(X, Bm, Cm, DTP, CUM, STATES, Dv, Y, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
                   N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                  HAS_D: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                  HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
@@ -139,7 +146,10 @@ def _kernels() -> dict[str, Any]:
         cui = tl.load(CUM + bh.to(tl.int64) * s + ti, mask=mi, other=0.0)
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
-        acc = tl.dot(ci, tl.trans(st), input_precision=PREC) * tl.exp(tl.where(mi, cui, float("-inf")))[:, None]
+        acc = (
+            tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC)
+            * tl.exp(tl.where(mi, cui, float("-inf")))[:, None]
+        )
         for k in range(0, (blk + 1) * BM, BM):
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
@@ -151,8 +161,8 @@ def _kernels() -> dict[str, Any]:
             dtj = tl.load(DTP + bh.to(tl.int64) * s + tj, mask=mj, other=0.0)
             keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
             dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
-            w = tl.dot(ci, tl.trans(bj.to(tl.float32)), input_precision=PREC) * dec * dtj[None, :]
-            acc += tl.dot(w, xj.to(tl.float32), input_precision=PREC)
+            w = tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
+            acc += tl.dot(w.to(DOT).to(DOT2), xj.to(DOT).to(DOT2), input_precision=PREC)
         xo = (bti * H + h)[:, None] * P + p[None, :]
         om = mi[:, None] & pm[None, :]
         if HAS_D:
@@ -162,7 +172,8 @@ def _kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
         # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -186,9 +197,11 @@ def _kernels() -> dict[str, Any]:
         ej = tl.exp(tl.where(mj, tl.load(CUM + row + tl.minimum(c * L + L, s) - 1) - cuj, float("-inf")))
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         ds = tl.load(DS + so, mask=pm[:, None] & nm[None, :], other=0.0)
-        inner = tl.dot(bj, tl.trans(ds), input_precision=PREC) * ej[:, None]  # d S / d (dt_j x_j)
+        inner = (
+            tl.dot(bj.to(DOT).to(DOT2), tl.trans(ds).to(DOT).to(DOT2), input_precision=PREC) * ej[:, None]
+        )  # d S / d (dt_j x_j)
         wj = dtj * tl.sum(xj * inner, axis=1)
-        dbj = tl.dot(xj, ds, input_precision=PREC) * (ej * dtj)[:, None]
+        dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
         q = tl.zeros([BM], dtype=tl.float32)
         for k in range(blk * BM, L, BM):
             ri = k + tl.arange(0, BM)
@@ -202,10 +215,10 @@ def _kernels() -> dict[str, Any]:
             cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
             keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
             dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
-            gt = tl.dot(bj, tl.trans(ci), input_precision=PREC) * dec
-            inner += tl.dot(gt, dyi, input_precision=PREC)
-            xdy = tl.dot(xj, tl.trans(dyi), input_precision=PREC)
-            dbj += tl.dot(xdy * dec * dtj[:, None], ci, input_precision=PREC)
+            gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
+            inner += tl.dot(gt.to(DOT).to(DOT2), dyi.to(DOT).to(DOT2), input_precision=PREC)
+            xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
+            dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
             q += tl.sum(gt * xdy, axis=1)
         dxj = inner * dtj[:, None]
         if HAS_D:
@@ -222,7 +235,8 @@ def _kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         # rows i of the chunk: dC_i (per head) and the plus part of d cum_i (AUX row 4)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
@@ -242,8 +256,10 @@ def _kernels() -> dict[str, Any]:
         ei = tl.exp(tl.where(mi, cui, float("-inf")))
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
-        dci = tl.dot(dyi, st, input_precision=PREC) * ei[:, None]
-        plus = tl.sum(dyi * tl.dot(ci, tl.trans(st), input_precision=PREC), axis=1) * ei
+        dci = tl.dot(dyi.to(DOT).to(DOT2), st.to(DOT).to(DOT2), input_precision=PREC) * ei[:, None]
+        plus = (
+            tl.sum(dyi * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC), axis=1) * ei
+        )
         for k in range(0, (blk + 1) * BM, BM):
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
@@ -256,9 +272,11 @@ def _kernels() -> dict[str, Any]:
             dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
             keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
             dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
-            mt = tl.dot(dyi, tl.trans(xj.to(tl.float32)), input_precision=PREC) * dec * dtj[None, :]
-            dci += tl.dot(mt, bj, input_precision=PREC)
-            plus += tl.sum(mt * tl.dot(ci, tl.trans(bj), input_precision=PREC), axis=1)
+            mt = tl.dot(dyi.to(DOT).to(DOT2), tl.trans(xj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
+            dci += tl.dot(mt.to(DOT).to(DOT2), bj.to(DOT).to(DOT2), input_precision=PREC)
+            plus += tl.sum(
+                mt * tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC), axis=1
+            )
         tl.store(DC + (bti * H + h)[:, None] * N + n[None, :], dci, mask=mi[:, None] & nm[None, :])
         tl.store(AUX + 4 * (tl.num_programs(2) * s) + row + ti, plus, mask=mi)
 
@@ -307,6 +325,19 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _dot_dtypes(x: torch.Tensor) -> dict[str, Any]:
+    """The chunk kernels' matrix-product operands: rounded to ``DOT`` (float32, giving TF32 products for 16-bit
+    inputs, or with :data:`LOW_PRECISION_DOTS` the 16-bit input dtype) and multiplied as ``DOT2``: ``DOT`` on GPUs;
+    float32 under Triton's interpreter, whose ``tl.dot`` of 16-bit operands is wrong (it multiplies their bit
+    patterns; the products of 16-bit values are exact in float32, so the result is the 16-bit product's)."""
+    import triton.language as tl
+
+    dot = tl.float32
+    if LOW_PRECISION_DOTS and x.dtype in (torch.bfloat16, torch.float16):
+        dot = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+    return {"DOT": dot, "DOT2": tl.float32 if _interpreting() else dot}
+
+
 def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int, rows: int) -> dict[str, Any]:
     """The shape constants of the chunk kernels (tiles padded to powers of two, at least 16 for ``tl.dot``)."""
     H, P = x.shape[2:]
@@ -314,7 +345,7 @@ def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int, rows: int) -> dic
     prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
     bm = max(16, min(rows, _pow2(chunk_size)))
     return {"H": H, "G": G, "P": P, "N": N, "L": chunk_size, "BP": max(16, _pow2(P)), "BN": max(16, _pow2(N)),
-            "BM": bm, "PREC": prec}  # fmt: skip
+            "BM": bm, "PREC": prec, **_dot_dtypes(x)}  # fmt: skip
 
 
 def _dims(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> tuple[int, int, int, int, int, int]:
