@@ -26,6 +26,7 @@ does; the convolution and the scan see the whole sequence. Every parameter is dr
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
 
 __all__ = ["Mamba2Mixer", "GatedRMSNorm", "CausalConv1d", "dt_bias_init", "a_log_init"]
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _uniform(low: float, high: float) -> InitMethod:
@@ -103,7 +106,8 @@ class CausalConv1d(nn.Module):
     """Depthwise causal convolution (left padding ``kernel - 1``) followed by SiLU, over ``[b, s, channels]``.
 
     ``weight`` ``[channels, 1, kernel]`` and ``bias`` are this rank's channels of blocks ``blocks`` (global sizes),
-    initialised as ``nn.Conv1d`` is (``U(±1/sqrt(kernel))``) from their names' seeds."""
+    initialised as ``nn.Conv1d`` is (``U(±1/sqrt(kernel))``) from their names' seeds. ``impl``: ``mamba.conv_kernel``
+    (torch, triton or auto; see :class:`~mcore_models.mamba_config.MambaConfig`)."""
 
     def __init__(
         self,
@@ -113,10 +117,11 @@ class CausalConv1d(nn.Module):
         bias: bool,
         prefix: str,
         dtype: torch.dtype,
+        impl: str = "torch",
     ) -> None:
         super().__init__()
         channels, bound = sum(blocks), 1.0 / math.sqrt(kernel)
-        self.kernel = kernel
+        self.kernel, self.impl = kernel, impl
         self.weight = _split_param(ctx, (channels, 1, kernel), _uniform(-bound, bound), f"{prefix}.weight", dtype,
                                    blocks)  # fmt: skip
         self.bias: nn.Parameter | None
@@ -125,7 +130,17 @@ class CausalConv1d(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the Triton kernels for ``x`` (traceable: dtypes, devices and constants)."""
+        if self.impl == "torch" or x.dtype == torch.float64:  # float64 models always take the PyTorch ops
+            return False
+        return self.impl == "triton" or (x.is_cuda and _HAS_TRITON)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernel(x):
+            from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
+
+            return causal_conv1d_silu_triton(x, self.weight, self.bias)
         s = x.shape[1]
         h = F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=self.kernel - 1, groups=self.weight.shape[0])
         return F.silu(h[..., :s]).transpose(1, 2)
@@ -182,7 +197,7 @@ class Mamba2Mixer(nn.Module):
             **common,
         )
         dtype = config.dtype
-        self.conv1d = CausalConv1d(ctx, (d, gn, gn), m.d_conv, m.conv_bias, f"{prefix}.conv1d", dtype)
+        self.conv1d = CausalConv1d(ctx, (d, gn, gn), m.d_conv, m.conv_bias, f"{prefix}.conv1d", dtype, m.conv_kernel)
         self.dt_bias = _split_param(ctx, (heads,), dt_bias_init(m), f"{prefix}.dt_bias", dtype)
         self.A_log = _split_param(ctx, (heads,), a_log_init(m), f"{prefix}.A_log", dtype)
         self.D = _split_param(ctx, (heads,), _constant(1.0), f"{prefix}.D", dtype)
