@@ -20,6 +20,7 @@ out of memory is reported as such and the next one is tried.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -86,6 +87,15 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
             over.update(hybrid_pattern=pattern.replace("|", "")[:2], num_query_groups=2,
                         mamba=dict(d_state=16, head_dim=16, chunk_size=16, n_groups=1))  # fmt: skip
     config = preset(args.preset, **over)
+    if args.mamba:  # e.g. conv_kernel=triton
+        if config.mamba is None:
+            raise SystemExit(f"--mamba: preset {args.preset} has no Mamba layers")
+        fields = {k: v for k, v in (o.split("=", 1) for o in args.mamba)}
+        config = config.replace(mamba=dataclasses.replace(config.mamba, **fields))
+    if args.ssd_16bit_dots:
+        from mcore_models.ssm import ssd_triton
+
+        ssd_triton.LOW_PRECISION_DOTS = True
     if args.reference == "hf":
         return config, build_hf_step(args, config, micro_batch, device)
     model = GPTModel(config, device=device).train()
@@ -174,6 +184,8 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "optimizer": args.optimizer,
         "reference": args.reference,
         "compile": args.compile,
+        "mamba": args.mamba,
+        "ssd_16bit_dots": args.ssd_16bit_dots,
         "fused_ce": args.fused_ce,
         "recompute": args.recompute,
         "step_ms": elapsed * 1e3,
@@ -211,6 +223,9 @@ def main() -> None:
         choices=["hf"],
         help="time Hugging Face LlamaForCausalLM of the same shape instead (pure bf16 AdamW; --compile: per layer)",
     )
+    parser.add_argument("--mamba", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="MambaConfig fields of a Mamba or hybrid preset (strings), e.g. conv_kernel=triton")  # fmt: skip
+    parser.add_argument("--ssd-16bit-dots", action="store_true", help="ssd_triton.LOW_PRECISION_DOTS (bf16 products)")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", default=None, help="profile one more step per row: PROFILE-mb<N>.md (kernel time by class)"
