@@ -13,6 +13,10 @@ causal half.
 
 ``--dots``: ``tf32`` (float32 operands, TF32 products; the default) and/or ``16bit`` (bf16 operands,
 ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``), each measured in turn in the same process (``scan_16bit``).
+``--tune`` times the Triton kernels' tile constants instead (positions per block forward and backward, warps) for
+each ``--dots`` choice at the first ``--seq`` and prints them fastest first::
+
+    python bench/ssd_bench.py --seq 4096 --dots tf32 16bit --tune --json /tmp/ssd-tune.json
 """
 
 from __future__ import annotations
@@ -68,6 +72,34 @@ def attention_case(b: int, s: int) -> dict[str, Any]:
     return {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
 
 
+TUNE = {"_ROWS": (32, 64, 128), "_BWD_ROWS": (16, 32, 64), "_WARPS": (4, 8), "_BWD_WARPS": (4, 8)}
+
+
+def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
+    """Every combination of :data:`TUNE` for each product choice: the scan's forward + backward ms, fastest first
+    (a combination that does not compile or run is reported with its error)."""
+    import itertools
+
+    b = max(1, tokens // seq)
+    default = {k: getattr(ssd_triton, k) for k in TUNE}
+    rows = []
+    for d in dots:
+        ssd_triton.LOW_PRECISION_DOTS = d == "16bit"
+        for values in itertools.product(*TUNE.values()):
+            combo = dict(zip(TUNE, values, strict=True))
+            for k, v in combo.items():
+                setattr(ssd_triton, k, v)
+            try:
+                rows.append({"dots": d, **combo, **scan_case(b, seq, "triton")})
+            except Exception as e:  # a tile too large for the GPU's shared memory, for one
+                rows.append({"dots": d, **combo, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            torch.cuda.empty_cache()
+    for k, v in default.items():
+        setattr(ssd_triton, k, v)
+    ssd_triton.LOW_PRECISION_DOTS = False
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -76,7 +108,16 @@ def main() -> None:
     ap.add_argument("--dots", nargs="+", default=["tf32"], choices=["tf32", "16bit"],
                     help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")
     args = ap.parse_args()
+    if args.tune:
+        tuned = tune(args.seq[0], args.tokens, args.dots)
+        for r in tuned:
+            print(json.dumps(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": tuned}, f, indent=1)
+        return
     rows = []
     names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots] + ["attention"]
     for s in args.seq:
