@@ -8,6 +8,7 @@ SwiGLU's two halves, FC2 8192 -> 2048) and one micro-batch of ``--tokens`` token
 gradient's quantisation, by the Triton casts and by the ``torch.compile``-generated ones). Where the FP8 linear is slower than its GEMMs, the casts are why.
 
     python3 bench/fp8_linear_bench.py --out fp8_linear.json
+    python3 bench/fp8_linear_bench.py --tune-casts   # the Triton cast's tile shapes, fastest first
 """
 
 from __future__ import annotations
@@ -70,15 +71,47 @@ def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
     return row
 
 
+CAST_TILES = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (128, 256, 8), (256, 128, 8), (64, 256, 8)]
+"""(rows, columns, warps) per program of the Triton cast that ``--tune-casts`` times."""
+
+
+def tune_casts(tokens: int, iters: int) -> list[dict[str, Any]]:
+    """The Triton cast with its transpose (the E5M2 output gradient of FC1, ``[tokens, 16384]``, and the E4M3 input,
+    ``[tokens, 2048]``) for each tile of :data:`CAST_TILES`: ms and GB/s (bf16 read, two FP8 writes), fastest
+    first."""
+    from mcore_parallel.fp8 import cast_triton
+
+    default = (cast_triton._BM, cast_triton._BN, cast_triton._WARPS)
+    rows = []
+    for name, cols, fmt in (("fc1 output gradient", 16384, E5M2), ("fc1 input", 2048, E4M3)):
+        t = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
+        scale = current_scale(t, fmt, False, 0, None)
+        for bm, bn, warps in CAST_TILES:
+            cast_triton._BM, cast_triton._BN, cast_triton._WARPS = bm, bn, warps
+            s = cuda_seconds(lambda t=t, scale=scale, fmt=fmt: quantize_with_transpose(t, fmt, scale), iters)
+            rows.append({"tensor": name, "rows": bm, "cols": bn, "warps": warps, "ms": s * 1e3,
+                         "gb_s": t.numel() * 4 / s / 1e9})  # fmt: skip
+    cast_triton._BM, cast_triton._BN, cast_triton._WARPS = default
+    return sorted(rows, key=lambda r: (r["tensor"], r["ms"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per micro-batch (llama-1b/best: 8 x 4096)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per step (one weight cast per step)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tune-casts", action="store_true", help="time the Triton cast's tiles instead (CAST_TILES)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (compute capability 8.9 or newer)")
+    if args.tune_casts:
+        tuned = tune_casts(args.tokens, max(args.iters, 10))
+        for r in tuned:
+            print(json.dumps(r), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"tokens": args.tokens, "tune_casts": tuned}, indent=1))
+        return
     rows = [measure(name, args.tokens, args.micro, args.iters) for name in SHAPES]
     heads = ["bf16", *RECIPES]
     print(
