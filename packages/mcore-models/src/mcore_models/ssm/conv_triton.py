@@ -43,35 +43,16 @@ def _kernels() -> dict[str, Any]:
         raise ImportError("mamba.conv_kernel=triton needs Triton (pip install mcore-models[gpu]); use torch") from e
 
     @triton.jit  # type: ignore[misc]
-    def conv_fwd(X, W, BIAS, Y, s, C, xs_b, xs_s, K: tl.constexpr, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
-                 BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    def conv(X, W, BIAS, DY, OUT, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
+             HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        # forward: OUT = y; backward: OUT = dx, PART = this program's partial dw (K rows) and dbias (one row)
         pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t = pt * BS + tl.arange(0, BS)
         c = pc * BC + tl.arange(0, BC)
         cm = c < C
         x0 = b.to(tl.int64) * xs_b
-        pre = tl.zeros([BS, BC], dtype=tl.float32)  # the convolution before SiLU at positions t
-        if HAS_BIAS:
-            pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(K):
-            src = t - (K - 1) + k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-        y = pre * tl.sigmoid(pre)
-        o = (b.to(tl.int64) * s + t)[:, None] * C + c[None, :]
-        tl.store(Y + o, y.to(Y.dtype.element_ty), mask=(t < s)[:, None] & cm[None, :])
-
-    @triton.jit  # type: ignore[misc]
-    def conv_bwd(X, W, BIAS, DY, DX, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
-                 HAS_BIAS: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = pt * BS + tl.arange(0, BS)
-        c = pc * BC + tl.arange(0, BC)
-        cm = c < C
-        x0 = b.to(tl.int64) * xs_b
-        dx = tl.zeros([BS, BC], dtype=tl.float32)
-        for j in tl.static_range(K):  # dpre at positions t + j feeds dx[t] through tap K - 1 - j
+        acc = tl.zeros([BS, BC], dtype=tl.float32)  # y, or dx
+        for j in tl.static_range(K if BACKWARD else 1):  # backward: dpre at t + j feeds dx[t] through tap K - 1 - j
             tj = t + j
             pre = tl.zeros([BS, BC], dtype=tl.float32)  # the convolution before SiLU at positions tj
             if HAS_BIAS:
@@ -81,23 +62,27 @@ def _kernels() -> dict[str, Any]:
                 xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
                 xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
                 pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-            m = (tj < s)[:, None] & cm[None, :]
-            dy = tl.load(DY + b.to(tl.int64) * dys_b + tj.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m, other=0.0)
             sig = tl.sigmoid(pre)
-            dpre = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
-            dx += tl.load(W + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :] * dpre
-            if j == 0:  # this block's own dpre: its partial dw and dbias
-                part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
-                for k in tl.static_range(K):
-                    src = t - (K - 1) + k
-                    xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-                    xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-                    tl.store(part + k * C, tl.sum(dpre * xv.to(tl.float32), axis=0), mask=cm)
-                tl.store(part + K * C, tl.sum(dpre, axis=0), mask=cm)
+            if BACKWARD:
+                m = (tj < s)[:, None] & cm[None, :]
+                dy = tl.load(DY + b.to(tl.int64) * dys_b + tj.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m,
+                             other=0.0)  # fmt: skip
+                dpre = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
+                acc += tl.load(W + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :] * dpre
+                if j == 0:  # this block's own dpre: its partial dw and dbias
+                    part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
+                    for k in tl.static_range(K):
+                        src = t - (K - 1) + k
+                        xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+                        xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+                        tl.store(part + k * C, tl.sum(dpre * xv.to(tl.float32), axis=0), mask=cm)
+                    tl.store(part + K * C, tl.sum(dpre, axis=0), mask=cm)
+            else:
+                acc = pre * sig
         o = (b.to(tl.int64) * s + t)[:, None] * C + c[None, :]
-        tl.store(DX + o, dx.to(DX.dtype.element_ty), mask=(t < s)[:, None] & cm[None, :])
+        tl.store(OUT + o, acc.to(OUT.dtype.element_ty), mask=(t < s)[:, None] & cm[None, :])
 
-    return {"fwd": conv_fwd, "bwd": conv_bwd}
+    return {"conv": conv}
 
 
 def _grid(x: torch.Tensor) -> tuple[int, int, int]:
@@ -115,8 +100,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     b, s, c = x.shape
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
-    _kernels()["fwd"][_grid(x)](x, w, bias_arg, y, s, c, x.stride(0), x.stride(1), K=w.shape[1],
-                                HAS_BIAS=bias is not None, BS=_POSITIONS, BC=_CHANNELS, num_warps=_WARPS)  # fmt: skip
+    _kernels()["conv"][_grid(x)](x, w, bias_arg, x, y, y, s, c, x.stride(0), x.stride(1), 0, 0, K=w.shape[1],
+                                 HAS_BIAS=bias is not None, BACKWARD=False, BS=_POSITIONS, BC=_CHANNELS,
+                                 num_warps=_WARPS)  # fmt: skip
     return y
 
 
@@ -137,8 +123,9 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
-    _kernels()["bwd"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-                            K=k, HAS_BIAS=bias is not None, BS=_POSITIONS, BC=_CHANNELS, num_warps=_WARPS)  # fmt: skip
+    _kernels()["conv"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
+                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, BS=_POSITIONS,
+                             BC=_CHANNELS, num_warps=_WARPS)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     dw = sums[:k].t().reshape(weight.shape).to(weight.dtype, copy=True)  # outputs may not alias each other
     return dx, dw, sums[k].clone()
