@@ -220,3 +220,43 @@ def test_flash_blocks_equal_exact_blocks_on_gpu(causal: bool, n: int, m: int, gr
     exact float32 blocks' values and gradients within bf16 rounding."""
     errors = _block_pair("cuda", torch.bfloat16, causal, n, m, groups)
     assert max(float(e) for e in errors) < 3e-2, errors
+
+
+_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    ),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_rank_ring_through_the_fused_blocks(device: str, compiled: bool) -> None:
+    """A cp group of one rank (the all-gather exchange, no process group) runs the ring's autograd function over its
+    fused diagonal block: on the CPU in float64 the reference's output and gradients, on a GPU flash attention in
+    bf16 within bf16 rounding; eager and under ``torch.compile`` (the flash call's by-products kept for the
+    backward)."""
+    from mcore_models.transformer.ring_attention import ring_attention
+    from mcore_parallel import Group
+
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randn(64, B, n, 16, generator=g).to(dtype).double().requires_grad_() for n in (HEADS, 2, 2)]
+    dout = torch.randn(64, B, HEADS * 16, generator=g).to(dtype).double()
+    want = _reference(*full)
+    want.backward(dout)
+    ins = [t.detach().to(device, dtype).requires_grad_() for t in full]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, Group.single("cp"), "allgather")
+
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(attend)
+    got = attend(*ins)
+    got.backward(dout.to(device, dtype))
+    tol = 1e-10 if dtype == torch.float64 else 2e-2
+    for a, b in [(got, want), *((t.grad, f.grad) for t, f in zip(ins, full, strict=True))]:
+        assert a is not None and b is not None
+        assert float((a.double().cpu() - b).abs().max() / b.abs().max()) < tol
