@@ -72,28 +72,40 @@ def attention_case(b: int, s: int) -> dict[str, Any]:
     return {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
 
 
-TUNE = {"_ROWS": (32, 64, 128), "_BWD_ROWS": (16, 32, 64), "_WARPS": (4, 8), "_BWD_WARPS": (4, 8)}
+TUNE = ({"_ROWS": (32, 64, 128), "_WARPS": (4, 8)}, {"_BWD_ROWS": (16, 32, 64), "_BWD_WARPS": (4, 8)})
+"""The forward's tile constants, then the backward's: each group swept with the other at its best so far."""
 
 
 def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
-    """Every combination of :data:`TUNE` for each product choice: the scan's forward + backward ms, fastest first
-    (a combination that does not compile or run is reported with its error)."""
+    """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
+    their defaults), then of the backward's (the forward's at the fastest found): the scan's forward + backward ms;
+    all rows, fastest first (a combination that does not compile or run is reported with its error)."""
     import itertools
 
     b = max(1, tokens // seq)
-    default = {k: getattr(ssd_triton, k) for k in TUNE}
-    rows = []
+    names = [k for group in TUNE for k in group]
+    default = {k: getattr(ssd_triton, k) for k in names}
+    rows: list[dict[str, Any]] = []
     for d in dots:
         ssd_triton.LOW_PRECISION_DOTS = d == "16bit"
-        for values in itertools.product(*TUNE.values()):
-            combo = dict(zip(TUNE, values, strict=True))
-            for k, v in combo.items():
-                setattr(ssd_triton, k, v)
-            try:
-                rows.append({"dots": d, **combo, **scan_case(b, seq, "triton")})
-            except Exception as e:  # a tile too large for the GPU's shared memory, for one
-                rows.append({"dots": d, **combo, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            torch.cuda.empty_cache()
+        for k, v in default.items():
+            setattr(ssd_triton, k, v)
+        for group in TUNE:
+            timed = []
+            for values in itertools.product(*group.values()):
+                for k, v in zip(group, values, strict=True):
+                    setattr(ssd_triton, k, v)
+                row: dict[str, Any] = {"dots": d, **{k: getattr(ssd_triton, k) for k in names}}
+                try:
+                    row.update(scan_case(b, seq, "triton"))
+                except Exception as e:  # a tile too large for the GPU's shared memory, for one
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                timed.append(row)
+                torch.cuda.empty_cache()
+            best = min(timed, key=lambda r: r.get("ms", float("inf")))
+            for k in group:
+                setattr(ssd_triton, k, best[k])
+            rows.extend(timed)
     for k, v in default.items():
         setattr(ssd_triton, k, v)
     ssd_triton.LOW_PRECISION_DOTS = False
