@@ -44,7 +44,8 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit  # type: ignore[misc]
     def conv(X, W, BIAS, DY, OUT, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
-             HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+             HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr, SHIFTS: tl.constexpr, BS: tl.constexpr,
+             BC: tl.constexpr):  # fmt: skip
         # forward: OUT = y; backward: OUT = dx, PART = this program's partial dw (K rows) and dbias (one row)
         pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t = pt * BS + tl.arange(0, BS)
@@ -52,7 +53,7 @@ def _kernels() -> dict[str, Any]:
         cm = c < C
         x0 = b.to(tl.int64) * xs_b
         acc = tl.zeros([BS, BC], dtype=tl.float32)  # y, or dx
-        for j in tl.static_range(K if BACKWARD else 1):  # backward: dpre at t + j feeds dx[t] through tap K - 1 - j
+        for j in tl.static_range(SHIFTS):  # backward (SHIFTS = K): dpre at t + j feeds dx[t] through tap K - 1 - j
             tj = t + j
             pre = tl.zeros([BS, BC], dtype=tl.float32)  # the convolution before SiLU at positions tj
             if HAS_BIAS:
@@ -101,7 +102,7 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     _kernels()["conv"][_grid(x)](x, w, bias_arg, x, y, y, s, c, x.stride(0), x.stride(1), 0, 0, K=w.shape[1],
-                                 HAS_BIAS=bias is not None, BACKWARD=False, BS=_POSITIONS, BC=_CHANNELS,
+                                 HAS_BIAS=bias is not None, BACKWARD=False, SHIFTS=1, BS=_POSITIONS, BC=_CHANNELS,
                                  num_warps=_WARPS)  # fmt: skip
     return y
 
@@ -124,7 +125,7 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     _kernels()["conv"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, BS=_POSITIONS,
+                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, SHIFTS=k, BS=_POSITIONS,
                              BC=_CHANNELS, num_warps=_WARPS)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     dw = sums[:k].t().reshape(weight.shape).to(weight.dtype, copy=True)  # outputs may not alias each other
