@@ -29,9 +29,12 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-_POSITIONS = 64  # positions per program
-_CHANNELS = 128  # channels per program
-_WARPS = 4
+# (positions, channels) per program and warps. The largest tiles that compile for Hopper without register spills
+# (python bench/kernel_registers.py: the forward at 124 registers a thread, the backward, which keeps K shifted
+# pre-activations and their gradients, at 156), not yet timed against others on a GPU
+_FWD_TILE = (32, 128)
+_BWD_TILE = (32, 64)
+_WARPS = 8
 
 
 @functools.cache
@@ -86,9 +89,9 @@ def _kernels() -> dict[str, Any]:
     return {"conv": conv}
 
 
-def _grid(x: torch.Tensor) -> tuple[int, int, int]:
+def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:
     b, s, c = x.shape
-    return -(-s // _POSITIONS), -(-c // _CHANNELS), b
+    return -(-s // tile[0]), -(-c // tile[1]), b
 
 
 def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +104,10 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     b, s, c = x.shape
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
-    _kernels()["conv"][_grid(x)](x, w, bias_arg, x, y, y, s, c, x.stride(0), x.stride(1), 0, 0, K=w.shape[1],
-                                 HAS_BIAS=bias is not None, BACKWARD=False, SHIFTS=1, BS=_POSITIONS, BC=_CHANNELS,
-                                 num_warps=_WARPS)  # fmt: skip
+    bs, bc = _FWD_TILE
+    _kernels()["conv"][_grid(x, _FWD_TILE)](x, w, bias_arg, x, y, y, s, c, x.stride(0), x.stride(1), 0, 0,
+                                            K=w.shape[1], HAS_BIAS=bias is not None, BACKWARD=False, SHIFTS=1, BS=bs,
+                                            BC=bc, num_warps=_WARPS)  # fmt: skip
     return y
 
 
@@ -120,13 +124,13 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     w = weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape
     k = w.shape[1]
-    grid = _grid(x)
+    grid, (bs, bc) = _grid(x, _BWD_TILE), _BWD_TILE
     dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     _kernels()["conv"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, SHIFTS=k, BS=_POSITIONS,
-                             BC=_CHANNELS, num_warps=_WARPS)  # fmt: skip
+                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, SHIFTS=k, BS=bs,
+                             BC=bc, num_warps=_WARPS)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     dw = sums[:k].t().reshape(weight.shape).to(weight.dtype, copy=True)  # outputs may not alias each other
     return dx, dw, sums[k].clone()

@@ -1,0 +1,110 @@
+"""Registers and spills of the Mamba-2 Triton kernels compiled for Hopper, on any machine: no GPU needed (not a test).
+
+Triton compiles each kernel for ``sm_90a`` (the H100/H200) and the ``ptxas`` that comes with Triton reports what each
+thread of a program uses: registers (255 at most) and bytes spilled to local memory, whose loads and stores are slow
+global-memory traffic inside the loops. For the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``) at
+``mamba2-1.3b``'s head shapes (P 64, N 128, chunk 256) and the causal conv (``mcore_models.ssm.conv_triton``), over
+positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
+(``ssd_triton.LOW_PRECISION_DOTS``). A static view to choose what ``bench/ssd_bench.py --tune`` then times::
+
+    python bench/kernel_registers.py            # every kernel, every tile
+    python bench/kernel_registers.py --json /tmp/regs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+from typing import Any
+
+SSD = {"chunk_state": ("BK", (32, 64, 128), {"FROM_END": True}), "chunk_out": ("BM", (32, 64, 128), {"HAS_D": True}),
+       "bwd_cols": ("BM", (16, 32, 64), {"HAS_D": True}), "bwd_rows": ("BM", (16, 32, 64), {})}  # fmt: skip
+SHAPE = {"H": 64, "G": 1, "P": 64, "N": 128, "L": 256, "BP": 64, "BN": 128, "PREC": "tf32"}
+POINTERS_16 = {"X", "Bm", "Cm", "DY", "Y", "DX", "W", "BIAS", "OUT"}  # bf16 tensors; the others float32
+SCALARS = {"C"}  # capitalised integer arguments (every other capitalised argument is a pointer)
+
+
+def _signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name[0].isupper() and name not in SCALARS:
+            sig[name] = "*bf16" if name in POINTERS_16 else "*fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def usage(fn: Any, consts: dict[str, Any], warps: int) -> dict[str, Any]:
+    """``{"registers", "spill_bytes"}`` of ``fn`` compiled for sm_90a with ``consts`` and ``warps`` (or an error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    try:
+        out = triton.compile(ASTSource(fn=fn, signature=_signature(fn, consts), constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
+    except Exception as e:  # a tile this kernel cannot take
+        return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(p for p in (os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(out.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)  # fmt: skip
+    text = r.stdout + r.stderr
+    regs, spill = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+    if r.returncode or regs is None:
+        return {"error": text[-300:]}
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) if spill else 0,
+            "shared_bytes": out.metadata.shared}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import triton.language as tl
+
+    from mcore_models.ssm._ssd_kernels import kernels
+    from mcore_models.ssm.conv_triton import _kernels as conv_kernels
+
+    ssd = kernels()
+    rows = []
+    for (name, (key, sizes, extra)), dot in itertools.product(SSD.items(), ("tf32", "bf16")):
+        dt = tl.float32 if dot == "tf32" else tl.bfloat16
+        for size, warps in itertools.product(sizes, (4, 8)):
+            consts = {**SHAPE, key: size, **extra, "DOT": dt, "DOT2": dt}
+            rows.append({"kernel": name, "products": dot, "positions": size, "warps": warps,
+                         **usage(ssd[name], consts, warps)})  # fmt: skip
+    conv = conv_kernels()["conv"]
+    for backward, (bs, bc), warps in itertools.product(
+        (False, True), ((16, 128), (32, 128), (64, 128), (32, 64)), (4, 8)
+    ):
+        consts = {"K": 4, "HAS_BIAS": True, "BACKWARD": backward, "SHIFTS": 4 if backward else 1, "BS": bs, "BC": bc}
+        rows.append({"kernel": "conv_bwd" if backward else "conv_fwd", "products": "-", "positions": bs,
+                     "channels": bc, "warps": warps, **usage(conv, consts, warps)})  # fmt: skip
+    print("| kernel | products | positions | warps | registers | spill bytes | shared bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        where = f"{r['positions']}" + (f" x {r['channels']} ch" if "channels" in r else "")
+        cells = [r.get("registers", r.get("error", "")), r.get("spill_bytes", ""), r.get("shared_bytes", "")]
+        print(f"| {r['kernel']} | {r['products']} | {where} | {r['warps']} | " + " | ".join(map(str, cells)) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": "sm_90a", "shape": SHAPE, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
