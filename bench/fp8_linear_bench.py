@@ -14,6 +14,7 @@ gradient's quantisation, by the Triton casts and by the ``torch.compile``-genera
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,8 @@ def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
 
 
 CAST_TILES = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (128, 256, 8), (256, 128, 8), (64, 256, 8)]
-"""(rows, columns, warps) per program of the Triton cast that ``--tune-casts`` times."""
+"""(rows, columns, warps) per program of the Triton cast that ``--tune-casts`` times, each with the rounding in
+float32 arithmetic and by the conversion instruction (``cast_triton.NATIVE_ROUNDING``)."""
 
 
 def tune_casts(tokens: int, iters: int) -> list[dict[str, Any]]:
@@ -81,17 +83,17 @@ def tune_casts(tokens: int, iters: int) -> list[dict[str, Any]]:
     first."""
     from mcore_parallel.fp8 import cast_triton
 
-    default = (cast_triton._BM, cast_triton._BN, cast_triton._WARPS)
+    default = (cast_triton._BM, cast_triton._BN, cast_triton._WARPS, cast_triton.NATIVE_ROUNDING)
     rows = []
     for name, cols, fmt in (("fc1 output gradient", 16384, E5M2), ("fc1 input", 2048, E4M3)):
         t = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
         scale = current_scale(t, fmt, False, 0, None)
-        for bm, bn, warps in CAST_TILES:
-            cast_triton._BM, cast_triton._BN, cast_triton._WARPS = bm, bn, warps
+        for (bm, bn, warps), native in itertools.product(CAST_TILES, (False, True)):
+            cast_triton._BM, cast_triton._BN, cast_triton._WARPS, cast_triton.NATIVE_ROUNDING = bm, bn, warps, native
             s = cuda_seconds(lambda t=t, scale=scale, fmt=fmt: quantize_with_transpose(t, fmt, scale), iters)
-            rows.append({"tensor": name, "rows": bm, "cols": bn, "warps": warps, "ms": s * 1e3,
-                         "gb_s": t.numel() * 4 / s / 1e9})  # fmt: skip
-    cast_triton._BM, cast_triton._BN, cast_triton._WARPS = default
+            rows.append({"tensor": name, "rows": bm, "cols": bn, "warps": warps, "native_rounding": native,
+                         "ms": s * 1e3, "gb_s": t.numel() * 4 / s / 1e9})  # fmt: skip
+    cast_triton._BM, cast_triton._BN, cast_triton._WARPS, cast_triton.NATIVE_ROUNDING = default
     return sorted(rows, key=lambda r: (r["tensor"], r["ms"]))
 
 

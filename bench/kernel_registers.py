@@ -5,7 +5,10 @@ thread of a program uses: registers (255 at most) and bytes spilled to local mem
 global-memory traffic inside the loops. For the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``) at
 ``mamba2-1.3b``'s head shapes (P 64, N 128, chunk 256) and the causal conv (``mcore_models.ssm.conv_triton``), over
 positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
-(``ssd_triton.LOW_PRECISION_DOTS``). A static view to choose what ``bench/ssd_bench.py --tune`` then times::
+(``ssd_triton.LOW_PRECISION_DOTS``); and the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, with
+its rounding in float32 arithmetic or by the conversion instruction, ``NATIVE_ROUNDING``), with its SASS instructions
+per element. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
+time::
 
     python bench/kernel_registers.py            # every kernel, every tile
     python bench/kernel_registers.py --json /tmp/regs.json
@@ -28,13 +31,18 @@ SSD = {"chunk_state": ("BK", (32, 64, 128), {"FROM_END": True}), "chunk_out": ("
 SHAPE = {"H": 64, "G": 1, "P": 64, "N": 128, "L": 256, "BP": 64, "BN": 128, "PREC": "tf32"}
 POINTERS_16 = {"X", "Bm", "Cm", "DY", "Y", "DX", "W", "BIAS", "OUT"}  # bf16 tensors; the others float32
 SCALARS = {"C"}  # capitalised integer arguments (every other capitalised argument is a pointer)
+FLOATS = {"fmax", "lo", "hi"}  # float arguments (every other lower-case one is an integer)
 
 
-def _signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
+def _signature(fn: Any, consts: dict[str, Any], types: dict[str, str] | None = None) -> dict[str, str]:
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif types and name in types:
+            sig[name] = types[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
         elif name[0].isupper() and name not in SCALARS:
             sig[name] = "*bf16" if name in POINTERS_16 else "*fp32"
         else:
@@ -42,15 +50,19 @@ def _signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
     return sig
 
 
-def usage(fn: Any, consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    """``{"registers", "spill_bytes"}`` of ``fn`` compiled for sm_90a with ``consts`` and ``warps`` (or an error)."""
+def usage(fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | None = None) -> dict[str, Any]:
+    """Registers and spilled bytes per thread, shared memory and SASS instructions of ``fn`` compiled for sm_90a with
+    ``consts`` and ``warps`` (``types``: argument types other than the defaults), or an error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    sig = _signature(fn, consts, types)
+    # as a launch specialises them: pointers 16-byte aligned, integers (sizes, strides) multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"}
     try:
-        out = triton.compile(ASTSource(fn=fn, signature=_signature(fn, consts), constexprs=consts),
+        out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
     except Exception as e:  # a tile this kernel cannot take
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
@@ -62,12 +74,14 @@ def usage(fn: Any, consts: dict[str, Any], warps: int) -> dict[str, Any]:
             f.write(out.asm["ptx"])
         r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)  # fmt: skip
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True).stdout  # fmt: skip
     text = r.stdout + r.stderr
     regs, spill = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
     if r.returncode or regs is None:
         return {"error": text[-300:]}
     return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) if spill else 0,
-            "shared_bytes": out.metadata.shared}  # fmt: skip
+            "shared_bytes": out.metadata.shared, "instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/\s", sass))}  # fmt: skip
 
 
 def main() -> None:
@@ -95,11 +109,26 @@ def main() -> None:
         consts = {"K": 4, "HAS_BIAS": True, "BACKWARD": backward, "SHIFTS": 4 if backward else 1, "BS": bs, "BC": bc}
         rows.append({"kernel": "conv_bwd" if backward else "conv_fwd", "products": "-", "positions": bs,
                      "channels": bc, "warps": warps, **usage(conv, consts, warps)})  # fmt: skip
-    print("| kernel | products | positions | warps | registers | spill bytes | shared bytes |")
-    print("|---|---|---|---|---|---|---|")
+    from mcore_parallel.fp8.cast_triton import _kernels as fp8_kernels
+
+    cast = fp8_kernels()["cast"]
+    for native, (bm, bn), warps in itertools.product((False, True), ((64, 128), (128, 128)), (4, 8)):
+        consts = {"AMAX_OUT": False, "EMIN": 127 - 14, "MBITS": 2, "ROWWISE": False, "TRANSPOSE": True, "BM": bm,
+                  "BN": bn, "NATIVE": native}  # fmt: skip
+        r = usage(cast, consts, warps, {"T": "*bf16", "Q": "*fp8e5", "QT": "*fp8e5"})
+        per = bm * bn / (warps * 32)  # elements per thread
+        rows.append({"kernel": "fp8_cast" + ("_native" if native else ""), "products": "-", "positions": bm,
+                     "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
+    print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        where = f"{r['positions']}" + (f" x {r['channels']} ch" if "channels" in r else "")
-        cells = [r.get("registers", r.get("error", "")), r.get("spill_bytes", ""), r.get("shared_bytes", "")]
+        where = f"{r['positions']}" + (f" x {r['channels']}" if "channels" in r else "")
+        cells = [
+            r.get("registers", r.get("error", "")),
+            r.get("spill_bytes", ""),
+            r.get("shared_bytes", ""),
+            r.get("per_element", ""),
+        ]
         print(f"| {r['kernel']} | {r['products']} | {where} | {r['warps']} | " + " | ".join(map(str, cells)) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -125,3 +125,28 @@ def test_delayed_scaling_casts_and_records_in_one_pass(device: str, monkeypatch:
         assert torch.equal(q.scale_inv, rq.scale_inv)
     assert torch.equal(fused.amax, plain.amax) and fused.amax[2].item() == pytest.approx(g.abs().max().item() / 0.25)
     assert plain.scale_for(1, g, None).item() == 1.0  # a maximum of 0 in every step: scale 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_native_rounding_gives_the_pytorch_bytes_on_the_gpu(dtype: torch.dtype, fmt: str, rowwise: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``NATIVE_ROUNDING``: the GPU's conversion instruction rounds as the PyTorch cast does, ties to even included
+    (Triton's interpreter rounds ties otherwise, so this runs on GPUs only)."""
+    from mcore_parallel.fp8 import cast_triton as module
+
+    monkeypatch.setattr(module, "NATIVE_ROUNDING", True)
+    f = FORMATS[fmt]
+    t = _tensor(130, 272, "cuda", dtype, seed=6)
+    scales = [scaling._amax_scale(t, True, f.max)] if rowwise else [torch.tensor(v, device="cuda") for v in
+                                                                      (1.0, f.max / 1e3, f.max / 1e3 * 7.3)]  # fmt: skip
+    for scale in scales:
+        q, qt = cast_triton(t, scale, f.max, f.dtype, not rowwise)
+        if rowwise:
+            assert torch.equal(_bytes(q), _bytes(scaling._cast(t, scale, f.max, f.dtype)[0]))
+        else:
+            ref, ref_t, _ = scaling._cast_transposed(t, scale, f.max, f.dtype)
+            assert qt is not None and torch.equal(_bytes(q), _bytes(ref)) and torch.equal(_bytes(qt), _bytes(ref_t))

@@ -33,6 +33,11 @@ _GRID = {torch.float8_e4m3fn: (127 - 6, 3), torch.float8_e5m2: (127 - 14, 2)}
 """FP8 dtype -> (float32 biased exponent of its smallest normal binade, its mantissa bits)."""
 _BM, _BN = 64, 128
 _WARPS = 8
+NATIVE_ROUNDING = False
+"""The cast's rounding by the GPU's conversion instruction (``cvt.rn`` to FP8) instead of the float32 arithmetic
+below: half the instructions per element for Hopper (23.5 -> 12.5 for a bf16 tile, ``bench/kernel_registers.py``'s
+compile); the same bytes by the rule (round to nearest even of a value already clamped to the format). Off until the
+GPU tests show the bytes equal and a GPU times it faster (``bench/fp8_linear_bench.py --tune-casts``)."""
 
 
 @functools.cache
@@ -63,7 +68,7 @@ def _kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def cast(T, SCALE, Q, QT, AMAX, rows, cols, t_row, fmax,  # type: ignore[no-untyped-def]
              AMAX_OUT: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+             BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -79,14 +84,17 @@ def _kernels() -> dict[str, Any]:
             s = tl.load(SCALE)
         y = tl.minimum(tl.maximum(x * s, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
                        propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-        # round to nearest even on the format's grid in float32 (the spacing of y's binade, or of the smallest
-        # normal binade below it): (y + M) - M with M = 1.5 * 2^23 * spacing; the cast of a value on the grid is exact
-        # (the sign bit put back: a small negative value rounds to -0, as the PyTorch cast gives)
-        bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum((bits >> 23) & 0xFF, EMIN)
-        magic = (((e - MBITS + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
-        r = ((y + magic) - magic).to(tl.int32, bitcast=True) | (bits & -2147483648)
-        q = tl.where(y == y, r.to(tl.float32, bitcast=True), y).to(Q.dtype.element_ty)  # NaN stays NaN
+        if NATIVE:  # the GPU's own conversion, round to nearest even (y is already within the format's range)
+            q = y.to(Q.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            # round to nearest even on the format's grid in float32 (the spacing of y's binade, or of the smallest
+            # normal binade below it): (y + M) - M with M = 1.5 * 2^23 * spacing; the cast of a value on the grid is
+            # exact (the sign bit put back: a small negative value rounds to -0, as the PyTorch cast gives)
+            bits = y.to(tl.int32, bitcast=True)
+            e = tl.maximum((bits >> 23) & 0xFF, EMIN)
+            magic = (((e - MBITS + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+            r = ((y + magic) - magic).to(tl.int32, bitcast=True) | (bits & -2147483648)
+            q = tl.where(y == y, r.to(tl.float32, bitcast=True), y).to(Q.dtype.element_ty)  # NaN stays NaN
         tl.store(Q + rm[:, None] * cols + rn[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(
@@ -131,5 +139,5 @@ def cast_triton(
         amax = amax_out if amax_out is not None else scale
         _kernels()["cast"][grid](t, scale.reshape(-1).to(torch.float32), q, q if qt is None else qt, amax, rows, cols,
                                  t.stride(0), float(fmax), AMAX_OUT=amax_out is not None, EMIN=_GRID[dtype][0], MBITS=_GRID[dtype][1], ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
-                                 num_warps=_WARPS)  # fmt: skip
+                                 NATIVE=NATIVE_ROUNDING, num_warps=_WARPS)  # fmt: skip
     return q, qt
