@@ -29,9 +29,9 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-# (positions, channels) per program and warps. The largest tiles that compile for Hopper without register spills
-# (python bench/kernel_registers.py: the forward at 124 registers a thread, the backward, which keeps K shifted
-# pre-activations and their gradients, at 156), not yet timed against others on a GPU
+# (positions, channels) per program and warps: tiles that compile for Hopper without register spills
+# (python bench/kernel_registers.py: the forward at 72 registers a thread, the backward, which keeps K shifted
+# pre-activations and their gradients, at 126; at 64 x 128 and 4 warps it spills 1.3 KB), not yet timed on a GPU
 _FWD_TILE = (32, 128)
 _BWD_TILE = (32, 64)
 _WARPS = 8
