@@ -45,6 +45,22 @@ def test_recompute_modules_are_checked(kwargs: dict[str, Any], message: str) -> 
     assert message in str(exc.value)
 
 
+def test_mlp_recompute_needs_a_dense_mlp() -> None:
+    """``mlp`` names the dense MLPs (Megatron's meaning): a model whose every MLP is a mixture of experts, or a
+    hybrid pattern without ``-``, is refused instead of recomputing nothing."""
+    from mcore_models import MambaConfig
+    from mcore_models.moe import MoEConfig
+
+    sel = dict(recompute="selective", recompute_modules=("mlp",), add_bias_linear=False)
+    with pytest.raises(ConfigError, match="every MLP of this model is a mixture of experts"):
+        llama(**sel, moe=MoEConfig(num_experts=4, router_topk=2))
+    assert llama(**sel, moe=MoEConfig(num_experts=4, router_topk=2, layer_freq=2)).recompute_mlp  # dense layers too
+    hybrid = dict(sel, mamba=MambaConfig(d_state=16, head_dim=8, chunk_size=8), num_layers=2)
+    with pytest.raises(ConfigError, match="mlp would recompute nothing"):
+        llama(**hybrid, hybrid_pattern="M*")
+    assert llama(**hybrid, hybrid_pattern="M-").recompute_mlp
+
+
 def test_recompute_modules_from_a_list() -> None:
     cfg = llama(recompute="selective", recompute_modules=["mlp"])
     assert cfg.recompute_modules == ("mlp",) and cfg.recompute_mlp and not cfg.recompute_attention

@@ -205,7 +205,22 @@ class TransformerConfig:
                     "recompute='none'"]  # fmt: skip
         if self.recompute != "selective" and set(mods) != {"core_attn"}:
             return [f"recompute_modules={list(mods)} needs recompute='selective' (recompute={self.recompute!r})"]
+        if "mlp" in mods and not self._has_dense_mlp():
+            return ["recompute_modules has mlp, but every MLP of this model is a mixture of experts (or it has none), "
+                    "which selective recompute leaves alone: mlp would recompute nothing; remove it, or use "
+                    "recompute='full'"]  # fmt: skip
         return []
+
+    def _has_dense_mlp(self) -> bool:
+        """Whether some layer has a dense MLP (what ``recompute_modules=[mlp]`` recomputes)."""
+        if self.hybrid_pattern is not None:
+            return "-" in self.hybrid_pattern
+        if self.moe is None:
+            return True
+        try:
+            return not all(self.moe.is_moe_layer(i) for i in range(self.num_layers))
+        except (IndexError, TypeError):  # a layer_freq list of the wrong length: moe.problems() says so
+            return True
 
     @property
     def recompute_attention(self) -> bool:
