@@ -27,12 +27,21 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 def _check(cp: int, groups: int, comm: str, packed: bool = False, fused: bool = True) -> float:
     """Ring attention at ``cp`` against one process in float64 (output and every gradient); ``packed``: rows of
-    several documents (:func:`_packed_ids`) and per-document attention; ``fused=False``: every block exact."""
+    several documents (:func:`_packed_ids`) and per-document attention; ``fused=False``: every block exact (the
+    worker's default restored after)."""
     from mcore_models.transformer import ring_attention as module
+
+    module.FUSED_BLOCKS = fused
+    try:
+        return _compare(cp, groups, comm, packed)
+    finally:
+        module.FUSED_BLOCKS = True
+
+
+def _compare(cp: int, groups: int, comm: str, packed: bool) -> float:
     from mcore_models.transformer.packed import document_mask
     from mcore_models.transformer.ring_attention import ring_attention, ring_document_mask
 
-    module.FUSED_BLOCKS = fused
     state = ParallelState.initialize(ParallelConfig(cp=cp))
     g = torch.Generator().manual_seed(7)
     q = torch.randn(S, B, HEADS, D, generator=g, dtype=torch.float64, requires_grad=True)

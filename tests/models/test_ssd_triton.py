@@ -176,14 +176,20 @@ def test_kernels_equal_the_torch_path(device: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("low", [False, True], ids=["tf32-dots", "16bit-dots"])
-def test_bf16_inputs_with_either_product_precision(device: str, low: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 x, B, C: the products on float32 operands (TF32 on GPUs) or on bf16 operands
-    (``LOW_PRECISION_DOTS``) give the float64 recurrence's outputs and gradients within bf16 rounding."""
-    monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
-    assert ssd_triton._dot_dtypes(torch.zeros(1, dtype=torch.bfloat16))["DOT"].primitive_bitwidth == (16 if low else 32)
+def test_bf16_inputs_with_either_product_precision(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 x, B, C: the products on float32 operands (TF32 on GPUs) and on bf16 operands
+    (``LOW_PRECISION_DOTS``) each give the float64 recurrence's outputs and gradients within bf16 rounding, and
+    the two differ (the 16-bit products really round their operands)."""
     t = make_inputs(2, 37, 4, 2, 16, 16, D=True, bias=True, init=True, seed=4)
-    assert_runs_agree(t, run_both(t, chunk_size=16, device=device, dtype=torch.bfloat16), 2e-2)
+    ys = []
+    for low in (False, True):
+        monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
+        dot = ssd_triton._dot_dtypes(torch.zeros(1, dtype=torch.bfloat16))["DOT"]
+        assert dot.primitive_bitwidth == (16 if low else 32)
+        runs = run_both(t, chunk_size=16, device=device, dtype=torch.bfloat16)
+        assert_runs_agree(t, runs, 2e-2)
+        ys.append(runs[0][1])  # the final states: float32, so the products' rounding shows
+    assert not torch.equal(ys[0], ys[1])
 
 
 def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,8 +64,8 @@ class MambaConfig:
     """The full-sequence (training) forward's causal depthwise convolution with its SiLU: torch (``F.conv1d`` then
     ``F.silu``), triton (``mcore_models.ssm.conv_triton``: one kernel each way over the in-projection's layout, no
     transposes; an error when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64
-    models always take the PyTorch ops; the served step's convolution is ``decode_kernel``'s. The same math; only speed differs. torch is the default until the kernel is measured
-    faster on a GPU (``bench/mamba_conv_bench.py``)."""
+    models always take the PyTorch ops; the served step's convolution is ``decode_kernel``'s. The same math; only
+    speed differs. torch is the default until the kernel is measured faster on a GPU (``bench/mamba_conv_bench.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("dt_limit", "a_init_range"):  # a YAML or JSON file gives lists (and "inf" or Infinity)

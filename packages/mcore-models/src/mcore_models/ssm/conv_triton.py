@@ -119,7 +119,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 @torch.library.custom_op("mcore_models::causal_conv1d_silu_bwd", mutates_args=())
 def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dx, dw, dbias)``: ``dw`` shaped as ``weight``, ``dbias`` float32 ``[C]`` zeros without a bias."""
+    """``(dx, dw, dbias)``: ``dw`` shaped as ``weight``, ``dbias`` float32 ``[C]`` (computed, and unused, without a
+    bias)."""
     x, dy = _channels_contiguous(x), _channels_contiguous(dy)
     w = weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape

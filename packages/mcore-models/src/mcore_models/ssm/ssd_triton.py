@@ -10,8 +10,7 @@ kernel on ``exp(cum_i) dy_i C_i^T``, the same pass in reverse (the gradient of e
 state), a kernel over columns ``j`` (``dx``, ``dB``, ``d dt``), one over rows ``i`` (``dC``) and a per-chunk kernel
 that turns the gradient of ``cum`` into those of ``dt``, ``A``, ``dt_bias`` and ``D``. All math is float32 (matrix
 products in TF32 for 16-bit inputs, or on 16-bit operands with :data:`LOW_PRECISION_DOTS`; IEEE float32 for float32
-inputs); ``y`` comes back in ``x``'s dtype, the final
-states in float32.
+inputs); ``y`` comes back in ``x``'s dtype, the final states in float32.
 
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
 ``torch.autograd.Function``. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
@@ -36,7 +35,7 @@ _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 LOW_PRECISION_DOTS = False
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
 accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
-float32 operands. Off until measured faster on the GPU (``bench/ssd_bench.py --low-precision-dots``)."""
+float32 operands. Off until measured faster on the GPU (``bench/ssd_bench.py --dots tf32 16bit``)."""
 
 
 def _kernels() -> dict[str, Any]:

@@ -220,16 +220,15 @@ def fused_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     qh, kh, vh = q.reshape(b, g * hg, n, d), _heads(k, hg), _heads(v, hg)
     doh, oh = dout.reshape(b, g * hg, n, d), out.reshape(b, g * hg, n, d)
     lh = lse.reshape(b, g * hg, n).contiguous()
-    if q.device.type == "cuda":
+    if q.device.type == "cuda":  # lse is float32 (the accumulation dtype of 16-bit inputs), as the kernel's
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            doh, qh, kh, vh, oh, lh.float(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+            doh, qh, kh, vh, oh, lh, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
         )
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            doh, qh, kh, vh, oh, lh.to(q.dtype if q.dtype == torch.float64 else torch.float32), 0.0, causal,
-            scale=scale,
-        )  # fmt: skip
+            doh, qh, kh, vh, oh, lh, 0.0, causal, scale=scale
+        )
     acc = _acc(q.dtype)
     dk, dv = (t.to(acc).view(b, g, hg, m, d).sum(2) for t in (dk, dv))
     return dq.to(acc).view(b, g, hg, n, d), dk, dv
@@ -307,9 +306,10 @@ def _forward_allgather(q: torch.Tensor, kv: torch.Tensor, cp: Group, scale: floa
     return acc
 
 
-def _grads_source(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor,
+def _grads_source(saved: tuple[Any, ...], kv: torch.Tensor, r: int, j: int, scale: float, dq: torch.Tensor,
                   docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
-    """Add the blocks against rank ``j``'s K/V to ``dq`` (in place) and return their dK/dV ``[2, b, G, n, d]``."""
+    """Add the blocks against rank ``j``'s K/V to ``dq`` (in place) and return their dK/dV ``[2, b, G, n, d]``.
+    ``saved``: q, dO, rowsum(dO * O) (None for fused blocks), the merged lse and O, then the :data:`FlashAux`."""
     q, dout, delta, lse, out, *aux = saved
     c = q.shape[3] // 2
     dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)
@@ -325,6 +325,7 @@ def _grads_source(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: 
         if fused:
             dqb, dkb, dvb = fused_block_backward(dob, qb, kb, vb, out[:, :, :, rows], lb, causal, scale, tuple(aux))
         else:
+            assert delta is not None
             dqb, dkb, dvb = block_backward(dob, delta[:, :, :, rows], qb, kb, vb, lb, causal, scale,
                                            _block_docs(docs, j, rows, keys))  # fmt: skip
         dq[:, :, :, rows] += dqb
@@ -333,7 +334,7 @@ def _grads_source(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, r: int, j: 
     return dkv
 
 
-def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float, dq: torch.Tensor,
+def _backward_p2p(saved: tuple[Any, ...], kv: torch.Tensor, cp: Group, scale: float, dq: torch.Tensor,
                   docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     """The ring again: K/V rotate, each block's dK/dV travel one step behind them to the next rank, which adds its
     own; after the last step the dK/dV of every rank's K/V reach their owner."""
@@ -356,7 +357,7 @@ def _backward_p2p(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, 
     return pending
 
 
-def _backward_allgather(saved: tuple[torch.Tensor, ...], kv: torch.Tensor, cp: Group, scale: float,
+def _backward_allgather(saved: tuple[Any, ...], kv: torch.Tensor, cp: Group, scale: float,
                         dq: torch.Tensor, docs: RingDocs = None) -> torch.Tensor:  # fmt: skip
     gathered, handle = _gather_start(kv, cp)
     every_dkv = torch.zeros((cp.size, *kv.shape), dtype=dq.dtype, device=dq.device)
@@ -389,7 +390,8 @@ class _RingAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         acc = lse.dtype
         dout = dout.contiguous()
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # the exact blocks' rowsum(dO * O); the kernels take O
+        # rowsum(dO * O) for exact blocks; the fused kernels compute it from O themselves
+        delta = None if fused_blocks(q, ctx.docs) else (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         run = _backward_p2p if ctx.comm == "p2p" else _backward_allgather
         dkv = run((q, dout, delta, lse, out, *ctx.flash_aux), kv, ctx.cp, ctx.scale, dq, ctx.docs)
