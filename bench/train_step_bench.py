@@ -90,8 +90,7 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
     if args.mamba:  # e.g. conv_kernel=triton
         if config.mamba is None:
             raise SystemExit(f"--mamba: preset {args.preset} has no Mamba layers")
-        fields = {k: v for k, v in (o.split("=", 1) for o in args.mamba)}
-        config = config.replace(mamba=dataclasses.replace(config.mamba, **fields))
+        config = config.replace(mamba=dataclasses.replace(config.mamba, **dict(o.split("=", 1) for o in args.mamba)))
     if args.ssd_16bit_dots:
         from mcore_models.ssm import ssd_triton
 
