@@ -11,8 +11,8 @@ causal half.
     python bench/ssd_bench.py --seq 4096 16384 65536 --json /tmp/ssd.json
     python bench/ssd_bench.py --seq 4096 --dots tf32 16bit   # the Triton kernels' product operands, A/B
 
-``--dots``: ``tf32`` (float32 operands, TF32 products; the default) and/or ``16bit`` (bf16 operands,
-``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``), each measured in turn in the same process (``scan_16bit``).
+``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
+``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
 ``--tune`` times the Triton kernels' tile constants instead (positions per block forward and backward, warps) for
 each ``--dots`` choice at the first ``--seq`` and prints them fastest first::
 
@@ -78,24 +78,22 @@ TUNE = ({"_ROWS": (32, 64, 128), "_WARPS": (4, 8)}, {"_BWD_ROWS": (16, 32, 64), 
 
 def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
     """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
-    their defaults), then of the backward's (the forward's at the fastest found): the scan's forward + backward ms;
-    all rows, fastest first (a combination that does not compile or run is reported with its error)."""
+    their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``: the
+    scan's forward + backward ms; all rows, fastest first (a combination that does not compile or run is reported
+    with its error)."""
     import itertools
 
     b = max(1, tokens // seq)
-    names = [k for group in TUNE for k in group]
-    default = {k: getattr(ssd_triton, k) for k in names}
-    rows: list[dict[str, Any]] = []
+    low, rows = ssd_triton.LOW_PRECISION_DOTS, []
     for d in dots:
         ssd_triton.LOW_PRECISION_DOTS = d == "16bit"
-        for k, v in default.items():
-            setattr(ssd_triton, k, v)
+        tiles = ssd_triton.TILES[d]
+        default = dict(tiles)
         for group in TUNE:
             timed = []
             for values in itertools.product(*group.values()):
-                for k, v in zip(group, values, strict=True):
-                    setattr(ssd_triton, k, v)
-                row: dict[str, Any] = {"dots": d, **{k: getattr(ssd_triton, k) for k in names}}
+                tiles.update(zip(group, values, strict=True))
+                row: dict[str, Any] = {"dots": d, **tiles}
                 try:
                     row.update(scan_case(b, seq, "triton"))
                 except Exception as e:  # a tile too large for the GPU's shared memory, for one
@@ -103,12 +101,10 @@ def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
                 timed.append(row)
                 torch.cuda.empty_cache()
             best = min(timed, key=lambda r: r.get("ms", float("inf")))
-            for k in group:
-                setattr(ssd_triton, k, best[k])
+            tiles.update({k: best[k] for k in group})
             rows.extend(timed)
-    for k, v in default.items():
-        setattr(ssd_triton, k, v)
-    ssd_triton.LOW_PRECISION_DOTS = False
+        tiles.update(default)
+    ssd_triton.LOW_PRECISION_DOTS = low
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
@@ -117,7 +113,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--tokens", type=int, default=8 * 4096, help="batch x sequence, held constant")
     ap.add_argument("--impl", default="triton", choices=["triton", "torch"])
-    ap.add_argument("--dots", nargs="+", default=["tf32"], choices=["tf32", "16bit"],
+    ap.add_argument("--dots", nargs="+", default=["16bit"], choices=["tf32", "16bit"],
                     help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")

@@ -91,10 +91,10 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
         if config.mamba is None:
             raise SystemExit(f"--mamba: preset {args.preset} has no Mamba layers")
         config = config.replace(mamba=dataclasses.replace(config.mamba, **dict(o.split("=", 1) for o in args.mamba)))
-    if args.ssd_16bit_dots:
+    if args.ssd_dots:
         from mcore_models.ssm import ssd_triton
 
-        ssd_triton.LOW_PRECISION_DOTS = True
+        ssd_triton.LOW_PRECISION_DOTS = args.ssd_dots == "16bit"
     if args.reference == "hf":
         return config, build_hf_step(args, config, micro_batch, device)
     model = GPTModel(config, device=device).train()
@@ -184,7 +184,7 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "reference": args.reference,
         "compile": args.compile,
         "mamba": args.mamba,
-        "ssd_16bit_dots": args.ssd_16bit_dots,
+        "ssd_dots": args.ssd_dots,
         "fused_ce": args.fused_ce,
         "recompute": args.recompute,
         "step_ms": elapsed * 1e3,
@@ -224,7 +224,8 @@ def main() -> None:
     )
     parser.add_argument("--mamba", nargs="+", default=[], metavar="KEY=VALUE",
                         help="MambaConfig fields of a Mamba or hybrid preset (strings), e.g. conv_kernel=triton")  # fmt: skip
-    parser.add_argument("--ssd-16bit-dots", action="store_true", help="ssd_triton.LOW_PRECISION_DOTS (bf16 products)")
+    parser.add_argument("--ssd-dots", choices=["16bit", "tf32"], default=None,
+                        help="the SSD scan's products: ssd_triton.LOW_PRECISION_DOTS on (16bit, the default) or off")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", default=None, help="profile one more step per row: PROFILE-mb<N>.md (kernel time by class)"

@@ -116,6 +116,22 @@ def test_compiled_graph_keeps_the_ops(device: str) -> None:
         torch.testing.assert_close(a, b)
 
 
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fake_kernels_match_the_real_outputs(device: str) -> None:
+    """``opcheck`` compares each op's fake (meta) outputs with its real ones, shapes and strides: inductor asserts
+    the declared strides, so a ``dw`` returned as a transposed view fails a compiled backward on the GPU."""
+    t = _inputs(12, 16, 4, True, seed=3)
+    x, w, b, dy = (t[k].to(device, torch.float32) for k in ("x", "w", "b", "dy"))
+    fwd, bwd = torch.ops.mcore_models.causal_conv1d_silu_fwd, torch.ops.mcore_models.causal_conv1d_silu_bwd
+    tests = ["test_schema", "test_faketensor"]
+    torch.library.opcheck(fwd, (x, w, b), test_utils=tests)
+    torch.library.opcheck(bwd, (dy, x, w, b), test_utils=tests)
+    torch.library.opcheck(bwd, (dy, x, w, None), test_utils=tests)
+    dw = bwd(dy, x, w, b)[1]
+    assert dw.shape == w.shape and dw.stride() == w.stride()
+
+
 def test_which_inputs_take_the_kernel() -> None:
     mixer = _mixer("auto", "cpu")
     conv = mixer.conv1d
@@ -124,7 +140,7 @@ def test_which_inputs_take_the_kernel() -> None:
     assert conv.uses_kernel(torch.zeros(1)) and not conv.uses_kernel(torch.zeros(1, dtype=torch.float64))
     conv.impl = "torch"
     assert not conv.uses_kernel(torch.zeros(1))
-    assert MambaConfig().conv_kernel == "torch"
+    assert MambaConfig().conv_kernel == "auto"
     assert any("mamba.conv_kernel='cuda'" in p for p in MambaConfig(conv_kernel="cuda").problems(64))  # type: ignore[arg-type]
 
 

@@ -124,8 +124,8 @@ def test_kernels_equal_the_float64_recurrence(device: str, case: tuple) -> None:
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_several_blocks_per_chunk(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 40 positions in blocks of 16: the row and column loops cross blocks, the last block partial."""
-    monkeypatch.setattr(ssd_triton, "_ROWS", 16)
-    monkeypatch.setattr(ssd_triton, "_BWD_ROWS", 16)
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_ROWS", 16)  # float32 inputs take the tf32 tiles
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_BWD_ROWS", 16)
     monkeypatch.setattr(ssd_triton, "_STATE_BLOCK", 16)  # the state pass over several tiles (P * N = 32)
     t = make_inputs(1, 50, 4, 2, 4, 8, D=True, bias=True, init=True, seed=3)
     assert_runs_agree(t, run_both(t, chunk_size=40, device=device, dtype=torch.float32), 2e-5)

@@ -133,14 +133,15 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
                              dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, SHIFTS=k, BS=bs,
                              BC=bc, num_warps=_WARPS)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
-    dw = sums[:k].t().reshape(weight.shape).to(weight.dtype, copy=True)  # outputs may not alias each other
+    # a contiguous copy (a new tensor: outputs may not alias each other), the strides the fake kernel declares
+    dw = sums[:k].t().contiguous().view(weight.shape).to(weight.dtype)
     return dx, dw, sums[k].clone()
 
 
 @_conv_bwd.register_fake
 def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return x.new_empty(x.shape), torch.empty_like(weight), x.new_empty(x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(x.shape[-1], dtype=torch.float32)
 
 
 class _CausalConv(torch.autograd.Function):

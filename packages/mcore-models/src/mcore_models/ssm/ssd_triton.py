@@ -27,15 +27,25 @@ import torch
 
 __all__ = ["ssd_scan_triton"]
 
-_ROWS = 64  # positions per row/column block inside a chunk (at most; at least 16, tl.dot's smallest tile): forward
-_BWD_ROWS = 32  # the same for the backward's column and row kernels
-_WARPS = 8  # warps per program of the forward's chunk kernels (b=2 s=2048 H=32 P=64 N=128 L=256 on an H200)
-_BWD_WARPS = 4  # and of the backward's
+TILES: dict[str, dict[str, int]] = {
+    "16bit": {"_ROWS": 64, "_WARPS": 4, "_BWD_ROWS": 64, "_BWD_WARPS": 4},
+    "tf32": {"_ROWS": 32, "_WARPS": 4, "_BWD_ROWS": 32, "_BWD_WARPS": 4},
+}
+"""The chunk kernels' tiles by product operands (``16bit``: :data:`LOW_PRECISION_DOTS` with 16-bit inputs;
+``tf32`` otherwise, float32 inputs' IEEE products included): ``_ROWS`` positions per row/column block inside a chunk
+(at most; at least 16, ``tl.dot``'s smallest tile) and ``_WARPS`` warps per program in the forward, ``_BWD_*`` the
+same for the backward's column and row kernels. The fastest of ``bench/ssd_bench.py --tune`` on one H200 (batch 8,
+seq 4096, 32 heads of 64, state 128, chunk 256): 8.16 ms forward + backward with 16-bit products, 15.6 ms TF32."""
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
-LOW_PRECISION_DOTS = False
+LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
 accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
-float32 operands. Off until measured faster on the GPU (``bench/ssd_bench.py --dots tf32 16bit``)."""
+float32 operands: 1.9x faster on one H200 (``bench/ssd_bench.py --dots tf32 16bit --tune``). ``False`` gives the
+TF32 products."""
+
+
+def _tiles(x: torch.Tensor) -> dict[str, int]:
+    return TILES["16bit" if LOW_PRECISION_DOTS and x.dtype in (torch.bfloat16, torch.float16) else "tf32"]
 
 
 def _kernels() -> dict[str, Any]:
@@ -92,10 +102,11 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_fwd"][(nc, b * H)](dt, bias, A, dtp, cum, s, dt_lo, dt_hi, H=H, L=chunk_size, BL=_pow2(chunk_size),
                              HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus)  # fmt: skip
-    cfg = _blocks(x, B, chunk_size, _ROWS)
-    bm = cfg.pop("BM")
+    tiles = _tiles(x)
+    cfg = _blocks(x, B, chunk_size, tiles["_ROWS"])
+    bm, warps = cfg.pop("BM"), tiles["_WARPS"]
     states = torch.empty(b, nc, H, P, N, **f32)
-    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, num_warps=_WARPS, **cfg)
+    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, num_warps=warps, **cfg)
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
     bs = min(_STATE_BLOCK, _pow2(P * N))
@@ -105,7 +116,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     y = torch.empty_like(x)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, num_warps=_WARPS, **cfg)
+    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, num_warps=warps, **cfg)
     return y, final, states, dtp, cum
 
 
@@ -135,10 +146,12 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     b, s, H, P, N, nc = _dims(x, B, chunk_size)
     dy, x, dt, A, B, C = (t.contiguous() for t in (dy, x, dt, A, B, C))
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
-    cfg = _blocks(x, B, chunk_size, _BWD_ROWS)
-    bm = cfg.pop("BM")
+    tiles = _tiles(x)
+    cfg = _blocks(x, B, chunk_size, tiles["_BWD_ROWS"])
+    bm, warps = cfg.pop("BM"), tiles["_BWD_WARPS"]
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
-    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, num_warps=_WARPS, **cfg)
+    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, num_warps=tiles["_WARPS"],
+                                  **cfg)  # fmt: skip
     bs = min(_STATE_BLOCK, _pow2(P * N))
     nt = -(-P * N // bs)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
@@ -151,8 +164,8 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
     k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
-                        num_warps=_BWD_WARPS, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=_BWD_WARPS, **cfg)
+                        num_warps=warps, **cfg)  # fmt: skip
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=warps, **cfg)
     ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
