@@ -7,12 +7,14 @@ output), weights ``w`` ``[C, K]`` and an optional bias ``[C]``::
     y[t, c]   = silu(pre[t, c])
 
 One program per (block of positions, block of channels, sequence). The forward reads the ``K`` shifted input tiles
-(the overlap comes from the cache) and writes ``y``; nothing is kept for the backward but the inputs. The backward
-recomputes ``pre`` and ``dpre = dy · silu'(pre)`` at the block's positions and at the ``K - 1`` after them, which
-gives ``dx[t] = sum_k w[k] dpre[t + (K - 1) - k]`` without a second pass; every program writes its partial sums of
-``dw[c, k] = sum_t dpre[t] x[t - (K - 1) + k]`` and ``dbias[c] = sum_t dpre[t]`` (float32) to a buffer that is summed
-afterwards, so the result does not depend on the order programs run in. The sums are float32; ``y`` and ``dx`` come
-back in ``x``'s dtype, ``dw`` and ``dbias`` in the weights'.
+(the overlap comes from the cache) and writes ``y``; nothing is kept for the backward but the inputs. The backward is
+two kernels: the first recomputes ``pre`` and writes ``dpre = dy · silu'(pre)`` (in ``x``'s dtype, as the unfused
+ops round it) with every program's partial sums of ``dw[c, k] = sum_t dpre[t] x[t - (K - 1) + k]`` and
+``dbias[c] = sum_t dpre[t]`` (float32, to a buffer summed afterwards, so the result does not depend on the order
+programs run in); the second is the forward's kernel run anticausally, ``dx[t] = sum_k w[K - 1 - k] dpre[t + k]``.
+(One kernel recomputing ``pre`` at the ``K - 1`` positions after its block instead of storing ``dpre`` read the input
+tiles ``K`` times over and measured 2.5x slower on an H200.) The sums are float32; ``y`` and ``dx`` come back in
+``x``'s dtype, ``dw`` and ``dbias`` in the weights'.
 
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
 ``torch.autograd.Function``; they run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
@@ -29,12 +31,11 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-# (positions, channels) per program and warps: tiles that compile for Hopper without register spills
-# (python bench/kernel_registers.py: the forward at 72 registers a thread, the backward, which keeps K shifted
-# pre-activations and their gradients, at 126; at 64 x 128 and 4 warps it spills 1.3 KB), not yet timed on a GPU
-_FWD_TILE = (32, 128)
-_BWD_TILE = (32, 64)
-_WARPS = 8
+# (positions, channels) per program and warps, the fastest of a sweep on one H200 (mamba2-1.3b's 4352 channels of
+# the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us
+_FWD_TILE = (16, 256)
+_BWD_TILE = (64, 128)
+_WARPS = 4
 
 
 @functools.cache
@@ -46,47 +47,62 @@ def _kernels() -> dict[str, Any]:
         raise ImportError("mamba.conv_kernel=triton needs Triton (pip install mcore-models[gpu]); use torch") from e
 
     @triton.jit  # type: ignore[misc]
-    def conv(X, W, BIAS, DY, OUT, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
-             HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr, SHIFTS: tl.constexpr, BS: tl.constexpr,
-             BC: tl.constexpr):  # fmt: skip
-        # forward: OUT = y; backward: OUT = dx, PART = this program's partial dw (K rows) and dbias (one row)
+    def conv(X, W, BIAS, OUT, s, C, xs_b, xs_s, K: tl.constexpr, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
+             ANTICAUSAL: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        # causal: OUT = silu(bias + sum_k w[k] X[t - (K - 1) + k]) (the forward's y); ANTICAUSAL: OUT =
+        # sum_k w[K - 1 - k] X[t + k] with no bias or SiLU (the backward's dx from dpre)
         pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t = pt * BS + tl.arange(0, BS)
         c = pc * BC + tl.arange(0, BC)
         cm = c < C
         x0 = b.to(tl.int64) * xs_b
-        acc = tl.zeros([BS, BC], dtype=tl.float32)  # y, or dx
-        for j in tl.static_range(SHIFTS):  # backward (SHIFTS = K): dpre at t + j feeds dx[t] through tap K - 1 - j
-            tj = t + j
-            pre = tl.zeros([BS, BC], dtype=tl.float32)  # the convolution before SiLU at positions tj
-            if HAS_BIAS:
-                pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-            for k in tl.static_range(K):
-                src = tj - (K - 1) + k
-                xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-                xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-                pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-            sig = tl.sigmoid(pre)
-            if BACKWARD:
-                m = (tj < s)[:, None] & cm[None, :]
-                dy = tl.load(DY + b.to(tl.int64) * dys_b + tj.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m,
-                             other=0.0)  # fmt: skip
-                dpre = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
-                acc += tl.load(W + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :] * dpre
-                if j == 0:  # this block's own dpre: its partial dw and dbias
-                    part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
-                    for k in tl.static_range(K):
-                        src = t - (K - 1) + k
-                        xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-                        xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-                        tl.store(part + k * C, tl.sum(dpre * xv.to(tl.float32), axis=0), mask=cm)
-                    tl.store(part + K * C, tl.sum(dpre, axis=0), mask=cm)
+        acc = tl.zeros([BS, BC], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        for k in tl.static_range(K):
+            if ANTICAUSAL:
+                src, tap = t + k, K - 1 - k
             else:
-                acc = pre * sig
+                src, tap = t - (K - 1) + k, k
+            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+            acc += tl.load(W + c * K + tap, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
+        if not ANTICAUSAL:
+            acc = acc * tl.sigmoid(acc)
         o = (b.to(tl.int64) * s + t)[:, None] * C + c[None, :]
         tl.store(OUT + o, acc.to(OUT.dtype.element_ty), mask=(t < s)[:, None] & cm[None, :])
 
-    return {"conv": conv}
+    @triton.jit  # type: ignore[misc]
+    def dpre(X, W, BIAS, DY, DPRE, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
+             HAS_BIAS: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        # DPRE = dy * silu'(pre) at the block's positions (pre recomputed), PART = its partial dw (K rows) and dbias
+        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = pt * BS + tl.arange(0, BS)
+        c = pc * BC + tl.arange(0, BC)
+        cm = c < C
+        x0 = b.to(tl.int64) * xs_b
+        pre = tl.zeros([BS, BC], dtype=tl.float32)
+        if HAS_BIAS:
+            pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        for k in tl.static_range(K):
+            src = t - (K - 1) + k
+            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+            pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
+        sig = tl.sigmoid(pre)
+        m = (t < s)[:, None] & cm[None, :]
+        dy = tl.load(DY + b.to(tl.int64) * dys_b + t.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m, other=0.0)
+        g = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
+        tl.store(DPRE + (b.to(tl.int64) * s + t)[:, None] * C + c[None, :], g.to(DPRE.dtype.element_ty), mask=m)
+        part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
+        for k in tl.static_range(K):
+            src = t - (K - 1) + k
+            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+            tl.store(part + k * C, tl.sum(g * xv.to(tl.float32), axis=0), mask=cm)
+        tl.store(part + K * C, tl.sum(g, axis=0), mask=cm)
+
+    return {"conv": conv, "dpre": dpre}
 
 
 def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:
@@ -105,9 +121,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     bs, bc = _FWD_TILE
-    _kernels()["conv"][_grid(x, _FWD_TILE)](x, w, bias_arg, x, y, y, s, c, x.stride(0), x.stride(1), 0, 0,
-                                            K=w.shape[1], HAS_BIAS=bias is not None, BACKWARD=False, SHIFTS=1, BS=bs,
-                                            BC=bc, num_warps=_WARPS)  # fmt: skip
+    _kernels()["conv"][_grid(x, _FWD_TILE)](x, w, bias_arg, y, s, c, x.stride(0), x.stride(1), K=w.shape[1],
+                                            HAS_BIAS=bias is not None, ANTICAUSAL=False, BS=bs, BC=bc,
+                                            num_warps=_WARPS)  # fmt: skip
     return y
 
 
@@ -126,12 +142,15 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     b, s, c = x.shape
     k = w.shape[1]
     grid, (bs, bc) = _grid(x, _BWD_TILE), _BWD_TILE
-    dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
+    g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
-    _kernels()["conv"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BACKWARD=True, SHIFTS=k, BS=bs,
-                             BC=bc, num_warps=_WARPS)  # fmt: skip
+    kernels = _kernels()
+    kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=_WARPS)  # fmt: skip
+    dx = torch.empty_like(g)
+    kernels["conv"][grid](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False, ANTICAUSAL=True, BS=bs,
+                          BC=bc, num_warps=_WARPS)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     # a contiguous copy (a new tensor: outputs may not alias each other), the strides the fake kernel declares
     dw = sums[:k].t().contiguous().view(weight.shape).to(weight.dtype)
