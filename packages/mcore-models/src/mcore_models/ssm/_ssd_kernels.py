@@ -81,16 +81,29 @@ def kernels() -> dict[str, Any]:
         st = tl.zeros([BS], dtype=tl.float32)
         if HAS_INIT:
             st = tl.load(INIT + bh.to(tl.int64) * PN + e, mask=m, other=0.0).to(tl.float32)
+        # each chunk's loads are issued one iteration ahead (they do not depend on the running state), so two chunks'
+        # reads are in flight: the pass is a chain of nc dependent steps, bound by load latency, not bandwidth
+        row = bh.to(tl.int64) * s
+        c = (nc - 1) if REVERSE else 0
+        o = ((b * nc + c) * H + h).to(tl.int64) * PN + e
+        v_next = tl.load(BUF + o, mask=m, other=0.0)
+        dec_next = tl.exp(tl.load(CUM + row + tl.minimum(c * L + L, s) - 1))
+        fwd_next = v_next
+        if REVERSE:
+            fwd_next = tl.load(STATES + o, mask=m, other=0.0)
         for i in range(0, nc):
-            c = i
-            if REVERSE:
-                c = nc - 1 - i
-            dec = tl.exp(tl.load(CUM + bh.to(tl.int64) * s + tl.minimum(c * L + L, s) - 1))
+            c = (nc - 1 - i) if REVERSE else i
             o = ((b * nc + c) * H + h).to(tl.int64) * PN + e
-            v = tl.load(BUF + o, mask=m, other=0.0)
+            v, dec, fwd = v_next, dec_next, fwd_next
+            mn = m & (e * 0 + i + 1 < nc)  # the next chunk's elements, none after the last chunk
+            cn = tl.maximum(c - 1, 0) if REVERSE else tl.minimum(c + 1, nc - 1)
+            on = ((b * nc + cn) * H + h).to(tl.int64) * PN + e
+            v_next = tl.load(BUF + on, mask=mn, other=0.0)
+            dec_next = tl.exp(tl.load(CUM + row + tl.minimum(cn * L + L, s) - 1))
+            if REVERSE:
+                fwd_next = tl.load(STATES + on, mask=mn, other=0.0)
             tl.store(BUF + o, st, mask=m)
             if REVERSE:
-                fwd = tl.load(STATES + o, mask=m, other=0.0)
                 tl.store(
                     TPART + ((b * nc + c) * H + h).to(tl.int64) * tl.num_programs(1) + tile, dec * tl.sum(st * fwd)
                 )
