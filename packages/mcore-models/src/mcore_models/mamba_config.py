@@ -62,10 +62,10 @@ class MambaConfig:
     H200 the Triton step serves ``mamba2-1.3b`` at 2.5 ms per token at batch 1 against 5.6 ms (docs/performance.md)."""
     conv_kernel: Scan = "auto"
     """The full-sequence (training) forward's causal depthwise convolution with its SiLU: torch (``F.conv1d`` then
-    ``F.silu``), triton (``mcore_models.ssm.conv_triton``: one kernel each way over the in-projection's layout, no
-    transposes; an error when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64
+    ``F.silu``), triton (``mcore_models.ssm.conv_triton``: one kernel forward and two backward over the
+    in-projection's layout, no transposes; an error when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64
     models always take the PyTorch ops; the served step's convolution is ``decode_kernel``'s. The same math; only
-    speed differs. auto is the default: on one H200 the kernels take 4.2 ms forward + backward against 9.5 ms for
+    speed differs. auto is the default: on one H200 the kernels take 2.2 ms forward + backward against 9.5 ms for
     ``mamba2-1.3b``'s layer at batch 8 x seq 4096 (``bench/mamba_conv_bench.py``)."""
 
     def __post_init__(self) -> None:
