@@ -121,7 +121,7 @@ def build_step(args: argparse.Namespace, micro_batch: int, device: torch.device)
     from mcore_parallel.optim import OptimizerConfig, get_optimizer
 
     state = ParallelState.initialize(device=device)
-    ddp = DistributedDataParallel(model, state, DDPConfig())
+    ddp = DistributedDataParallel(model, state, DDPConfig(gradient_accumulation_fusion=args.wgrad_fusion))
     mp_opt = get_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0), [ddp], state)
 
     def mixed_step() -> torch.Tensor:
@@ -181,6 +181,7 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
         "micro_batch": micro_batch,
         "accum": args.accum,
         "optimizer": args.optimizer,
+        "wgrad_fusion": args.wgrad_fusion,
         "reference": args.reference,
         "compile": args.compile,
         "mamba": args.mamba,
@@ -209,6 +210,9 @@ def main() -> None:
     parser.add_argument("--optimizer", default="bf16-adamw", choices=["bf16-adamw", "mixed"])
     parser.add_argument("--compile", action="store_true", help="compile each transformer layer")
     parser.add_argument("--fused-ce", action="store_true", help="model.cross_entropy_fusion")
+    parser.add_argument("--wgrad-fusion", action="store_true",
+                        help="--optimizer mixed: weight gradients added straight into main_grad by their GEMM "
+                             "(parallel.gradient_accumulation_fusion, the training loop's default on CUDA)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="toy model on the CPU (checks the script only)")
     parser.add_argument(
         "--accum",
@@ -261,6 +265,7 @@ def main() -> None:
         + [f"recompute={args.recompute}", f"accum={args.accum}"]
         + ["compile"] * args.compile
         + ["fused-ce"] * args.fused_ce
+        + ["wgrad-fusion"] * args.wgrad_fusion
     )
     print(f"{env['gpu']}, torch {env['torch']}, bf16 matmul ceiling {peak:.0f} TFLOP/s, "
           f"{env['flops_per_token'] / 1e9:.2f} GFLOP/token; {', '.join(levers)}")  # fmt: skip
