@@ -199,7 +199,7 @@ def bench_one(args: argparse.Namespace, micro_batch: int, peak_tflops: float, de
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--seq", type=int, default=4096)
@@ -234,7 +234,11 @@ def main() -> None:
     parser.add_argument(
         "--profile", default=None, help="profile one more step per row: PROFILE-mb<N>.md (kernel time by class)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.smoke:
         device, peak = torch.device("cpu"), 1.0
         args.seq, args.steps, args.warmup = min(args.seq, 64), min(args.steps, 2), min(args.warmup, 2)
