@@ -133,21 +133,6 @@ def test_several_blocks_per_chunk(device: str, monkeypatch: pytest.MonkeyPatch) 
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize(
-    ("heads", "groups", "block", "expect"), [(8, 2, 1, 1), (8, 2, 2, 2), (8, 2, 4, 4), (6, 1, 4, 2)]
-)
-def test_backward_over_head_blocks(device: str, heads: int, groups: int, block: int, expect: int,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The backward's programs take ``HEAD_BLOCK`` heads of a group in turn (the largest power of two dividing the
-    heads per group) and sum their dB and dC: every gradient equals the float64 recurrence's for each block size."""
-    monkeypatch.setattr(ssd_triton, "HEAD_BLOCK", block)
-    assert ssd_triton._head_block(heads // groups) == expect
-    t = make_inputs(2, 37, heads, groups, 4, 8, D=True, bias=True, init=True, seed=5)
-    assert_runs_agree(t, run_both(t, chunk_size=16, device=device, dtype=torch.float32), 2e-5)
-
-
-@needs_kernel
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_compiled_graph_keeps_the_ops(device: str) -> None:
     """Under ``torch.compile(fullgraph=True)`` the ops are opaque nodes (their fake implementations give the
     shapes); outputs and gradients equal eager's, strided inputs included."""

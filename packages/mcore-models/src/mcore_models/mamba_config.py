@@ -63,9 +63,9 @@ class MambaConfig:
     conv_kernel: Scan = "auto"
     """The full-sequence (training) forward's causal depthwise convolution with its SiLU: torch (``F.conv1d`` then
     ``F.silu``), triton (``mcore_models.ssm.conv_triton``: one kernel forward and two backward over the
-    in-projection's layout, no transposes; an error when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64
-    models always take the PyTorch ops; the served step's convolution is ``decode_kernel``'s. The same math; only
-    speed differs. auto is the default: on one H200 the kernels take 2.2 ms forward + backward against 9.5 ms for
+    in-projection's layout, no transposes; an error when it cannot run), auto (triton on CUDA when Triton is
+    installed, else torch). Float64 models always take the PyTorch ops; the served step's convolution is
+    ``decode_kernel``'s. The same math; only speed differs. auto is the default: on one H200 the kernels take 2.2 ms forward + backward against 9.5 ms for
     ``mamba2-1.3b``'s layer at batch 8 x seq 4096 (``bench/mamba_conv_bench.py``)."""
 
     def __post_init__(self) -> None:

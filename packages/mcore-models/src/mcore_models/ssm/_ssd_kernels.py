@@ -155,130 +155,113 @@ def kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HG: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                 DOT2: tl.constexpr):  # fmt: skip
-        # columns j of the chunk for HG heads of one group in turn: dx_j per head, dB_j summed over the HG heads,
-        # d dt_j as a multiplier, and the parts of d cum_j and of d cum_last that column j gives (AUX rows: d dt,
-        # minus d cum, d cum_last, sum_p dy x)
-        blk, c, bhg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h0 = bhg // (H // HG), (bhg % (H // HG)) * HG
-        g = h0 // (H // G)
+                 BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
+        # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
+        # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
+        blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // H, bh % H
+        g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
         pm, nm = p < P, n < N
         rj = blk * BM + tl.arange(0, BM)
         tj = c * L + rj
         mj = (rj < L) & (tj < s)
         btj = (b * s + tj).to(tl.int64)
+        xo = (btj * H + h)[:, None] * P + p[None, :]
         xm = mj[:, None] & pm[None, :]
+        xj = tl.load(X + xo, mask=xm, other=0.0).to(tl.float32)
+        dyj = tl.load(DY + xo, mask=xm, other=0.0).to(tl.float32)
         bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
         bj = bj.to(tl.float32)
-        stride = (tl.num_programs(2) * HG) * s  # one AUX row: b * H * s
-        dbt = tl.zeros([BM, BN], dtype=tl.float32)
-        for hh in range(HG):
-            h = h0 + hh
-            bh = b * H + h
-            xo = (btj * H + h)[:, None] * P + p[None, :]
-            xj = tl.load(X + xo, mask=xm, other=0.0).to(tl.float32)
-            dyj = tl.load(DY + xo, mask=xm, other=0.0).to(tl.float32)
-            row = bh.to(tl.int64) * s
-            cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
-            dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
-            ej = tl.exp(tl.where(mj, tl.load(CUM + row + tl.minimum(c * L + L, s) - 1) - cuj, float("-inf")))
-            so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
-            ds = tl.load(DS + so, mask=pm[:, None] & nm[None, :], other=0.0)
-            inner = (
-                tl.dot(bj.to(DOT).to(DOT2), tl.trans(ds).to(DOT).to(DOT2), input_precision=PREC) * ej[:, None]
-            )  # d S / d (dt_j x_j)
-            wj = dtj * tl.sum(xj * inner, axis=1)
-            dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
-            q = tl.zeros([BM], dtype=tl.float32)
-            for k in range(blk * BM, L, BM):
-                ri = k + tl.arange(0, BM)
-                ti = c * L + ri
-                mi = (ri < L) & (ti < s)
-                bti = (b * s + ti).to(tl.int64)
-                ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-                ci = ci.to(tl.float32)
-                dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :],
-                              other=0.0)  # fmt: skip
-                dyi = dyi.to(tl.float32)
-                cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
-                keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
-                dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
-                gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
-                inner += tl.dot(gt.to(DOT).to(DOT2), dyi.to(DOT).to(DOT2), input_precision=PREC)
-                xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
-                dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
-                q += tl.sum(gt * xdy, axis=1)
-            dxj = inner * dtj[:, None]
-            if HAS_D:
-                dxj += tl.load(Dv + h).to(tl.float32) * dyj
-            tl.store(DX + xo, dxj.to(DX.dtype.element_ty), mask=xm)
-            dbt += dbj
-            aux = AUX + row + tj
-            tl.store(aux, tl.sum(xj * inner, axis=1), mask=mj)
-            tl.store(aux + stride, q * dtj + wj, mask=mj)
-            tl.store(aux + 2 * stride, wj, mask=mj)
-            tl.store(aux + 3 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
-        tl.store(DB + (btj * (H // HG) + h0 // HG)[:, None] * N + n[None, :], dbt, mask=mj[:, None] & nm[None, :])
+        row = bh.to(tl.int64) * s
+        cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
+        dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
+        ej = tl.exp(tl.where(mj, tl.load(CUM + row + tl.minimum(c * L + L, s) - 1) - cuj, float("-inf")))
+        so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
+        ds = tl.load(DS + so, mask=pm[:, None] & nm[None, :], other=0.0)
+        inner = (
+            tl.dot(bj.to(DOT).to(DOT2), tl.trans(ds).to(DOT).to(DOT2), input_precision=PREC) * ej[:, None]
+        )  # d S / d (dt_j x_j)
+        wj = dtj * tl.sum(xj * inner, axis=1)
+        dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
+        q = tl.zeros([BM], dtype=tl.float32)
+        for k in range(blk * BM, L, BM):
+            ri = k + tl.arange(0, BM)
+            ti = c * L + ri
+            mi = (ri < L) & (ti < s)
+            bti = (b * s + ti).to(tl.int64)
+            ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+            ci = ci.to(tl.float32)
+            dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
+            dyi = dyi.to(tl.float32)
+            cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
+            keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
+            dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
+            gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
+            inner += tl.dot(gt.to(DOT).to(DOT2), dyi.to(DOT).to(DOT2), input_precision=PREC)
+            xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
+            dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
+            q += tl.sum(gt * xdy, axis=1)
+        dxj = inner * dtj[:, None]
+        if HAS_D:
+            dxj += tl.load(Dv + h).to(tl.float32) * dyj
+        tl.store(DX + xo, dxj.to(DX.dtype.element_ty), mask=xm)
+        tl.store(DB + (btj * H + h)[:, None] * N + n[None, :], dbj, mask=mj[:, None] & nm[None, :])
+        aux = AUX + row + tj
+        stride = tl.num_programs(2) * s  # one AUX row: b * H * s
+        tl.store(aux, tl.sum(xj * inner, axis=1), mask=mj)
+        tl.store(aux + stride, q * dtj + wj, mask=mj)
+        tl.store(aux + 2 * stride, wj, mask=mj)
+        tl.store(aux + 3 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
 
     @triton.jit  # type: ignore[misc]
     def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HG: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                 DOT2: tl.constexpr):  # fmt: skip
-        # rows i of the chunk for HG heads of one group in turn: dC_i summed over them and the plus part of d cum_i
-        # per head (AUX row 4)
-        blk, c, bhg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h0 = bhg // (H // HG), (bhg % (H // HG)) * HG
-        g = h0 // (H // G)
+                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
+        # rows i of the chunk: dC_i (per head) and the plus part of d cum_i (AUX row 4)
+        blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // H, bh % H
+        g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
         pm, nm = p < P, n < N
         ri = blk * BM + tl.arange(0, BM)
         ti = c * L + ri
         mi = (ri < L) & (ti < s)
         bti = (b * s + ti).to(tl.int64)
+        row = bh.to(tl.int64) * s
         ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
         ci = ci.to(tl.float32)
-        dct = tl.zeros([BM, BN], dtype=tl.float32)
-        for hh in range(HG):
-            h = h0 + hh
-            row = (b * H + h).to(tl.int64) * s
-            dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
-            dyi = dyi.to(tl.float32)
-            cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
-            ei = tl.exp(tl.where(mi, cui, float("-inf")))
-            so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
-            st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
-            dci = tl.dot(dyi.to(DOT).to(DOT2), st.to(DOT).to(DOT2), input_precision=PREC) * ei[:, None]
-            plus = (
-                tl.sum(dyi * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC), axis=1)
-                * ei
+        dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
+        dyi = dyi.to(tl.float32)
+        cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
+        ei = tl.exp(tl.where(mi, cui, float("-inf")))
+        so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
+        st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
+        dci = tl.dot(dyi.to(DOT).to(DOT2), st.to(DOT).to(DOT2), input_precision=PREC) * ei[:, None]
+        plus = (
+            tl.sum(dyi * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC), axis=1) * ei
+        )
+        for k in range(0, (blk + 1) * BM, BM):
+            rj = k + tl.arange(0, BM)
+            tj = c * L + rj
+            mj = (rj < L) & (tj < s)
+            btj = (b * s + tj).to(tl.int64)
+            bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+            bj = bj.to(tl.float32)
+            xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
+            cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
+            dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
+            keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
+            dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
+            mt = tl.dot(dyi.to(DOT).to(DOT2), tl.trans(xj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
+            dci += tl.dot(mt.to(DOT).to(DOT2), bj.to(DOT).to(DOT2), input_precision=PREC)
+            plus += tl.sum(
+                mt * tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC), axis=1
             )
-            for k in range(0, (blk + 1) * BM, BM):
-                rj = k + tl.arange(0, BM)
-                tj = c * L + rj
-                mj = (rj < L) & (tj < s)
-                btj = (b * s + tj).to(tl.int64)
-                bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-                bj = bj.to(tl.float32)
-                xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
-                cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
-                dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
-                keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
-                dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
-                mt = (
-                    tl.dot(dyi.to(DOT).to(DOT2), tl.trans(xj).to(DOT).to(DOT2), input_precision=PREC)
-                    * dec
-                    * dtj[None, :]
-                )
-                dci += tl.dot(mt.to(DOT).to(DOT2), bj.to(DOT).to(DOT2), input_precision=PREC)
-                plus += tl.sum(
-                    mt * tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC), axis=1
-                )
-            dct += dci
-            tl.store(AUX + 4 * ((tl.num_programs(2) * HG) * s) + row + ti, plus, mask=mi)
-        tl.store(DC + (bti * (H // HG) + h0 // HG)[:, None] * N + n[None, :], dct, mask=mi[:, None] & nm[None, :])
+        tl.store(DC + (bti * H + h)[:, None] * N + n[None, :], dci, mask=mi[:, None] & nm[None, :])
+        tl.store(AUX + 4 * (tl.num_programs(2) * s) + row + ti, plus, mask=mi)
 
     @triton.jit  # type: ignore[misc]
     def dt_bwd(DT, BIAS, A, DTP, AUX, TPART, DDT, PARTS, s, nc, nt, lo, hi, H: tl.constexpr, L: tl.constexpr,  # type: ignore[no-untyped-def]

@@ -81,22 +81,6 @@ def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int, rows: int) -> dic
             "BM": bm, "PREC": prec, **_dot_dtypes(x)}  # fmt: skip
 
 
-HEAD_BLOCK = 1
-"""The backward's column and row kernels take up to this many heads of a group in turn per program (the largest
-power of two that divides the heads per group), summing their dB and dC there, so the per-program partial sums
-written and reduced afterwards are that many times smaller. 1 (a program per head) is the fastest on one H200: the
-scan of batch 2 x seq 4096 (64 heads, one group) takes 2.05 ms forward + backward at 1 against 2.34-2.45 ms at 2, 4
-and 8, and 3.98 against 4.51-4.81 ms at batch 1 x seq 16384: fewer, longer programs lose more than the smaller
-partial sums save."""
-
-
-def _head_block(heads_per_group: int) -> int:
-    hg = 1
-    while hg * 2 <= HEAD_BLOCK and heads_per_group % (hg * 2) == 0:
-        hg *= 2
-    return hg
-
-
 def _dims(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> tuple[int, int, int, int, int, int]:
     b, s, H, P = x.shape
     return b, s, H, P, B.shape[3], -(-s // chunk_size)
@@ -175,22 +159,21 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     k["state_pass"][(b * H, nt)](ds, dfin, dinit, cum, states, tpart, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
                                  HAS_INIT=dfinal is not None, REVERSE=True)  # fmt: skip
     dx = torch.empty_like(x)
-    G = B.shape[2]
-    hg = _head_block(H // G)
-    db, dc = torch.empty(b, s, H // hg, N, **f32), torch.empty(b, s, H // hg, N, **f32)  # summed over hg heads
+    db, dc = torch.empty(b, s, H, N, **f32), torch.empty(b, s, H, N, **f32)  # per head: summed over groups below
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
-    grid = (-(-chunk_size // bm), nc, b * H // hg)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HG=hg, HAS_D=D is not None,
+    grid = (-(-chunk_size // bm), nc, b * H)
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
                         num_warps=warps, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, HG=hg, num_warps=warps, **cfg)
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=warps, **cfg)
     ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
                              BL=_pow2(chunk_size), BT=_pow2(nt), HAS_BIAS=dt_bias is not None,
                              SOFTPLUS=dt_softplus)  # fmt: skip
-    dB = db.view(b, s, G, H // G // hg, N).sum(3).to(B.dtype)
-    dC = dc.view(b, s, G, H // G // hg, N).sum(3).to(C.dtype)
+    G = B.shape[2]
+    dB = db.view(b, s, G, H // G, N).sum(3).to(B.dtype)
+    dC = dc.view(b, s, G, H // G, N).sum(3).to(C.dtype)
     dD = parts[2].sum((0, 1)).to(D.dtype if D is not None else torch.float32)
     dbias = parts[1].sum((0, 1)).to(dt_bias.dtype if dt_bias is not None else torch.float32)
     return dx, ddt, parts[0].sum((0, 1)).to(A.dtype), dB, dC, dD, dbias, dinit
