@@ -129,9 +129,9 @@ def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkey
     for name in seen:
         real = getattr(decode_layers, name)
 
-        def spy(x, w, launch, _real=real, _name=name):  # type: ignore[no-untyped-def]
+        def spy(x, w, launch, *more, _real=real, _name=name):  # type: ignore[no-untyped-def]
             seen[_name].add(launch)
-            return _real(x, w, launch)
+            return _real(x, w, launch, *more)
 
         monkeypatch.setattr(decode_layers, name, spy)
     launches = DecodeLaunches(swiglu_down=GemvLaunch(4, 16), proj_partials=GemvLaunch(2, 8, 512, 2))
@@ -142,3 +142,19 @@ def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkey
         "linear_partials": {GemvLaunch(2, 8, 512, 2)},
         "row_linear": {None},
     }
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_pdl_norms_give_the_same_tokens(
+    compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pdl``: steps of at most 4 tokens run both norms of each layer as add_rms_norm (the first layer's without a
+    residual, the others' with the previous layer's partial sums), longer steps the layer's norms; greedy tokens
+    unchanged."""
+    from mcore_infer import decode_layers
+
+    rows = _spy_rows(monkeypatch, decode_layers, "add_rms_norm")
+    _assert_same_greedy_tokens(
+        fused_expected, compile=compiled, decode_kernels=replace(DECODE_PRESETS["row"], pdl=True)
+    )
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 6 == 0  # two norms in each of 3 layers

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mcore_infer.errors import MissingDependencyError
+from mcore_infer.kernels.norm_linear import gdc_launch
 
 __all__ = ["num_splits", "paged_attention_triton", "store_kv_triton", "triton_available"]
 
@@ -39,6 +40,7 @@ def _kernel() -> Any:
     try:
         import triton
         import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     except ImportError as e:
         raise MissingDependencyError("triton", "gpu") from e
 
@@ -98,12 +100,17 @@ def _kernel() -> Any:
         IEEE: tl.constexpr,
         ROT: tl.constexpr,
         NEW_KV: tl.constexpr,
+        GDC: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
         split = tl.program_id(2)
+        if GDC:  # (a programmatic dependent launch: the step's metadata is read before the wait, q after it)
+            gdc_launch_dependents()
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
+        if GDC:
+            gdc_wait()
         h = tl.arange(0, HPG_PAD)
         d = tl.arange(0, D)
         hmask = h < HPG
@@ -174,8 +181,12 @@ def _kernel() -> Any:
 
     @triton.jit  # type: ignore[misc]
     def combine(  # type: ignore[no-untyped-def]
-        Out, PM, PL, PACC, stride_ot, stride_oh, HEADS: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
-    ):
+        Out, PM, PL, PACC, stride_ot, stride_oh, HEADS: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+        GDC: tl.constexpr
+    ):  # fmt: skip
+        if GDC:
+            gdc_launch_dependents()
+            gdc_wait()
         t = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
@@ -294,6 +305,7 @@ def paged_attention_triton(
     splits: int | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -306,7 +318,10 @@ def paged_attention_triton(
 
     ``new_kv`` (keys, values ``[T, groups, d]``, cache slots ``[T]``), for decode steps only (each token the one new
     token of its request): the tokens' own keys/values are taken from there (rotated with ``rotary``) and written to
-    the cache by the same kernel, instead of a :func:`store_kv_triton` call first."""
+    the cache by the same kernel, instead of a :func:`store_kv_triton` call first.
+
+    ``pdl``: both kernels launched as programmatic dependents on Hopper and later (each starts while the kernel
+    before it finishes, and reads that kernel's output after waiting for it)."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -341,10 +356,12 @@ def paged_attention_triton(
         IEEE=k_cache.dtype == torch.float32,
         ROT=rot,
         NEW_KV=new_kv is not None,
+        **gdc_launch(q, pdl),
     )
     # fmt: on
     if splits > 1:
-        combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits)
+        combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits,
+                            **gdc_launch(q, pdl))  # fmt: skip
     return out
 
 

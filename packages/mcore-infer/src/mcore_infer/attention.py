@@ -49,6 +49,7 @@ class PagedAttentionContext:
         block_tables_host: list[list[int]] | None = None,
         fuse_rotary: bool = False,
         fuse_kv_write: bool = False,
+        pdl: bool = False,
         kv_layers: list[int] | None = None,
         mamba: Any = None,
     ) -> None:
@@ -73,6 +74,8 @@ class PagedAttentionContext:
         self.fuses_rotary = fuse_rotary and backend == "triton"
         # decode steps only (each token the one new token of its request): the attention kernel writes the KV too
         self.fuse_kv_write = fuse_kv_write and backend == "triton"
+        # small decode steps: the attention kernels launched as programmatic dependents (DecodePlan.pdl)
+        self.pdl = pdl and backend == "triton"
 
     @torch.compiler.disable
     def attention(
@@ -101,7 +104,8 @@ class PagedAttentionContext:
             else:
                 store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
             out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
-                                         self.token_ctx, scale, rotary=rotary, new_kv=new_kv)  # fmt: skip
+                                         self.token_ctx, scale, rotary=rotary, new_kv=new_kv,
+                                         pdl=self.pdl and t <= 4)  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

@@ -12,7 +12,10 @@ number of kernels per layer, and serving removes some with fusions the training 
   before it and SwiGLU after the up projection), and the final norm inside the output layer;
 - ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
-  (:mod:`mcore_infer.kernels`).
+  (:mod:`mcore_infer.kernels`);
+- ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm are one Triton kernel, and it,
+  the row kernels and the attention kernels are launched as programmatic dependents (each starts while the kernel
+  before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
 
 A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` replaces the projections the three
 row kernels replace, so it excludes them); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
@@ -114,6 +117,10 @@ class DecodePlan:
     """Steps of at most 4 tokens: the attention output projection as split-K partial sums (bias-free, tp=1)."""
     row_gemv: bool = False
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
+    pdl: bool = False
+    """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
+    RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`) launched as programmatic dependents, so each
+    starts, and loads its first weight tile, while the kernel before it finishes."""
     launches: DecodeLaunches = field(default_factory=DecodeLaunches)
     """Launch overrides of the kernels."""
 

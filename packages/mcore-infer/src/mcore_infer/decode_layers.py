@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mcore_infer.kernels.add_norm import add_rms_norm
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
     FMA_MAX_ROWS,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
-LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv")
+LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "pdl")
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
 
@@ -148,6 +149,9 @@ class FusedDecodeLayer(nn.Module):
             fusions["proj_partials"],
             fusions["row_gemv"],
         )
+        self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
+        self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
+        self.pdl_norms_mlp = self.pdl and isinstance(layer.pre_mlp_layernorm, RMSNorm)
         self.standard_attention, standard_mlp = _standard_parts(layer)
         self.norm_linear_mlp = self.norm_linear and standard_mlp  # the second norm inside the up projection too
         self.launches = launches
@@ -161,27 +165,40 @@ class FusedDecodeLayer(nn.Module):
         attn: Any = layer.self_attention
         mlp: Any = layer.mlp
         launches = self.launches
-        if residual is not None:
-            x = add_deferred(x, residual)  # the previous layer's output may be partial sums (swiglu_down)
-        h = layer.input_layernorm(x)
         # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs)
-        small = (self.row_gemv or self.proj_partials or self.swiglu_down) and h.numel() // h.shape[-1] <= FMA_MAX_ROWS
+        fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.pdl
+        small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
+        pdl = self.pdl and small
+        if self.pdl_norms and small:  # the previous layer's output may be partial sums (swiglu_down)
+            ln = layer.input_layernorm
+            h, x = add_rms_norm(x, residual, ln.weight, ln.eps, pdl=True)
+        else:
+            if residual is not None:
+                x = add_deferred(x, residual)
+            h = layer.input_layernorm(x)
         if not self.standard_attention:
             x = x + attn(h, rotary, inference_context)
         else:
             if self.row_gemv and small:
-                qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv)
+                qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv, pdl)
             else:
                 qkv = attn.linear_qkv(h)
             out = attn.attend(qkv, rotary, inference_context)
             if self.proj_partials and small:  # split-K partial sums, summed by the residual add
-                x = add_deferred(linear_partials(out, attn.linear_proj.weight, launches.proj_partials), x)
+                proj = linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl)
             else:
-                x = x + attn.linear_proj(out)
-        h = layer.pre_mlp_layernorm(x)
+                proj = attn.linear_proj(out)
+            if self.pdl_norms_mlp and small:
+                ln = layer.pre_mlp_layernorm
+                h, x = add_rms_norm(proj, x, ln.weight, ln.eps, pdl=True)
+            else:
+                x = add_deferred(proj, x)
+                h = layer.pre_mlp_layernorm(x)
+        if not self.standard_attention:
+            h = layer.pre_mlp_layernorm(x)
         if self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
             fused = swiglu_down_partials if self.defer else swiglu_down
-            out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down)
+            out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
         else:
             out = mlp(h)
         return (out, x) if self.defer else (x + out, None)

@@ -342,6 +342,7 @@ class ModelRunner:
             block_tables_host=batch.block_tables,
             fuse_rotary=self.plan.rope_in_attention,
             fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
+            pdl=self.plan.pdl,
             kv_layers=self.kv_layers,
             mamba=self._mamba_step(batch, state_slots),
         )

@@ -233,6 +233,24 @@ def _use_triton(x: torch.Tensor) -> bool:
     return True
 
 
+_GDC: dict[int, bool] = {}
+
+
+def gdc_launch(x: torch.Tensor, pdl: bool) -> dict[str, bool]:
+    """The launch options of a kernel with grid-dependency control (a ``GDC`` constexpr: it signals at its start
+    that the next kernel may launch, and waits for the kernel before it with ``gdc_wait`` before reading what that
+    kernel writes): ``GDC`` on CUDA devices of compute capability 9.0 or later (Hopper; never under the
+    interpreter), and ``launch_pdl`` (a programmatic dependent launch: the kernel starts while the one before it
+    finishes) when ``pdl`` asks for it there."""
+    if not x.is_cuda:
+        return {"GDC": False}
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _GDC:
+        _GDC[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    gdc = _GDC[index]
+    return {"GDC": gdc, "launch_pdl": True} if gdc and pdl else {"GDC": gdc}
+
+
 def parse_ints(text: str, source: str, counts: tuple[int, ...]) -> list[int]:
     """The comma-separated integers of a launch's text form; a ValueError opened by ``source`` unless there are
     ``counts`` of them."""

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mcore_infer.kernels.norm_linear import MAX_ROWS, _use_triton, parse_ints
+from mcore_infer.kernels.norm_linear import MAX_ROWS, _use_triton, gdc_launch, parse_ints
 
 __all__ = [
     "FMA_MAX_ROWS",
@@ -53,6 +53,7 @@ def _kernel() -> Any:
         return _KERNEL
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit  # type: ignore[misc]
     def gemv(  # type: ignore[no-untyped-def]
@@ -72,6 +73,7 @@ def _kernel() -> Any:
         BLOCK_K: tl.constexpr,
         SWIGLU: tl.constexpr,
         FMA: tl.constexpr,
+        GDC: tl.constexpr,
     ):
         # FMA (a few rows, M_PAD <= FMA_MAX_ROWS): products accumulated elementwise in a float32
         # [rows, BLOCK_N, BLOCK_K] register tile and reduced over K once after the loop. An MMA of at least 16 padded
@@ -85,6 +87,17 @@ def _kernel() -> Any:
             acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
         else:
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        # the weight tiles are loaded one step ahead; the first before waiting for the kernel this one depends on
+        # (GDC: with a programmatic dependent launch this program starts while that kernel finishes; it reads
+        # nothing that kernel writes before gdc_wait)
+        if GDC:
+            gdc_launch_dependents()
+        k_end = tl.minimum((split + 1) * K_PER, K)
+        ks = split * K_PER + tl.arange(0, BLOCK_K)
+        w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_end),
+                    other=0.0)  # fmt: skip
+        if GDC:
+            gdc_wait()
         for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             m2 = (rows[:, None] < M) & (ks[None, :] < K)
@@ -94,14 +107,16 @@ def _kernel() -> Any:
                 gate = x.to(tl.float32)
                 act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
                 x = (act * up).to(dtype)
-            w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                        other=0.0)  # fmt: skip
+            kn = ks + BLOCK_K
+            w_next = tl.load(W + cols[:, None] * stride_wn + kn[None, :],
+                             mask=(cols[:, None] < N) & (kn[None, :] < k_end), other=0.0)  # fmt: skip
             if FMA:
                 acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             elif dtype == tl.float32:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+            w = w_next
         if FMA:
             out = tl.sum(acc, axis=2)
         else:
@@ -126,11 +141,13 @@ def gemv_partials(
     swiglu: bool = False,
     out_dtype: torch.dtype = torch.float32,
     num_warps: int = 4,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``[splits, M, N]`` partial products (in ``out_dtype``) whose sum over dim 0 is ``F.linear(x, weight)`` for
     ``x`` ``[M, K]`` (``[M, 2K]`` = ``[gate | up]`` with ``swiglu``: then of ``silu(gate) * up``), ``M`` at most 64,
     ``weight`` ``[N, K]``. The Triton kernel: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``. Up to
-    :data:`FMA_MAX_ROWS` rows it accumulates elementwise products (no MMA of padded rows); more rows use ``tl.dot``."""
+    :data:`FMA_MAX_ROWS` rows it accumulates elementwise products (no MMA of padded rows); more rows use ``tl.dot``.
+    ``pdl``: launched as a programmatic dependent of the kernel before it on Hopper and later (:func:`gdc_launch`)."""
     m, kx = x.shape
     n, k = weight.shape
     if kx != (2 * k if swiglu else k):
@@ -151,7 +168,7 @@ def gemv_partials(
         _kernel()[(_cdiv(n, block_n), splits)](
             x, weight, y, m, n, k, per, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
             M_PAD=1 << (m - 1).bit_length() if small else max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n,
-            BLOCK_K=block_k, SWIGLU=swiglu, FMA=small, num_warps=num_warps,
+            BLOCK_K=block_k, SWIGLU=swiglu, FMA=small, num_warps=num_warps, **gdc_launch(x, pdl),
         )  # fmt: skip
     return y
 
@@ -213,45 +230,49 @@ def _partial_splits(x: torch.Tensor, weight: torch.Tensor, values: list[int] | N
 
 
 @torch.library.custom_op("mcore_infer::swiglu_down_partials", mutates_args=())
-def _swiglu_down_partials_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _swiglu_down_partials_op(
+    x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False
+) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight).float()[None]
-    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=True)
+    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=True, pdl=pdl)
 
 
 @_swiglu_down_partials_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False) -> torch.Tensor:
     splits = _partial_splits(x, weight, launch_values)
     return x.new_empty(splits, *x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
-def _partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
+def _partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool, pdl: bool) -> torch.Tensor:
     """The kernel's float32 partial sums ``[splits, ..., N]``."""
     parts = gemv_partials(x.reshape(-1, x.shape[-1]), weight, launch.splits, launch.block_n, launch.block_k,
-                          swiglu=swiglu, num_warps=launch.warps)  # fmt: skip
+                          swiglu=swiglu, num_warps=launch.warps, pdl=pdl)  # fmt: skip
     return parts.view(launch.splits, *x.shape[:-1], weight.shape[0])
 
 
-def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool) -> torch.Tensor:
+def _summed(x: torch.Tensor, weight: torch.Tensor, launch: Launch, swiglu: bool, pdl: bool) -> torch.Tensor:
     """The kernel's product in ``x``'s dtype: written directly at one split, else its float32 partials summed."""
     x2 = x.reshape(-1, x.shape[-1])
     sp, bn, bk, warps = launch
     if sp == 1:
-        y = gemv_partials(x2, weight, 1, bn, bk, swiglu=swiglu, out_dtype=x.dtype, num_warps=warps)[0]
+        y = gemv_partials(x2, weight, 1, bn, bk, swiglu=swiglu, out_dtype=x.dtype, num_warps=warps, pdl=pdl)[0]
     else:
-        y = gemv_partials(x2, weight, sp, bn, bk, swiglu=swiglu, num_warps=warps).sum(0).to(x.dtype)
+        y = gemv_partials(x2, weight, sp, bn, bk, swiglu=swiglu, num_warps=warps, pdl=pdl).sum(0).to(x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("mcore_infer::swiglu_down", mutates_args=())
-def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _swiglu_down_op(
+    x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False
+) -> torch.Tensor:
     if not _use_triton(x):
         return swiglu_down_reference(x, weight)
-    return _summed(x, weight, _launch(weight.shape[1], launch_values), swiglu=True)
+    return _summed(x, weight, _launch(weight.shape[1], launch_values), swiglu=True, pdl=pdl)
 
 
 @_swiglu_down_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -263,21 +284,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"swiglu_down: x has {x.shape[-1]} columns, expected [gate | up] = 2 x {weight.shape[1]}")
 
 
-def swiglu_down(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
+def swiglu_down(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight)`` for ``x = [gate | up]`` ``[..., 2K]`` of at most :data:`MAX_ROWS` rows
     and ``weight`` ``[N, K]`` (no bias): one kernel reading ``x`` and the weight (split over K, the float32 partial
     sums added by a second, small one). Inference only."""
     _check(x, weight)
-    result: torch.Tensor = _swiglu_down_op(x, weight, _values(launch))
+    result: torch.Tensor = _swiglu_down_op(x, weight, _values(launch), pdl)
     return result
 
 
-def swiglu_down_partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
+def swiglu_down_partials(
+    x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None, pdl: bool = False
+) -> torch.Tensor:
     """:func:`swiglu_down` left as its float32 partial sums ``[splits, ..., N]`` (one on the PyTorch path), for a
     consumer that adds them where it reads them (:func:`add_deferred`: the next layer's residual add and norm are
     then one kernel, as without this fusion)."""
     _check(x, weight)
-    result: torch.Tensor = _swiglu_down_partials_op(x, weight, _values(launch))
+    result: torch.Tensor = _swiglu_down_partials_op(x, weight, _values(launch), pdl)
     return result
 
 
@@ -290,44 +313,50 @@ def _check_row(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("mcore_infer::linear_partials", mutates_args=())
-def _linear_partials_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _linear_partials_op(
+    x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False
+) -> torch.Tensor:
     if not _use_triton(x):
         return F.linear(x, weight).float()[None]
-    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=False)
+    return _partials(x, weight, _launch(weight.shape[1], launch_values), swiglu=False, pdl=pdl)
 
 
 @_linear_partials_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False) -> torch.Tensor:
     splits = _partial_splits(x, weight, launch_values)
     return x.new_empty(splits, *x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
+def linear_partials(
+    x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None, pdl: bool = False
+) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows as float32 split-K partial sums
     ``[splits, ..., N]`` (one on the PyTorch path) for :func:`add_deferred` (the residual add and norm after an
     attention output projection then sum them: no sum kernel, and no cuBLAS split-K reduction)."""
     _check_row("linear_partials", x, weight)
-    result: torch.Tensor = _linear_partials_op(x, weight, _values(launch))
+    result: torch.Tensor = _linear_partials_op(x, weight, _values(launch), pdl)
     return result
 
 
 @torch.library.custom_op("mcore_infer::row_linear", mutates_args=())
-def _row_linear_op(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _row_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False
+) -> torch.Tensor:
     if not _use_triton(x):
         return F.linear(x, weight)
-    return _summed(x, weight, _launch(weight.shape[1], launch_values, row=True), swiglu=False)
+    return _summed(x, weight, _launch(weight.shape[1], launch_values, row=True), swiglu=False, pdl=pdl)
 
 
 @_row_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, launch_values: list[int] | None, pdl: bool = False) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
+def row_linear(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for at most :data:`FMA_MAX_ROWS` rows with the one-row kernel, one split by
     default (the output in ``x``'s dtype, for a consumer that needs it summed: the QKV projection)."""
     _check_row("row_linear", x, weight)
-    result: torch.Tensor = _row_linear_op(x, weight, _values(launch))
+    result: torch.Tensor = _row_linear_op(x, weight, _values(launch), pdl)
     return result
 
 
