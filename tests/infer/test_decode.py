@@ -32,7 +32,9 @@ def test_preset_names_and_plan_validation() -> None:
     assert set(get_args(DecodeKernels)) == {"auto", *DECODE_PRESETS}
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
-    assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True) == ROW
+    assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True) == ROW
+    with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv\)"):
+        replace(ATTENTION, pdl=True)
     for kernel in ("swiglu_down", "proj_partials", "row_gemv"):
         with pytest.raises(ValueError, match=rf"norm_linear is exclusive with {kernel}"):
             DecodePlan(norm_linear=True, **{kernel: True})
@@ -257,7 +259,7 @@ def test_a_standard_layer_with_another_attention_keeps_the_deferred_add() -> Non
     """Another attention module is called whole (never its pieces), while the layer keeps the deferred residual add
     and, with the standard MLP, swiglu_down."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(attention=PlainAttention)).eval()
-    assert _plan(model, "row") == replace(ATTENTION, swiglu_down=True)
+    assert _plan(model, "row") == replace(ATTENTION, swiglu_down=True, pdl=True)
     prompts = prompts_of_lengths(5, 20, seed=4)
     expected = [reference_greedy(model, p, 5) for p in prompts]
     llm = tiny_llm(model, decode_kernels="row")

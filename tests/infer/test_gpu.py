@@ -193,7 +193,7 @@ GEMV_PLANS = {
     **{k: replace(ATTENTION, **{k: True}) for k in ("norm_linear", "swiglu_down", "proj_partials", "row_gemv")},
     "row": DECODE_PRESETS["row"],
     "row-launches": replace(DECODE_PRESETS["row"], launches=LAUNCHES),
-    "row-pdl": replace(DECODE_PRESETS["row"], pdl=True),
+    "row-no-pdl": replace(DECODE_PRESETS["row"], pdl=False),
     "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
 }
 

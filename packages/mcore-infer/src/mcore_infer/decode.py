@@ -132,6 +132,8 @@ class DecodePlan:
         ]
         if clashes:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
+        if self.pdl and not any(getattr(self, k) for k in ROW_KERNELS):
+            raise ValueError(f"DecodePlan: pdl needs a row kernel ({', '.join(ROW_KERNELS)}): turn one on or pdl off")
 
     @property
     def layer_fusions(self) -> dict[str, bool]:
@@ -170,7 +172,7 @@ DECODE_PRESETS: Mapping[str, DecodePlan] = MappingProxyType(
     {
         "none": DecodePlan(),  # every layer by its own forward, attention by separate kernels
         "attention": _ATTENTION,  # the attention-side fusions and the deferred residual add
-        "row": replace(_ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True),
+        "row": replace(_ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True),
         "norm_linear": replace(_ATTENTION, norm_linear=True),
     }
 )
@@ -300,6 +302,7 @@ def prepare_for_decode(
     off: dict[tuple[str, str], list[str]] = {}  # (fusion, why) -> the layers it stays off for
     for key, layer in model.decoder.layers.items():
         fusions = _layer_fusions(layer, f"decoder.layers.{key}", model, wanted, strict, off)
+        fusions["pdl"] &= any(fusions[k] for k in ROW_KERNELS)  # (measured with the row kernels only)
         if any(fusions.values()):
             assert isinstance(layer, TransformerLayer)
             wrappers[key] = FusedDecodeLayer(layer, fusions, wanted.launches)

@@ -56,6 +56,32 @@ def _kernel() -> Any:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit  # type: ignore[misc]
+    def _gemv_step(X, W, acc, rows, cols, k0, M, N, K, stride_xm, stride_wn, w,  # type: ignore[no-untyped-def]
+                   BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr, HAVE_W: tl.constexpr):  # fmt: skip
+        """``acc`` plus the products of K step ``k0`` (its weight tile ``w`` when ``HAVE_W``, else loaded here)."""
+        dtype = X.dtype.element_ty
+        ks = k0 + tl.arange(0, BLOCK_K)
+        m2 = (rows[:, None] < M) & (ks[None, :] < K)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
+        if SWIGLU:  # X is [gate | up]: the input is silu(gate) * up, each rounded to X's dtype
+            up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
+        if not HAVE_W:
+            w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)  # fmt: skip
+        if FMA:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif dtype == tl.float32:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        return acc
+
+    globals()["_gemv_step"] = _gemv_step  # Triton resolves a kernel's callees among its module's globals
+
+    @triton.jit  # type: ignore[misc]
     def gemv(  # type: ignore[no-untyped-def]
         X,
         W,
@@ -80,43 +106,27 @@ def _kernel() -> Any:
         # rows wastes most of its work at one row, and compiles to ~250 registers per thread here. Else tl.dot.
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        dtype = X.dtype.element_ty
         rows = tl.arange(0, M_PAD)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if FMA:
             acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
         else:
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-        # the weight tiles are loaded one step ahead; the first before waiting for the kernel this one depends on
-        # (GDC: with a programmatic dependent launch this program starts while that kernel finishes; it reads
-        # nothing that kernel writes before gdc_wait)
-        if GDC:
+        k_lo = split * K_PER
+        if GDC:  # (a programmatic dependent launch: the first weight tile is loaded before waiting for the kernel
+            # this one depends on, whose output X is read after gdc_wait; the loop below stays as the compiler
+            # pipelines it)
             gdc_launch_dependents()
-        k_end = tl.minimum((split + 1) * K_PER, K)
-        ks = split * K_PER + tl.arange(0, BLOCK_K)
-        w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_end),
-                    other=0.0)  # fmt: skip
-        if GDC:
+            ks = k_lo + tl.arange(0, BLOCK_K)
+            w0 = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                         other=0.0)  # fmt: skip
             gdc_wait()
-        for k0 in range(split * K_PER, (split + 1) * K_PER, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            m2 = (rows[:, None] < M) & (ks[None, :] < K)
-            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=m2, other=0.0)
-            if SWIGLU:  # X is [gate | up]: the input is silu(gate) * up, each rounded to X's dtype
-                up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                gate = x.to(tl.float32)
-                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                x = (act * up).to(dtype)
-            kn = ks + BLOCK_K
-            w_next = tl.load(W + cols[:, None] * stride_wn + kn[None, :],
-                             mask=(cols[:, None] < N) & (kn[None, :] < k_end), other=0.0)  # fmt: skip
-            if FMA:
-                acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            elif dtype == tl.float32:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-            w = w_next
+            acc = _gemv_step(X, W, acc, rows, cols, k_lo, M, N, K, stride_xm, stride_wn, w0, BLOCK_K, SWIGLU, FMA,
+                             True)  # fmt: skip
+            k_lo += BLOCK_K
+        for k0 in range(k_lo, (split + 1) * K_PER, BLOCK_K):
+            acc = _gemv_step(X, W, acc, rows, cols, k0, M, N, K, stride_xm, stride_wn, None, BLOCK_K, SWIGLU, FMA,
+                             False)  # fmt: skip
         if FMA:
             out = tl.sum(acc, axis=2)
         else:
