@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS
 from mcore_infer.kv_cache import KVCache
 from mcore_models.transformer.rope import apply_rotary
 
@@ -105,7 +106,7 @@ class PagedAttentionContext:
                 store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
             out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
                                          self.token_ctx, scale, rotary=rotary, new_kv=new_kv,
-                                         pdl=self.pdl and t <= 4)  # fmt: skip
+                                         pdl=self.pdl and t <= FMA_MAX_ROWS)  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

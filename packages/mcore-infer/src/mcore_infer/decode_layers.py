@@ -113,6 +113,18 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
     return missing
 
 
+def _add_norm(
+    norm: nn.Module, out: torch.Tensor, residual: torch.Tensor | None, kernel: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` for ``h = out + residual`` (``out`` possibly partial sums; no residual: ``h = out``): one
+    :func:`~mcore_infer.kernels.add_norm.add_rms_norm` kernel with ``kernel`` (an RMSNorm, ``pdl``), else the
+    deferred add and the norm module."""
+    if kernel:
+        return add_rms_norm(out, residual, norm.weight, norm.eps, pdl=True)  # type: ignore[arg-type]
+    h = out if residual is None else add_deferred(out, residual)
+    return norm(h), h
+
+
 class PlainDecodeLayer(nn.Module):
     """Any layer, run by its own forward (after the previous layer's deferred residual add, if any)."""
 
@@ -169,15 +181,10 @@ class FusedDecodeLayer(nn.Module):
         fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.pdl
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         pdl = self.pdl and small
-        if self.pdl_norms and small:  # the previous layer's output may be partial sums (swiglu_down)
-            ln = layer.input_layernorm
-            h, x = add_rms_norm(x, residual, ln.weight, ln.eps, pdl=True)
-        else:
-            if residual is not None:
-                x = add_deferred(x, residual)
-            h = layer.input_layernorm(x)
+        # the previous layer's output may be partial sums (swiglu_down)
+        h, x = _add_norm(layer.input_layernorm, x, residual, self.pdl_norms and small)
         if not self.standard_attention:
-            x = x + attn(h, rotary, inference_context)
+            proj = attn(h, rotary, inference_context)
         else:
             if self.row_gemv and small:
                 qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv, pdl)
@@ -188,14 +195,7 @@ class FusedDecodeLayer(nn.Module):
                 proj = linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl)
             else:
                 proj = attn.linear_proj(out)
-            if self.pdl_norms_mlp and small:
-                ln = layer.pre_mlp_layernorm
-                h, x = add_rms_norm(proj, x, ln.weight, ln.eps, pdl=True)
-            else:
-                x = add_deferred(proj, x)
-                h = layer.pre_mlp_layernorm(x)
-        if not self.standard_attention:
-            h = layer.pre_mlp_layernorm(x)
+        h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
         if self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
             fused = swiglu_down_partials if self.defer else swiglu_down
             out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
