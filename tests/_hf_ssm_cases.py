@@ -4,7 +4,7 @@ configs, shared by the converter tests (``tests/models/test_hf_ssm.py``) and the
 
 The sequences the tests feed (21 tokens) are not a multiple of the chunk size (8): several chunks and a padded one.
 Random ``dt_bias`` (about N(0, 0.2)) gives time steps around 0.7, so the cases' clamps (Mamba-2's
-``time_step_limit``, NemotronH's ``time_step_min``) change some of them.
+``time_step_limit``, from below only for NemotronH) change some of them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ _NEMOTRON: dict[str, Any] = dict(
     layer_norm_epsilon=1e-6,
 )
 _CLAMPED = dict(tie_word_embeddings=True, use_conv_bias=False, time_step_limit=(0.05, 0.8))
-_MHA = dict(n_groups=1, num_key_value_heads=4, use_conv_bias=False, time_step_min=0.3, conv_kernel=3)
+_MHA = dict(
+    n_groups=1, num_key_value_heads=4, use_conv_bias=False, time_step_min=0.3, time_step_limit=(0.3, float("inf")),
+    conv_kernel=3,
+)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba2-g1": ("Mamba2Config", dict(_MAMBA2, num_hidden_layers=3, n_groups=1)),
     "mamba2-g2-tied-clamped": ("Mamba2Config", dict(_MAMBA2, num_hidden_layers=2, n_groups=2, **_CLAMPED)),

@@ -148,9 +148,11 @@ def test_config_round_trips_through_transformers(name: str) -> None:
     if hf_dict["model_type"] == "mamba2":
         keys += ["state_size", "num_heads", "head_dim", "time_step_min", "time_step_limit"]
     else:
-        keys += ["ssm_state_size", "mamba_num_heads", "mamba_head_dim", "time_step_min", "num_attention_heads",
+        keys += ["ssm_state_size", "mamba_num_heads", "mamba_head_dim", "time_step_limit", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"]  # fmt: skip
         assert hf_dict["hybrid_override_pattern"] == original.hybrid_override_pattern == c.hybrid_pattern
+        # transformers before 5.25 clamp NemotronH's time step at time_step_min: the export's is the clamp's bound
+        assert hf_dict["time_step_min"] == max(original.time_step_limit[0], torch.finfo(torch.float32).tiny)
     for key in keys:
         want = getattr(original, key)
         assert hf_dict[key] == (list(want) if isinstance(want, tuple) else want), key

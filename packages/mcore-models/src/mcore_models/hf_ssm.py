@@ -17,8 +17,9 @@ Files use the hub's ``backbone.`` prefix (what ``save_pretrained`` writes for bo
 What transformers computes, and so what is exported or refused (:class:`~mcore_models.errors.ConversionError`):
 the gated norm is always ``rmsnorm(y * silu(z))`` over ``n_groups`` groups (``norm_before_gate=False``; HF configs'
 ``norm_before_gate`` field is ignored by transformers and so on import too); one epsilon for every norm; no biases
-on ``in_proj``/``out_proj``; Mamba-2 clamps the time step to ``time_step_limit``, NemotronH only from below at
-``time_step_min``; NemotronH's attention has no position embedding and no biases, its lm_head is never tied (a tied
+on ``in_proj``/``out_proj``; both clamp the time step to ``time_step_limit`` (as the ``mamba_ssm`` kernels do; older
+transformers releases clamped NemotronH's only from below, at ``time_step_min``, so an export writes both to the same
+lower bound and keeps NemotronH's upper bound infinite); NemotronH's attention has no position embedding and no biases, its lm_head is never tied (a tied
 mcore model is written with a copy of the embedding), and its MoE layers (``E``) are not mcore's.
 """
 
@@ -98,8 +99,8 @@ def _nemotron_problems(c: TransformerConfig, layers: str) -> list[str]:
         what = " (a gated MLP)" if c.gated else ""
         p.append(f"activation={c.activation}{what}: NemotronH's MLP is up_proj, squared ReLU (relu2), down_proj")
     if c.mamba is not None and "M" in layers and math.isfinite(c.mamba.dt_limit[1]):
-        p.append(f"mamba.dt_limit={c.mamba.dt_limit} with a finite upper bound (NemotronH clamps the time step "
-                 "only from below, at time_step_min)")  # fmt: skip
+        p.append(f"mamba.dt_limit={c.mamba.dt_limit} with a finite upper bound (transformers before 5.25 clamp "
+                 "NemotronH's time step only from below, at time_step_min)")  # fmt: skip
     return p
 
 
@@ -129,7 +130,8 @@ def _mamba_to_hf(c: TransformerConfig, arch: str) -> dict[str, Any]:
         return {}
     names = ("state_size", "num_heads", "head_dim", "hidden_act") if arch == MAMBA2 else (
         "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "mamba_hidden_act")  # fmt: skip
-    # Mamba-2 clamps dt to time_step_limit; NemotronH at time_step_min (its log must exist: 0 becomes TINY)
+    # Both clamp dt to time_step_limit; older transformers clamped NemotronH's at time_step_min (its log must exist:
+    # 0 becomes TINY), so NemotronH's time_step_min is the clamp's lower bound too
     t_min = m.dt_min if arch == MAMBA2 else max(m.dt_limit[0], TINY)
     return {
         **dict(zip(names, (m.d_state, m.nheads(c.hidden_size), m.head_dim, "silu"))),
@@ -224,8 +226,8 @@ def _mamba_from_hf(arch: str, hf: dict[str, Any]) -> MambaConfig:
     if mamba2 and hf.get("expand", expand) != expand:
         raise ConversionError(f"expand={hf['expand']} but {heads_key} * {dim_key} = {heads * head_dim}")
     t_min, t_max = _float(hf.get("time_step_min", 0.001)), _float(hf.get("time_step_max", 0.1))
-    nemotron_low = 0.0 if t_min <= TINY else t_min
-    limit = tuple(_float(v) for v in hf.get("time_step_limit", (0.0, math.inf))) if mamba2 else (nemotron_low, math.inf)
+    low, high = (_float(v) for v in hf.get("time_step_limit", (0.0, math.inf)))
+    limit = (0.0 if low <= TINY else low, high)
     return MambaConfig(
         d_state=hf[state_key],
         d_conv=hf.get("conv_kernel", 4),
