@@ -36,7 +36,11 @@ _NEMOTRON: dict[str, Any] = dict(
 )
 _CLAMPED = dict(tie_word_embeddings=True, use_conv_bias=False, time_step_limit=(0.05, 0.8))
 _MHA = dict(
-    n_groups=1, num_key_value_heads=4, use_conv_bias=False, time_step_min=0.3, time_step_limit=(0.3, float("inf")),
+    n_groups=1,
+    num_key_value_heads=4,
+    use_conv_bias=False,
+    time_step_min=0.3,
+    time_step_limit=(0.3, float("inf")),
     conv_kernel=3,
 )
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
