@@ -70,6 +70,7 @@ KERNEL_TESTS = [
     "tests/parallel/test_fp8_cast_triton.py",
     "tests/infer/test_small_gemv.py",
     "tests/infer/test_add_norm.py",
+    "tests/infer/test_fused_mlp.py",
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",
     "tests/infer/test_decode.py",

@@ -14,7 +14,7 @@ from torch import nn
 from mcore_infer import DECODE_PRESETS, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams, prepare_for_decode
 from mcore_infer.decode import DecodeKernels
 from mcore_infer.decode_layers import FusedDecodeLayer, PlainDecodeLayer
-from mcore_infer.kernels import GemvLaunch, NormLinearLaunch
+from mcore_infer.kernels import GemvLaunch, MlpLaunch, NormLinearLaunch
 from mcore_infer.kv_cache import blocks_for
 from mcore_infer.runner import StepBatch
 from mcore_models import GPTModel, LayerSpec
@@ -33,11 +33,16 @@ def test_preset_names_and_plan_validation() -> None:
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
     assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True) == ROW
-    with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv\)"):
+    with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, fused_mlp\)"):
         replace(ATTENTION, pdl=True)
-    for kernel in ("swiglu_down", "proj_partials", "row_gemv"):
+    for kernel in ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp"):
         with pytest.raises(ValueError, match=rf"norm_linear is exclusive with {kernel}"):
             DecodePlan(norm_linear=True, **{kernel: True})
+    with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, swiglu_down only its down projection"):
+        replace(ROW, fused_mlp=True)
+    assert replace(ROW, swiglu_down=False, fused_mlp=True).pdl
+    with pytest.raises(ValueError, match=r"DecodeLaunches.fused_mlp=.*BLOCK_F"):
+        DecodeLaunches(fused_mlp=MlpLaunch(48, 128, 64, 8))
     with pytest.raises(ValueError, match=r"DecodeLaunches.swiglu_down=.*SPLITS must be >= 1"):
         DecodeLaunches(swiglu_down=GemvLaunch(0, 8))
     with pytest.raises(ValueError, match=r"DecodeLaunches.norm_linear=.*MODE must be one of"):
@@ -51,6 +56,9 @@ def test_plans_round_trip_through_json_data() -> None:
     assert DecodePlan.from_dict(data) == replace(
         ATTENTION, swiglu_down=True, launches=DecodeLaunches(swiglu_down=GemvLaunch(8, 16, 256, 4))
     )
+    data = {"preset": "row", "swiglu_down": False, "fused_mlp": True, "launches": {"fused_mlp": "32,64,64,4"}}
+    mlp = replace(ROW, swiglu_down=False, fused_mlp=True, launches=DecodeLaunches(fused_mlp=MlpLaunch(32, 64, 64, 4)))
+    assert DecodePlan.from_dict(data) == mlp and DecodePlan.from_dict(mlp.to_dict()) == mlp
     with pytest.raises(ValueError, match="unknown fields.*'fuse_rope'"):
         DecodePlan.from_dict({"fuse_rope": True})
     with pytest.raises(ValueError, match="launches for unknown kernels.*'qkv'"):

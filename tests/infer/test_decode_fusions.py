@@ -121,6 +121,31 @@ def test_row_gemv_projections_give_the_same_tokens(
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
 
 
+FUSED_MLP_PLANS = {
+    "eager": (False, DecodePlan(fused_mlp=True)),
+    "eager-deferred": (False, DecodePlan(fused_mlp=True, defer_residual=True)),
+    "compiled-row": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_MLP_PLANS))
+def test_fused_mlp_gives_the_same_tokens(
+    case: str, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fused_mlp``: steps of at most 4 tokens run each MLP through the fused kernel's op (its float32 sum rounded
+    back to the layer's dtype without the deferred add, added by the next layer's residual add with it), longer
+    prefill chunks through the MLP's own GEMMs; greedy tokens unchanged."""
+    from mcore_infer import decode_layers
+
+    compiled, plan = FUSED_MLP_PLANS[case]
+    rows = _spy_rows(monkeypatch, decode_layers, "fused_mlp_partials")
+    added = _spy_deferred_adds(monkeypatch)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
+    if plan.defer_residual and not plan.pdl:  # (with pdl the add + norm kernel's op adds it)
+        assert 1 in added  # the next layer adds the MLP's float32 sum as a partial
+
+
 def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's launch overrides are passed to each kernel call of its fusion (None: the kernel's heuristic)."""
     from mcore_infer import decode_layers

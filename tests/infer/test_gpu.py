@@ -194,6 +194,8 @@ GEMV_PLANS = {
     "row": DECODE_PRESETS["row"],
     "row-launches": replace(DECODE_PRESETS["row"], launches=LAUNCHES),
     "row-no-pdl": replace(DECODE_PRESETS["row"], pdl=False),
+    "row-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True),
+    "fused-mlp-no-defer": DecodePlan(fused_mlp=True),
     "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
 }
 

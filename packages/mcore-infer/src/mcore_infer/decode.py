@@ -13,12 +13,15 @@ number of kernels per layer, and serving removes some with fusions the training 
 - ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
   (:mod:`mcore_infer.kernels`);
+- ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection) as one
+  weight-streaming kernel and a small one that adds its partial sums (:mod:`mcore_infer.kernels.fused_mlp`), instead
+  of cuBLAS's up projection and ``swiglu_down``;
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm are one Triton kernel, and it,
-  the row kernels and the attention kernels are launched as programmatic dependents (each starts while the kernel
-  before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
+  the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
+  starts while the kernel before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
 
-A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` replaces the projections the three
-row kernels replace, so it excludes them); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
+A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` replaces the projections the row
+kernels replace, so it excludes them, and ``fused_mlp`` excludes ``swiglu_down``); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
 device (:func:`requested_plan`). :func:`prepare_for_decode` builds a new module over the caller's model: it shares
 the parameters, wraps each layer (:mod:`mcore_infer.decode_layers`) and sets nothing on the caller's modules. It
 decides per layer: the layer fusions reach into the standard modules (``TransformerLayer``, ``SelfAttention``,
@@ -44,6 +47,7 @@ from mcore_infer.decode_layers import (
     missing_for_fusions,
     skipped_fusions,
 )
+from mcore_infer.kernels.fused_mlp import MlpLaunch
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.norm_linear import Launch as NormLinearLaunch
 from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
@@ -69,12 +73,13 @@ log = logging.getLogger(__name__)
 DecodeKernels = Literal["auto", "none", "attention", "row", "norm_linear"]
 """A preset name: ``auto`` (:func:`requested_plan`) or a key of :data:`DECODE_PRESETS`."""
 
-ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv")
+ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp")
 
 _EXCLUDED_BY_NORM_LINEAR = {
     "swiglu_down": "norm_linear layers bypass the MLP's down-projection kernel",
     "proj_partials": "the fused norm after attention reads the output projection's summed output",
     "row_gemv": "both replace the QKV projection",
+    "fused_mlp": "both replace the MLP's up projection",
 }
 
 
@@ -90,6 +95,8 @@ class DecodeLaunches:
     """The attention output projection's partial sums."""
     row_gemv: GemvLaunch | None = None
     """The QKV projection."""
+    fused_mlp: MlpLaunch | None = None
+    """The fused MLP kernel."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,6 +124,10 @@ class DecodePlan:
     """Steps of at most 4 tokens: the attention output projection as split-K partial sums (bias-free, tp=1)."""
     row_gemv: bool = False
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
+    fused_mlp: bool = False
+    """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection) as one Triton kernel plus
+    the sum of its partials (SwiGLU, bias-free, tp=1); excludes ``swiglu_down``, which replaces only the down
+    projection."""
     pdl: bool = False
     """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
     RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`) launched as programmatic dependents, so each
@@ -132,6 +143,10 @@ class DecodePlan:
         ]
         if clashes:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
+        if self.fused_mlp and self.swiglu_down:
+            raise ValueError(
+                "DecodePlan: fused_mlp runs the whole MLP, swiglu_down only its down projection; turn one of them off"
+            )
         if self.pdl and not any(getattr(self, k) for k in ROW_KERNELS):
             raise ValueError(f"DecodePlan: pdl needs a row kernel ({', '.join(ROW_KERNELS)}): turn one on or pdl off")
 
@@ -158,7 +173,11 @@ class DecodePlan:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"DecodePlan.from_dict: unknown fields {unknown}; use {sorted(names)}")
-        types: dict[str, Any] = {"norm_linear": NormLinearLaunch, **dict.fromkeys(ROW_KERNELS, GemvLaunch)}
+        types: dict[str, Any] = {
+            "norm_linear": NormLinearLaunch,
+            **dict.fromkeys(ROW_KERNELS, GemvLaunch),
+            "fused_mlp": MlpLaunch,
+        }
         bad = sorted(set(launches) - set(types))
         if bad:
             raise ValueError(f"DecodePlan.from_dict: launches for unknown kernels {bad}; use {sorted(types)}")

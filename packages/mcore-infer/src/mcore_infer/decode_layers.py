@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mcore_infer.kernels.add_norm import add_rms_norm
+from mcore_infer.kernels.fused_mlp import fused_mlp_partials
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
     FMA_MAX_ROWS,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
-LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "pdl")
+LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "fused_mlp", "pdl")
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
 
@@ -74,7 +75,7 @@ def skipped_fusions(layer: nn.Module) -> dict[str, str]:
         why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
         skipped.update(dict.fromkeys(("row_gemv", "proj_partials", "norm_linear"), why))
     if not mlp_ok:
-        skipped["swiglu_down"] = f"mlp is a {type(layer.mlp).__name__}, not an MLP"
+        skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp"), f"mlp is a {type(layer.mlp).__name__}, not an MLP"))
     return skipped
 
 
@@ -100,6 +101,7 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
         missing["swiglu_down"] = (
             swiglu + _plain_linear(mlp.linear_fc2, "linear_fc2") + sharded("the down projection's all-reduce")
         )
+        missing["fused_mlp"] = missing["swiglu_down"] + _plain_linear(mlp.linear_fc1, "linear_fc1", column=True)
     if attn_ok:  # norm_linear: the first norm into the QKV projection, and with the standard MLP the second into fc1
         norms = [("input_layernorm", layer.input_layernorm)] + ([("pre_mlp_layernorm", layer.pre_mlp_layernorm)]
                                                                  if mlp_ok else [])  # fmt: skip
@@ -161,6 +163,7 @@ class FusedDecodeLayer(nn.Module):
             fusions["proj_partials"],
             fusions["row_gemv"],
         )
+        self.fused_mlp = fusions["fused_mlp"]
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
         self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
         self.pdl_norms_mlp = self.pdl and isinstance(layer.pre_mlp_layernorm, RMSNorm)
@@ -178,7 +181,7 @@ class FusedDecodeLayer(nn.Module):
         mlp: Any = layer.mlp
         launches = self.launches
         # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs)
-        fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.pdl
+        fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.pdl
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         pdl = self.pdl and small
         # the previous layer's output may be partial sums (swiglu_down)
@@ -196,7 +199,11 @@ class FusedDecodeLayer(nn.Module):
             else:
                 proj = attn.linear_proj(out)
         h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
-        if self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
+        if self.fused_mlp and small:  # the whole MLP: its float32 sum, added where the next layer adds it
+            out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)
+            if not self.defer:
+                out = out[0].to(h.dtype)
+        elif self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
             fused = swiglu_down_partials if self.defer else swiglu_down
             out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
         else:
