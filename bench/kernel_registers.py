@@ -7,7 +7,8 @@ global-memory traffic inside the loops. For the SSD scan's chunk kernels (``mcor
 positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
 (``ssd_triton.LOW_PRECISION_DOTS``); and the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, with
 its rounding in float32 arithmetic or by the conversion instruction, ``NATIVE_ROUNDING``), with its SASS instructions
-per element. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
+per element; and the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per
+step) at one and four rows. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
 time::
 
     python bench/kernel_registers.py            # every kernel, every tile
@@ -119,6 +120,20 @@ def main() -> None:
         per = bm * bn / (warps * 32)  # elements per thread
         rows.append({"kernel": "fp8_cast" + ("_native" if native else ""), "products": "-", "positions": bm,
                      "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
+    from mcore_infer.kernels.fused_mlp import MlpLaunch, heuristic_mlp_launch
+    from mcore_infer.kernels.fused_mlp import _kernels as mlp_kernels
+
+    mlp, _ = mlp_kernels()
+    ints = {"M": "i32", "H": "i32", "FF": "i32"}
+    for launch, rows_ in itertools.product(
+        (heuristic_mlp_launch(1), MlpLaunch(32, 128, 64, 4), MlpLaunch(64, 64, 64, 8), MlpLaunch(128, 64, 64, 8)),
+        (1, 4),
+    ):
+        bk = heuristic_mlp_launch(rows_).block_k if launch == heuristic_mlp_launch(1) else launch.block_k
+        consts = {"M_PAD": rows_, "BLOCK_F": launch.block_f, "BLOCK_K": bk, "BLOCK_H": launch.block_h, "GDC": True}
+        r = usage(mlp, consts, launch.warps, {"X": "*bf16", "W1": "*bf16", "W2": "*bf16", "Y": "*fp32", **ints})
+        rows.append({"kernel": f"fused_mlp ({rows_} rows)", "products": "-", "positions": launch.block_f,
+                     "channels": bk, "warps": launch.warps, **r})  # fmt: skip
     print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
