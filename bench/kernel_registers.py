@@ -125,15 +125,17 @@ def main() -> None:
 
     mlp, _ = mlp_kernels()
     ints = {"M": "i32", "H": "i32", "FF": "i32"}
-    for launch, rows_ in itertools.product(
-        (heuristic_mlp_launch(1), MlpLaunch(32, 128, 64, 4), MlpLaunch(64, 64, 64, 8), MlpLaunch(128, 64, 64, 8)),
-        (1, 4),
-    ):
+    launches = (heuristic_mlp_launch(1), MlpLaunch(32, 128, 64, 4), MlpLaunch(64, 64, 64, 8), MlpLaunch(128, 64, 64, 8))
+    for launch, rows_, norm in itertools.product(launches, (1, 4), (False, True)):
         bk = heuristic_mlp_launch(rows_).block_k if launch == heuristic_mlp_launch(1) else launch.block_k
-        consts = {"M_PAD": rows_, "BLOCK_F": launch.block_f, "BLOCK_K": bk, "BLOCK_H": launch.block_h, "GDC": True}
-        r = usage(mlp, consts, launch.warps, {"X": "*bf16", "W1": "*bf16", "W2": "*bf16", "Y": "*fp32", **ints})
-        rows.append({"kernel": f"fused_mlp ({rows_} rows)", "products": "-", "positions": launch.block_f,
-                     "channels": bk, "warps": launch.warps, **r})  # fmt: skip
+        # llama-1b: hidden 2048; with the norm, X is the output projection's float32 partial sum (one split)
+        consts = {"M_PAD": rows_, "BLOCK_F": launch.block_f, "BLOCK_K": bk, "BLOCK_H": launch.block_h, "GDC": True,
+                  "NORM": norm, "PARTS": norm, "SPLITS": 1, "H_PAD": 2048 if norm else 16}  # fmt: skip
+        types = {"X": "*fp32" if norm else "*bf16", "R": "*bf16", "NW": "*bf16", "HOUT": "*bf16", "W1": "*bf16",
+                 "W2": "*bf16", "Y": "*fp32", "eps": "fp32", **ints}  # fmt: skip
+        r = usage(mlp, consts, launch.warps, types)
+        rows.append({"kernel": f"fused_mlp{' + norm' if norm else ''} ({rows_} rows)", "products": "-",
+                     "positions": launch.block_f, "channels": bk, "warps": launch.warps, **r})  # fmt: skip
     print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

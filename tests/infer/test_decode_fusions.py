@@ -132,18 +132,37 @@ FUSED_MLP_PLANS = {
 def test_fused_mlp_gives_the_same_tokens(
     case: str, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``fused_mlp``: steps of at most 4 tokens run each MLP through the fused kernel's op (its float32 sum rounded
-    back to the layer's dtype without the deferred add, added by the next layer's residual add with it), longer
-    prefill chunks through the MLP's own GEMMs; greedy tokens unchanged."""
+    """``fused_mlp``: steps of at most 4 tokens run each MLP, with the residual add and RMSNorm before it, through
+    the fused kernel's op (its float32 sum rounded back to the layer's dtype without the deferred add, added by the
+    next layer's residual add with it), longer prefill chunks through the layer's own norm and GEMMs; greedy tokens
+    unchanged."""
     from mcore_infer import decode_layers
 
     compiled, plan = FUSED_MLP_PLANS[case]
-    rows = _spy_rows(monkeypatch, decode_layers, "fused_mlp_partials")
+    rows = _spy_rows(monkeypatch, decode_layers, "norm_mlp_partials")
     added = _spy_deferred_adds(monkeypatch)
     _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # one per layer, decode steps fused
     if plan.defer_residual and not plan.pdl:  # (with pdl the add + norm kernel's op adds it)
         assert 1 in added  # the next layer adds the MLP's float32 sum as a partial
+
+
+def test_fused_mlp_after_another_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LayerNorm model: the norm runs by itself and the fused kernel takes its output (the kernel's own norm is
+    an RMSNorm); greedy tokens unchanged."""
+    from mcore_infer import decode_layers
+
+    model = tiny_model(num_layers=2, normalization="layernorm")
+    expected = [reference_greedy(model, p, 10) for p in FUSED_PROMPTS]
+    rows = _spy_rows(monkeypatch, decode_layers, "fused_mlp_partials")
+    fused = _spy_rows(monkeypatch, decode_layers, "norm_mlp_partials")
+    torch._dynamo.reset()
+    plan = DecodePlan(fused_mlp=True, defer_residual=True)
+    res = tiny_llm(tiny_model(num_layers=2, normalization="layernorm"), decode_kernels=plan).generate(
+        FUSED_PROMPTS, GREEDY
+    )
+    assert [r.outputs[0].token_ids for r in res] == expected
+    assert rows and max(rows) <= 4 and 1 in rows and not fused
 
 
 def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:

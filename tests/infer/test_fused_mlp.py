@@ -1,5 +1,5 @@
-"""``fused_mlp``: a gated MLP of a few rows (up projection, SwiGLU, down projection) as one kernel, and the
-fixed-order sum of its partials, against float64. The kernels run on GPUs, or on the CPU under ``TRITON_INTERPRET=1``
+"""``fused_mlp``: a gated MLP of a few rows (up projection, SwiGLU, down projection; with the residual add and
+RMSNorm before it too) as one kernel, and the fixed-order sum of its partials, against float64. The kernels run on GPUs, or on the CPU under ``TRITON_INTERPRET=1``
 (float32); elsewhere the op computes with PyTorch ops."""
 
 from __future__ import annotations
@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from mcore_infer.kernels import MlpLaunch
-from mcore_infer.kernels.fused_mlp import fused_mlp_partials, fused_mlp_reference, heuristic_mlp_launch, sum_partials
+from mcore_infer.kernels.fused_mlp import (
+    fused_mlp_partials,
+    fused_mlp_reference,
+    heuristic_mlp_launch,
+    norm_mlp_partials,
+    norm_mlp_reference,
+    sum_partials,
+)
 from mcore_infer.kernels.small_gemv import add_deferred
 from tests.infer._kernels import KERNEL_DEVICES
 
@@ -59,6 +66,58 @@ def test_rounds_as_the_unfused_ops_round(device: str) -> None:
     torch.testing.assert_close(y, F.linear(act, w2.float()), rtol=1e-5, atol=1e-5)
     unrounded = F.linear(F.silu(gate) * up, w2.float())
     assert (y - unrounded).abs().max() > 1e-4  # the check above can tell the roundings apart
+
+
+def _float64_norm_mlp(x: torch.Tensor, residual: torch.Tensor, g: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    h = residual.double() + (x.double().sum(0) if x.dim() > residual.dim() else x.double())
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+    return _float64_mlp(normed, w1, w2), h
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("rows,h,ff", [(1, 64, 96), (2, 80, 72), (4, 48, 40)])
+@pytest.mark.parametrize("splits", [0, 1, 3], ids=["plain", "1-partial", "3-partials"])
+@pytest.mark.parametrize("launch", [None, "16,16,32,4"])
+def test_norm_in_the_kernel_equals_float64(device: str, rows: int, h: int, ff: int, splits: int,
+                                           launch: str | None) -> None:  # fmt: skip
+    """The residual add (of a tensor or of float32 partial sums) and RMSNorm inside the MLP kernel, at hidden sizes
+    that are not powers of two: the MLP's sum and h equal float64."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    w1, w2 = _weights(h, ff, device, dtype, rows + h)
+    gen = torch.Generator().manual_seed(splits + h)
+    residual = torch.randn(rows, 1, h, generator=gen).to(device, dtype)
+    x = (
+        torch.randn(splits, rows, 1, h, generator=gen).to(device)
+        if splits
+        else torch.randn(rows, 1, h).to(device, dtype)
+    )
+    g = (1 + 0.2 * torch.randn(h, generator=gen)).to(device, dtype)
+    out, h_sum = norm_mlp_partials(x, residual, g, 1e-5, w1, w2, None if launch is None else MlpLaunch.parse(launch))
+    assert out.shape == (1, rows, 1, h) and out.dtype == torch.float32
+    assert h_sum.shape == residual.shape and h_sum.dtype == dtype
+    ref_out, ref_h = _float64_norm_mlp(x, residual, g, w1, w2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(h_sum.double(), ref_h, rtol=tol, atol=tol)
+    torch.testing.assert_close(out[0].double(), ref_out, rtol=tol, atol=tol)
+
+
+def test_norm_mlp_pytorch_path_and_refusals() -> None:
+    """Outside the kernel's devices the op is the unfused ops (the deferred add, ``F.rms_norm``, the MLP); shapes
+    it cannot take are refused by name."""
+    w1, w2 = _weights(32, 40, "cpu", torch.float64, 0)
+    residual, g = torch.randn(2, 1, 32, dtype=torch.float64), torch.rand(32, dtype=torch.float64) + 0.5
+    parts = torch.randn(2, 2, 1, 32, dtype=torch.float64)
+    out, h = norm_mlp_partials(parts, residual, g, 1e-5, w1, w2)
+    ref_out, ref_h = norm_mlp_reference(parts, residual, g, 1e-5, w1, w2)
+    torch.testing.assert_close(out[0], ref_out.float(), rtol=0, atol=0)
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    torch.testing.assert_close(ref_out, _float64_norm_mlp(parts, residual, g, w1, w2)[0])
+    with pytest.raises(ValueError, match="neither residual's shape"):
+        norm_mlp_partials(torch.zeros(2, 1, 31, dtype=torch.float64), residual, g, 1e-5, w1, w2)
+    with pytest.raises(ValueError, match=r"norm weight \(31,\) for rows of 32"):
+        norm_mlp_partials(parts, residual, g[:31], 1e-5, w1, w2)
 
 
 @needs_kernel

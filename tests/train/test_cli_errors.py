@@ -87,3 +87,43 @@ def test_the_installed_command_prints_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "world size 1 is not divisible by tp*cp*pp = 3*1*1 = 3" in proc.stderr
     assert f"no dataset at prefix '{tmp_path / 'nothing'}'" in proc.stderr
+
+
+class _Exited(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "user-error"])
+def test_a_distributed_run_leaves_its_group_and_exits_without_finalizing(
+    fails: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank that ran a process group destroys it when pretrain returns (or raises a user's error), and the
+    console entry point ends the process with ``os._exit`` and main's code after flushing: a gloo group left for the
+    interpreter's finalization aborted finished torchrun ranks now and then (exit -6, the run reported failed). A run
+    without a process group exits normally."""
+    import torch.distributed as dist
+
+    from mcore_train import cli
+
+    def distributed_pretrain(config: object) -> None:  # what a multi-rank pretrain leaves behind: a live group
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        if fails:
+            raise LaunchEnvironmentError("a user's mistake")
+
+    def exit_now(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(api, "pretrain", distributed_pretrain)
+    monkeypatch.setattr(cli, "_LEFT_GROUP", False)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "argv", ["mcore-train", "pretrain", "--recipe", "tiny", "data.mock=true"])
+    with pytest.raises(_Exited) as exited:
+        cli.entry()
+    assert exited.value.code == (2 if fails else 0) and not dist.is_initialized()
+    assert ("a user's mistake" in capsys.readouterr().err) == fails
+    monkeypatch.setattr(api, "pretrain", lambda config: None)
+    monkeypatch.setattr(cli, "_LEFT_GROUP", False)
+    with pytest.raises(SystemExit) as normal:
+        cli.entry()
+    assert normal.value.code == 0

@@ -13,9 +13,9 @@ number of kernels per layer, and serving removes some with fusions the training 
 - ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
   (:mod:`mcore_infer.kernels`);
-- ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection) as one
-  weight-streaming kernel and a small one that adds its partial sums (:mod:`mcore_infer.kernels.fused_mlp`), instead
-  of cuBLAS's up projection and ``swiglu_down``;
+- ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection), with the
+  residual add and RMSNorm before it, as one weight-streaming kernel and a small one that adds its partial sums
+  (:mod:`mcore_infer.kernels.fused_mlp`), instead of the norm, cuBLAS's up projection and ``swiglu_down``;
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
   starts while the kernel before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
@@ -125,9 +125,9 @@ class DecodePlan:
     row_gemv: bool = False
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
     fused_mlp: bool = False
-    """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection) as one Triton kernel plus
-    the sum of its partials (SwiGLU, bias-free, tp=1); excludes ``swiglu_down``, which replaces only the down
-    projection."""
+    """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection; with an RMSNorm before it,
+    the residual add and the norm too) as one Triton kernel plus the sum of its partials (SwiGLU, bias-free, tp=1);
+    excludes ``swiglu_down``, which replaces only the down projection."""
     pdl: bool = False
     """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
     RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`) launched as programmatic dependents, so each

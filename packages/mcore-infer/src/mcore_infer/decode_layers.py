@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mcore_infer.kernels.add_norm import add_rms_norm
-from mcore_infer.kernels.fused_mlp import fused_mlp_partials
+from mcore_infer.kernels.fused_mlp import fused_mlp_partials, norm_mlp_partials
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
     FMA_MAX_ROWS,
@@ -164,6 +164,7 @@ class FusedDecodeLayer(nn.Module):
             fusions["row_gemv"],
         )
         self.fused_mlp = fusions["fused_mlp"]
+        self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
         self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
         self.pdl_norms_mlp = self.pdl and isinstance(layer.pre_mlp_layernorm, RMSNorm)
@@ -198,6 +199,11 @@ class FusedDecodeLayer(nn.Module):
                 proj = linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl)
             else:
                 proj = attn.linear_proj(out)
+        if self.norm_in_mlp and small:  # the residual add, the norm and the MLP: its float32 sum and h
+            ln2 = layer.pre_mlp_layernorm
+            w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+            out, x = norm_mlp_partials(proj, x, ln2.weight, ln2.eps, w1, w2, launches.fused_mlp, pdl)
+            return (out, x) if self.defer else (x + out[0].to(x.dtype), None)
         h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
         if self.fused_mlp and small:  # the whole MLP: its float32 sum, added where the next layer adds it
             out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from mcore_train.api import launch_world_size, pretrain
 
-        pretrain(_load(args, world_size=launch_world_size()))
+        try:
+            pretrain(_load(args, world_size=launch_world_size()))
+        finally:
+            _leave_process_group()
     except TrainingDiverged as e:
         _report(rank, f"training stopped: {e}")
         return 3
@@ -124,5 +128,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_LEFT_GROUP = False  # set once this process destroyed its process groups: entry() then ends it without finalizing
+
+
+def _leave_process_group() -> None:
+    """Destroy torch.distributed's process groups once this rank is done with them. A gloo group left for the
+    interpreter's exit aborted a rank there now and then after a run that had finished and logged its closing line
+    (``terminate called without an active exception``, exit code -6, and torchrun reports the run as failed), so
+    :func:`entry` also ends such a process with ``os._exit`` once its logs and output are flushed."""
+    import torch.distributed as dist
+
+    global _LEFT_GROUP
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        _LEFT_GROUP = True
+
+
+def entry() -> None:
+    """The ``mcore-train`` command (and ``python -m mcore_train.cli``, as torchrun runs it): :func:`main`'s exit code;
+    a process that ran a process group exits without the interpreter's finalization (logs and output flushed)."""
+    code = main()
+    if _LEFT_GROUP:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

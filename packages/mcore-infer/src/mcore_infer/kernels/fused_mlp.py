@@ -29,9 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch, parse_ints
-from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, swiglu_down_reference
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred, swiglu_down_reference
 
-__all__ = ["MlpLaunch", "fused_mlp_partials", "fused_mlp_reference", "heuristic_mlp_launch", "sum_partials"]
+__all__ = [
+    "MlpLaunch",
+    "fused_mlp_partials",
+    "fused_mlp_reference",
+    "heuristic_mlp_launch",
+    "norm_mlp_partials",
+    "norm_mlp_reference",
+    "sum_partials",
+]
 
 _KERNELS: Any = None
 
@@ -45,27 +53,70 @@ def _kernels() -> Any:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit  # type: ignore[misc]
+    def _residual_sum(X, R, rows, cols, M, H, stride_xs, stride_xm, stride_rm, dtype,  # type: ignore[no-untyped-def]
+                      SPLITS: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+        """``h = x + residual`` at ``cols`` of ``rows``, rounded to ``dtype`` once (float32 partial sums of x
+        added in float32), as float32."""
+        m2 = (rows[:, None] < M) & (cols[None, :] < H)
+        h = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if PARTS:
+            for sp in range(SPLITS):
+                h += tl.load(X + sp * stride_xs + rows[:, None] * stride_xm + cols[None, :], mask=m2, other=0.0)
+        else:
+            h += tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        return h.to(dtype).to(tl.float32)
+
+    @triton.jit  # type: ignore[misc]
+    def _input_tile(X, R, NW, inv, rows, ks, M, H, stride_xs, stride_xm, stride_rm, dtype,  # type: ignore[no-untyped-def]
+                    SPLITS: tl.constexpr, PARTS: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+        """The MLP's input at ``ks`` of ``rows`` as float32: X itself, or with ``NORM`` the residual sum normalised
+        by ``inv`` (each row's 1 / rms) and scaled by the norm weight, rounded as ``F.rms_norm`` rounds."""
+        if NORM:
+            h = _residual_sum(X, R, rows, ks, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
+            nw = tl.load(NW + ks, mask=ks < H, other=0.0).to(tl.float32)
+            x = ((h * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < H),
+                        other=0.0).to(tl.float32)  # fmt: skip
+        return x
+
+    globals().update(_residual_sum=_residual_sum, _input_tile=_input_tile)  # (a kernel's callees are module globals)
+
+    @triton.jit  # type: ignore[misc]
     def fused_mlp_kernel(  # type: ignore[no-untyped-def]
         X,
+        R,
+        NW,
+        HOUT,
         W1,
         W2,
         Y,
         M,
         H,
         FF,
+        eps,
+        stride_xs,
         stride_xm,
+        stride_rm,
         stride_w1,
         stride_w2,
         stride_ys,
         stride_ym,
+        SPLITS: tl.constexpr,
         M_PAD: tl.constexpr,
+        H_PAD: tl.constexpr,
         BLOCK_F: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        NORM: tl.constexpr,
+        PARTS: tl.constexpr,
         GDC: tl.constexpr,
     ):
+        # NORM: X (with the residual R) is the input before the residual add and RMSNorm: each program takes each
+        # row's mean square over the whole row first, then normalises the tiles it loads; program 0 writes h = x + R
+        # to HOUT. Else X is the MLP's input.
         pid = tl.program_id(0)
-        dtype = X.dtype.element_ty
+        dtype = R.dtype.element_ty
         rows = tl.arange(0, M_PAD)
         fs = pid * BLOCK_F + tl.arange(0, BLOCK_F)
         fmask = fs < FF
@@ -81,8 +132,17 @@ def _kernels() -> Any:
             wg = tl.load(gate_rows + ks[None, :], mask=wmask, other=0.0)
             wu = tl.load(up_rows + ks[None, :], mask=wmask, other=0.0)
             gdc_wait()
-            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < H),
-                        other=0.0).to(tl.float32)  # fmt: skip
+        inv = tl.zeros([M_PAD], tl.float32)
+        if NORM:
+            d = tl.arange(0, H_PAD)
+            h = _residual_sum(X, R, rows, d, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
+            inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / H + eps)
+            if pid == 0:
+                tl.store(
+                    HOUT + rows[:, None] * H + d[None, :], h.to(dtype), mask=(rows[:, None] < M) & (d[None, :] < H)
+                )
+        if GDC:
+            x = _input_tile(X, R, NW, inv, rows, ks, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS, NORM)
             acc_g += x[:, None, :] * wg.to(tl.float32)[None, :, :]
             acc_u += x[:, None, :] * wu.to(tl.float32)[None, :, :]
             k_lo = BLOCK_K
@@ -91,8 +151,7 @@ def _kernels() -> Any:
             wmask = fmask[:, None] & (kk[None, :] < H)
             wg = tl.load(gate_rows + kk[None, :], mask=wmask, other=0.0)
             wu = tl.load(up_rows + kk[None, :], mask=wmask, other=0.0)
-            x = tl.load(X + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < H),
-                        other=0.0).to(tl.float32)  # fmt: skip
+            x = _input_tile(X, R, NW, inv, rows, kk, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS, NORM)
             acc_g += x[:, None, :] * wg.to(tl.float32)[None, :, :]
             acc_u += x[:, None, :] * wu.to(tl.float32)[None, :, :]
         # the up projection's output in the input dtype, then silu(gate) and its product with up, each rounded
@@ -203,6 +262,41 @@ def sum_partials(parts: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return out
 
 
+def _run(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    launch_values: list[int] | None,
+    pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' ``(sum [1, ..., H], h)`` (``h`` the residual sum with ``norm``, else an empty tensor)."""
+    h, ff = fc2_weight.shape
+    shape = residual.shape if residual is not None else x.shape
+    rows = int(torch.Size(shape).numel()) // h
+    parts_in = residual is not None and x.dim() == residual.dim() + 1
+    x2 = x.reshape(x.shape[0] if parts_in else 1, rows, h)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = residual.reshape(rows, h).contiguous() if residual is not None else x2[0]
+    w1 = fc1_weight if fc1_weight.stride(-1) == 1 else fc1_weight.contiguous()
+    w2 = fc2_weight if fc2_weight.stride(-1) == 1 else fc2_weight.contiguous()
+    launch = heuristic_mlp_launch(rows) if launch_values is None else MlpLaunch(*launch_values)
+    programs = _cdiv(ff, launch.block_f)
+    parts = torch.empty(programs, rows, h, dtype=torch.float32, device=x.device)
+    h_out = torch.empty(rows if norm is not None else 0, h, dtype=r2.dtype, device=x.device)
+    nw, eps = norm if norm is not None else (r2, 0.0)
+    if rows:
+        _kernels()[0][(programs,)](
+            x2, r2, nw, h_out, w1, w2, parts, rows, h, ff, eps, x2.stride(0), x2.stride(1), r2.stride(0),
+            w1.stride(0), w2.stride(0), parts.stride(0), parts.stride(1), SPLITS=x2.shape[0],
+            M_PAD=1 << max(0, rows - 1).bit_length(), H_PAD=1 << max(0, h - 1).bit_length() if norm else 16,
+            BLOCK_F=launch.block_f, BLOCK_K=launch.block_k, BLOCK_H=launch.block_h, NORM=norm is not None,
+            PARTS=parts_in, num_warps=launch.warps, **gdc_launch(x2, pdl),
+        )  # fmt: skip
+    return sum_partials(parts, pdl).view(1, *shape[:-1], h), h_out.view(shape if norm is not None else (0, h))
+
+
 @torch.library.custom_op("mcore_infer::fused_mlp_partials", mutates_args=())
 def _fused_mlp_op(
     x: torch.Tensor,
@@ -213,22 +307,7 @@ def _fused_mlp_op(
 ) -> torch.Tensor:
     if not _use_triton(x):
         return fused_mlp_reference(x, fc1_weight, fc2_weight).float()[None]
-    h, ff = fc2_weight.shape
-    x2 = x.reshape(-1, h)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    w1 = fc1_weight if fc1_weight.stride(-1) == 1 else fc1_weight.contiguous()
-    w2 = fc2_weight if fc2_weight.stride(-1) == 1 else fc2_weight.contiguous()
-    m = x2.shape[0]
-    launch = heuristic_mlp_launch(m) if launch_values is None else MlpLaunch(*launch_values)
-    programs = _cdiv(ff, launch.block_f)
-    parts = torch.empty(programs, m, h, dtype=torch.float32, device=x.device)
-    if m:
-        _kernels()[0][(programs,)](
-            x2, w1, w2, parts, m, h, ff, x2.stride(0), w1.stride(0), w2.stride(0), parts.stride(0), parts.stride(1),
-            M_PAD=1 << max(0, m - 1).bit_length(), BLOCK_F=launch.block_f, BLOCK_K=launch.block_k,
-            BLOCK_H=launch.block_h, num_warps=launch.warps, **gdc_launch(x2, pdl),
-        )  # fmt: skip
-    return sum_partials(parts, pdl).view(1, *x.shape[:-1], h)
+    return _run(x, None, None, fc1_weight, fc2_weight, launch_values, pdl)[0]
 
 
 @_fused_mlp_op.register_fake
@@ -258,3 +337,73 @@ def fused_mlp_partials(
     values = None if launch is None else list(launch.checked())
     result: torch.Tensor = _fused_mlp_op(x, fc1_weight, fc2_weight, values, bool(pdl))
     return result
+
+
+def norm_mlp_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused computation of :func:`norm_mlp_partials` (PyTorch ops): ``(mlp(rms_norm(h)), h)``."""
+    h = add_deferred(x, residual)
+    return fused_mlp_reference(F.rms_norm(h, norm_weight.shape, norm_weight, eps), fc1_weight, fc2_weight), h
+
+
+@torch.library.custom_op("mcore_infer::norm_mlp_partials", mutates_args=())
+def _norm_mlp_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    launch_values: list[int] | None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(residual):
+        out, h = norm_mlp_reference(x, residual, norm_weight, eps, fc1_weight, fc2_weight)
+        return out.float()[None], h
+    return _run(x, residual, (norm_weight, eps), fc1_weight, fc2_weight, launch_values, pdl)
+
+
+@_norm_mlp_op.register_fake
+def _(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    launch_values: list[int] | None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = residual.new_empty(1, *residual.shape[:-1], fc2_weight.shape[0], dtype=torch.float32)
+    return out, residual.new_empty(residual.shape)
+
+
+def norm_mlp_partials(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    launch: MlpLaunch | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the RMSNorm and the gated MLP of :func:`fused_mlp_partials` in the same two kernels:
+    ``(mlp(rms_norm(h) * norm_weight) as [1, ..., H] float32, h)`` for ``h = x + residual`` (``x`` of the residual's
+    shape or its float32 split-K partial sums ``[splits, *residual.shape]``, added in float32 and rounded once, as
+    :func:`~mcore_infer.kernels.add_norm.add_rms_norm` adds them). Each program of the MLP kernel takes the rows'
+    mean squares itself (a row is a few KB, read from the L2), so no norm kernel runs before it. Inference only."""
+    _check(residual, fc1_weight, fc2_weight)
+    if x.shape[-residual.dim() :] != residual.shape or x.dim() > residual.dim() + 1:
+        raise ValueError(f"norm_mlp_partials: x {tuple(x.shape)} is neither residual's shape "
+                         f"{tuple(residual.shape)} nor its partials")  # fmt: skip
+    if norm_weight.shape != (residual.shape[-1],):
+        raise ValueError(f"norm_mlp_partials: norm weight {tuple(norm_weight.shape)} for rows of {residual.shape[-1]}")
+    values = None if launch is None else list(launch.checked())
+    return _norm_mlp_op(x, residual, norm_weight, float(eps), fc1_weight, fc2_weight, values, bool(pdl))
