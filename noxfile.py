@@ -71,6 +71,7 @@ KERNEL_TESTS = [
     "tests/infer/test_small_gemv.py",
     "tests/infer/test_add_norm.py",
     "tests/infer/test_fused_mlp.py",
+    "tests/infer/test_norm_gemv.py",
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",
     "tests/infer/test_decode.py",

@@ -8,6 +8,7 @@ positions per block x warps, with the products on float32 operands (TF32) and on
 (``ssd_triton.LOW_PRECISION_DOTS``); and the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, with
 its rounding in float32 arithmetic or by the conversion instruction, ``NATIVE_ROUNDING``), with its SASS instructions
 per element; and the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per
+step) and the QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per
 step) at one and four rows. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
 time::
 
@@ -136,6 +137,18 @@ def main() -> None:
         r = usage(mlp, consts, launch.warps, types)
         rows.append({"kernel": f"fused_mlp{' + norm' if norm else ''} ({rows_} rows)", "products": "-",
                      "positions": launch.block_f, "channels": bk, "warps": launch.warps, **r})  # fmt: skip
+    from mcore_infer.kernels.norm_gemv import _kernel as norm_gemv_kernel
+
+    for rows_, (block_n, block_k, warps) in itertools.product(
+        (1, 4), ((8, 1024, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2))
+    ):
+        consts = {"SPLITS": 1, "PARTS": True, "M_PAD": rows_, "K_PAD": 2048, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                  "GDC": True}  # fmt: skip
+        types = {"X": "*fp32", "R": "*bf16", "NW": "*bf16", "HOUT": "*bf16", "W": "*bf16", "Y": "*bf16",
+                 "eps": "fp32", "M": "i32", "N": "i32", "K": "i32"}  # fmt: skip
+        r = usage(norm_gemv_kernel(), consts, warps, types)
+        rows.append({"kernel": f"norm_row_linear ({rows_} rows)", "products": "-", "positions": block_n,
+                     "channels": block_k, "warps": warps, **r})  # fmt: skip
     print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -13,6 +13,8 @@ number of kernels per layer, and serving removes some with fusions the training 
 - ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
   (:mod:`mcore_infer.kernels`);
+- ``qkv_norm``: with ``row_gemv``, the residual add and RMSNorm before each attention run inside the QKV row GEMV
+  (:mod:`mcore_infer.kernels.norm_gemv`: no norm kernel before it);
 - ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection), with the
   residual add and RMSNorm before it, as one weight-streaming kernel and a small one that adds its partial sums
   (:mod:`mcore_infer.kernels.fused_mlp`), instead of the norm, cuBLAS's up projection and ``swiglu_down``;
@@ -124,6 +126,8 @@ class DecodePlan:
     """Steps of at most 4 tokens: the attention output projection as split-K partial sums (bias-free, tp=1)."""
     row_gemv: bool = False
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
+    qkv_norm: bool = False
+    """With ``row_gemv``: the residual add and RMSNorm before the attention inside the QKV row GEMV (RMSNorm)."""
     fused_mlp: bool = False
     """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection; with an RMSNorm before it,
     the residual add and the norm too) as one Triton kernel plus the sum of its partials (SwiGLU, bias-free, tp=1);
@@ -143,6 +147,8 @@ class DecodePlan:
         ]
         if clashes:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
+        if self.qkv_norm and not self.row_gemv:
+            raise ValueError("DecodePlan: qkv_norm runs inside the QKV row GEMV: turn row_gemv on or qkv_norm off")
         if self.fused_mlp and self.swiglu_down:
             raise ValueError(
                 "DecodePlan: fused_mlp runs the whole MLP, swiglu_down only its down projection; turn one of them off"

@@ -19,6 +19,7 @@ from torch import nn
 
 from mcore_infer.kernels.add_norm import add_rms_norm
 from mcore_infer.kernels.fused_mlp import fused_mlp_partials, norm_mlp_partials
+from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
     FMA_MAX_ROWS,
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
-LAYER_FUSIONS = ("defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "fused_mlp", "pdl")
+LAYER_FUSIONS = (
+    "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "qkv_norm", "fused_mlp", "pdl",
+)  # fmt: skip
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
 
@@ -73,7 +76,7 @@ def skipped_fusions(layer: nn.Module) -> dict[str, str]:
     skipped: dict[str, str] = {}
     if not attn_ok:
         why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
-        skipped.update(dict.fromkeys(("row_gemv", "proj_partials", "norm_linear"), why))
+        skipped.update(dict.fromkeys(("row_gemv", "qkv_norm", "proj_partials", "norm_linear"), why))
     if not mlp_ok:
         skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp"), f"mlp is a {type(layer.mlp).__name__}, not an MLP"))
     return skipped
@@ -93,6 +96,9 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
 
     if attn_ok:
         missing["row_gemv"] = _plain_linear(attn.linear_qkv, "linear_qkv") + sharded("tensor-parallel shards")
+        norm = layer.input_layernorm
+        rms = [] if isinstance(norm, RMSNorm) else [f"input_layernorm is a {type(norm).__name__} (needs RMSNorm)"]
+        missing["qkv_norm"] = missing["row_gemv"] + rms
         missing["proj_partials"] = _plain_linear(attn.linear_proj, "linear_proj") + sharded(
             "the output projection's all-reduce"
         )
@@ -163,6 +169,7 @@ class FusedDecodeLayer(nn.Module):
             fusions["proj_partials"],
             fusions["row_gemv"],
         )
+        self.qkv_norm = fusions["qkv_norm"]  # (with row_gemv: the plan checks it)
         self.fused_mlp = fusions["fused_mlp"]
         self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
@@ -177,28 +184,48 @@ class FusedDecodeLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.norm_linear and x.numel() // x.shape[-1] <= MAX_ROWS:
             return self._norm_linear_forward(x, rotary, inference_context, residual)
-        layer: Any = self.layer
-        attn: Any = layer.self_attention
-        mlp: Any = layer.mlp
-        launches = self.launches
-        # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs)
+        # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs;
+        # qkv_norm comes with row_gemv)
         fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.pdl
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
-        pdl = self.pdl and small
-        # the previous layer's output may be partial sums (swiglu_down)
-        h, x = _add_norm(layer.input_layernorm, x, residual, self.pdl_norms and small)
-        if not self.standard_attention:
-            proj = attn(h, rotary, inference_context)
+        # the previous layer's output may be partial sums (swiglu_down, fused_mlp)
+        proj, x = self._attention_half(x, rotary, inference_context, residual, small)
+        return self._mlp_half(proj, x, small)
+
+    def _attention_half(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        inference_context: InferenceContext,
+        residual: torch.Tensor | None,
+        small: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention output, h)`` for ``h = x + residual``: the output possibly partial sums (proj_partials)."""
+        layer: Any = self.layer
+        attn: Any = layer.self_attention
+        launches, pdl = self.launches, self.pdl and small
+        if self.qkv_norm and small:  # the add (if any) and the norm inside the QKV projection
+            ln1 = layer.input_layernorm
+            qkv, x = norm_row_linear(x, residual, ln1.weight, ln1.eps, attn.linear_qkv.weight, launches.row_gemv, pdl)
         else:
+            h, x = _add_norm(layer.input_layernorm, x, residual, self.pdl_norms and small)
+            if not self.standard_attention:
+                return attn(h, rotary, inference_context), x
             if self.row_gemv and small:
                 qkv = row_linear(h, attn.linear_qkv.weight, launches.row_gemv, pdl)
             else:
                 qkv = attn.linear_qkv(h)
-            out = attn.attend(qkv, rotary, inference_context)
-            if self.proj_partials and small:  # split-K partial sums, summed by the residual add
-                proj = linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl)
-            else:
-                proj = attn.linear_proj(out)
+        out = attn.attend(qkv, rotary, inference_context)
+        if self.proj_partials and small:  # split-K partial sums, summed by the residual add
+            return linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl), x
+        return attn.linear_proj(out), x
+
+    def _mlp_half(self, proj: torch.Tensor, x: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output after its attention: ``(out, h)`` with the deferred residual add, else ``(h + out,
+        None)``, for ``h = proj + x``."""
+        layer: Any = self.layer
+        mlp: Any = layer.mlp
+        launches, pdl = self.launches, self.pdl and small
         if self.norm_in_mlp and small:  # the residual add, the norm and the MLP: its float32 sum and h
             ln2 = layer.pre_mlp_layernorm
             w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight

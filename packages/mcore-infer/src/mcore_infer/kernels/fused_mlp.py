@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mcore_infer.kernels._row_input import install
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch, parse_ints
 from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred, swiglu_down_reference
 
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 _KERNELS: Any = None
+_input_tile: Any = None  # the shared helpers, set by _row_input.install (Triton looks a kernel's callees up here)
+_row_stats: Any = None
 
 
 def _kernels() -> Any:
@@ -52,35 +55,7 @@ def _kernels() -> Any:
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    @triton.jit  # type: ignore[misc]
-    def _residual_sum(X, R, rows, cols, M, H, stride_xs, stride_xm, stride_rm, dtype,  # type: ignore[no-untyped-def]
-                      SPLITS: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
-        """``h = x + residual`` at ``cols`` of ``rows``, rounded to ``dtype`` once (float32 partial sums of x
-        added in float32), as float32."""
-        m2 = (rows[:, None] < M) & (cols[None, :] < H)
-        h = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        if PARTS:
-            for sp in range(SPLITS):
-                h += tl.load(X + sp * stride_xs + rows[:, None] * stride_xm + cols[None, :], mask=m2, other=0.0)
-        else:
-            h += tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        return h.to(dtype).to(tl.float32)
-
-    @triton.jit  # type: ignore[misc]
-    def _input_tile(X, R, NW, inv, rows, ks, M, H, stride_xs, stride_xm, stride_rm, dtype,  # type: ignore[no-untyped-def]
-                    SPLITS: tl.constexpr, PARTS: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-        """The MLP's input at ``ks`` of ``rows`` as float32: X itself, or with ``NORM`` the residual sum normalised
-        by ``inv`` (each row's 1 / rms) and scaled by the norm weight, rounded as ``F.rms_norm`` rounds."""
-        if NORM:
-            h = _residual_sum(X, R, rows, ks, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
-            nw = tl.load(NW + ks, mask=ks < H, other=0.0).to(tl.float32)
-            x = ((h * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
-        else:
-            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < H),
-                        other=0.0).to(tl.float32)  # fmt: skip
-        return x
-
-    globals().update(_residual_sum=_residual_sum, _input_tile=_input_tile)  # (a kernel's callees are module globals)
+    install(globals())  # _residual_sum, _input_tile, _row_stats
 
     @triton.jit  # type: ignore[misc]
     def fused_mlp_kernel(  # type: ignore[no-untyped-def]
@@ -135,8 +110,7 @@ def _kernels() -> Any:
         inv = tl.zeros([M_PAD], tl.float32)
         if NORM:
             d = tl.arange(0, H_PAD)
-            h = _residual_sum(X, R, rows, d, M, H, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
-            inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / H + eps)
+            inv, h = _row_stats(X, R, rows, d, M, H, eps, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
             if pid == 0:
                 tl.store(
                     HOUT + rows[:, None] * H + d[None, :], h.to(dtype), mask=(rows[:, None] < M) & (d[None, :] < H)
