@@ -239,11 +239,48 @@ def gpu_tests(ctx: Context) -> list[dict[str, Any]]:
     return [table("every test marked gpu", cols, [row], problems[:30])]
 
 
+BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the anchor), then the candidates
+    "row (default)": "row",
+    "row, fused_mlp": '{"preset": "row", "swiglu_down": false, "fused_mlp": true}',
+    "row, fused_mlp, qkv_norm": '{"preset": "row", "swiglu_down": false, "fused_mlp": true, "qkv_norm": true}',
+}
+
+
+def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
+    """Batch-1 decode of llama-1b under each plan of :data:`BATCH1_PLANS` (one engine each, in turn), and the MLP
+    half of a decode layer through ``mlp_decode_bench.py``."""
+    rows, anchor = [], None
+    for name, plan in BATCH1_PLANS.items():
+        out = ctx.path(f"batch1-{len(rows)}.json")
+        step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--concurrency", "1", "--repeats", "3",
+                        "--http-concurrency", "", "--decode-kernels", plan, "--out", out], timeout=420, out=out)  # fmt: skip
+        r = next(iter((step.data or {}).get("engine", [])), {})
+        anchor = anchor if anchor is not None else r.get("tpot_ms_p50")
+        rows.append(ctx.row(step, measured=bool(r), name=name, tpot=r.get("tpot_ms_p50"), tok_s=r.get("output_tok_s"),
+                            ratio=anchor / r["tpot_ms_p50"] if anchor and r.get("tpot_ms_p50") else None))  # fmt: skip
+    tables = [table("batch-1 decode, llama-1b, one engine per decode plan", [
+        ("name", "decode plan", ""), ("tpot", "ms per token (p50)", ".3f"), ("tok_s", "output tok/s", ",.0f"),
+        ("ratio", "speed vs row", ".3f")], rows,
+        ["random weights, bf16, prompt 128 + 128 output tokens, greedy, compiled layers, CUDA graphs; median of 3 "
+         "runs; the plans run one after another in the same call"])]  # fmt: skip
+    out = ctx.path("mlp.json")
+    step = ctx.run([PY, "bench/mlp_decode_bench.py", "--json", out], timeout=300, out=out)
+    mlp = [ctx.row(step, name=k, us=v.get("us_per_layer"), tb_s=v.get("tb_per_s"))
+           for k, v in ((step.data or {}).get("paths") or {"(not measured)": {}}).items()]  # fmt: skip
+    tables.append(table("the MLP half of a decode layer (add + norm, MLP), 16 layers in one CUDA graph", [
+        ("name", "path (launch BLOCK_F,BLOCK_K,BLOCK_H,WARPS)", ""), ("us", "µs per layer", ".2f"),
+        ("tb_s", "weight TB/s", ".2f")], mlp, ["cublas+swiglu_down is what the row plan runs"]))  # fmt: skip
+    return tables
+
+
 SYSTEM_SUITES = [
     Suite("serve", "llama-1b serving on one GPU: the engine at 1 to 256 concurrent requests, the HTTP server at 1, 64 "
           "and 256 in both process layouts, "
           "the engine's host time per step", "Hugging Face generate() with a static cache and torch.compile, same "
           "call", 7, 1, serve),
+    Suite("serve-batch1", "llama-1b batch-1 decode under the candidate decode plans (fused MLP, norm inside the QKV "
+          "GEMV) and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 8,
+          1, serve_batch1),
     Suite("kernels", "attention backends, decode GEMVs, SwiGLU GEMM epilogues, the QKV/RoPE kernel, the matmul rate "
           "burst and sustained, NCCL collectives (with more than one GPU)",
           "cuBLAS, PyTorch's ops under torch.compile, the other SDPA backend, same process", 5, 1, kernels,

@@ -469,7 +469,9 @@ def main() -> None:
     llm = build_llm(args)
     plan = llm.runner.plan  # what --decode-kernels resolved to on this device and model
     results["decode_plan"] = plan.to_dict()
-    results["row_kernels"] = {k: getattr(plan, k) for k in ("swiglu_down", "proj_partials", "row_gemv")}
+    from mcore_infer.decode import ROW_KERNELS
+
+    results["row_kernels"] = {k: getattr(plan, k) for k in (*ROW_KERNELS, "qkv_norm")}
     engine_results(llm, args, results)
     if args.profile:
         profile_run(llm, args.profile, engine_run)
