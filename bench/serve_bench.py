@@ -45,14 +45,9 @@ PROMPT = 128
 
 def decode_kernels(value: str) -> Any:
     """``--decode-kernels``: a preset name, a JSON file of a decode plan, or the plan's JSON itself."""
-    from mcore_infer import DecodePlan
+    from mcore_infer.decode import parse_decode_kernels
 
-    if value.lstrip().startswith("{"):
-        return DecodePlan.from_dict(json.loads(value))
-    if value.endswith(".json") or os.path.isfile(value):
-        with open(value) as f:
-            return DecodePlan.from_dict(json.load(f))
-    return value  # a preset name (EngineConfig checks it)
+    return parse_decode_kernels(value)
 
 
 def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:

@@ -37,3 +37,22 @@ def test_a_bad_engine_option_names_it(tmp_path: Path, capsys: pytest.CaptureFixt
     path = save_weights(tiny_model(), ParallelState.initialize(), tmp_path)
     rc, err = _run(capsys, "--checkpoint", str(path), "--block-size", "3")
     assert rc == 2 and "block_size=3 must be a power of two" in err
+
+
+def test_a_decode_plan_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--decode-kernels`` takes a decode plan as JSON (inline or a file) besides the preset names; a value that is
+    neither is refused by argparse (exit code 2) with what is wrong."""
+    path = save_weights(tiny_model(), ParallelState.initialize(), tmp_path)
+    plan = '{"preset": "attention", "fused_mlp": true}'
+    rc, err = _run(capsys, "--checkpoint", str(path), "--decode-kernels", plan)
+    assert rc == 0, err
+    for value, message in [
+        ('{"preset": "row", "fuse": 1}', "unknown fields ['fuse']"),
+        ('{"preset": "row"', "not valid JSON"),
+        ("fastest", "not a preset (auto, none, attention, row, norm_linear), a JSON plan or a JSON file"),
+        ('{"preset": "row", "fused_mlp": true}', "fused_mlp runs the whole MLP, swiglu_down only its down projection"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(["generate", "--checkpoint", str(path), "--decode-kernels", value, "hi"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and message in err and "Traceback" not in err, err

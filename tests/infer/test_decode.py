@@ -4,7 +4,9 @@ on the CPU under ``TRITON_INTERPRET=1`` (their PyTorch fallbacks otherwise)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from mcore_infer import DECODE_PRESETS, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams, prepare_for_decode
-from mcore_infer.decode import DecodeKernels
+from mcore_infer.decode import DecodeKernels, parse_decode_kernels
 from mcore_infer.decode_layers import FusedDecodeLayer, PlainDecodeLayer
 from mcore_infer.kernels import GemvLaunch, MlpLaunch, NormLinearLaunch
 from mcore_infer.kv_cache import blocks_for
@@ -49,6 +51,22 @@ def test_preset_names_and_plan_validation() -> None:
         DecodeLaunches(swiglu_down=GemvLaunch(0, 8))
     with pytest.raises(ValueError, match=r"DecodeLaunches.norm_linear=.*MODE must be one of"):
         DecodeLaunches(norm_linear=NormLinearLaunch(7, 32, 2, 3))
+
+
+def test_parse_decode_kernels(tmp_path: Path) -> None:
+    """A preset name, a plan's JSON inline or in a file; errors name the value or the file and what is wrong."""
+    assert parse_decode_kernels("row") == "row"
+    plan = replace(ROW, swiglu_down=False, fused_mlp=True)
+    assert parse_decode_kernels('{"preset": "row", "swiglu_down": false, "fused_mlp": true}') == plan
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
+    assert parse_decode_kernels(str(tmp_path / "plan.json")) == plan
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"decode plan file .*list.json: a decode plan is a JSON object, got list"):
+        parse_decode_kernels(str(tmp_path / "list.json"))
+    with pytest.raises(ValueError, match=r"--decode-kernels 'nowhere.json': not a preset"):
+        parse_decode_kernels("nowhere.json")
+    with pytest.raises(ValueError, match=r"'\{\"launches\": \{\"qkv\": \[1, 8\]\}\}': .*unknown kernels"):
+        parse_decode_kernels('{"launches": {"qkv": [1, 8]}}')
 
 
 def test_plans_round_trip_through_json_data() -> None:

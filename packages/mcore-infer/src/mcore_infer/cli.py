@@ -19,7 +19,7 @@ from types import FrameType
 from typing import get_args
 
 from mcore_infer.config import EngineConfig
-from mcore_infer.decode import DecodeKernels
+from mcore_infer.decode import DecodeKernels, parse_decode_kernels
 from mcore_infer.errors import InvalidRequestError, MissingDependencyError
 from mcore_infer.sampling import SamplingParams
 
@@ -49,12 +49,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-kernels",
         default="auto",
-        choices=get_args(DecodeKernels),
+        type=_decode_kernels,
+        metavar="|".join(get_args(DecodeKernels)) + "|PLAN",
         help="the serving-only fusions of each step (EngineConfig.decode_kernels): auto (the fastest the device and "
         "model allow), none, attention (RoPE and KV write in the attention kernels, deferred residual adds), row "
-        "(plus the one-row GEMV kernels), norm_linear (plus RMSNorm inside the projections)",
+        "(plus the one-row GEMV kernels), norm_linear (plus RMSNorm inside the projections), or a decode plan as JSON "
+        'or a JSON file, e.g. \'{"preset": "row", "swiglu_down": false, "fused_mlp": true}\' (docs/infer.md)',
     )
     _vision_args(p)
+
+
+def _decode_kernels(text: str) -> object:
+    try:
+        return parse_decode_kernels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -33,7 +33,9 @@ none of the fusions that would reach into it, under any plan; the fusions of its
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
@@ -66,6 +68,7 @@ __all__ = [
     "DecodeModel",
     "DecodePlan",
     "check_decode_kernels",
+    "parse_decode_kernels",
     "prepare_for_decode",
     "requested_plan",
 ]
@@ -217,6 +220,32 @@ def check_decode_kernels(value: object) -> None:
     if not isinstance(value, str) or value not in get_args(DecodeKernels):
         names = ", ".join(map(repr, get_args(DecodeKernels)))
         raise ValueError(f"decode_kernels={value!r}: use a preset name ({names}) or a DecodePlan")
+
+
+def parse_decode_kernels(text: str) -> DecodeKernels | DecodePlan:
+    """A ``--decode-kernels`` value: a preset name (:data:`DecodeKernels`), a decode plan as JSON (``'{"preset":
+    "row", "fused_mlp": true, "swiglu_down": false}'``, :meth:`DecodePlan.from_dict`), or the path of a JSON file of
+    one. A ValueError names what is wrong (the value, the file, the field)."""
+    names = get_args(DecodeKernels)
+    if text in names:
+        return text  # type: ignore[return-value]
+    source, body = f"--decode-kernels {text!r}", text
+    if not text.lstrip().startswith("{"):
+        if not os.path.isfile(text):
+            raise ValueError(f"{source}: not a preset ({', '.join(names)}), a JSON plan or a JSON file")
+        source = f"decode plan file {text}"
+        with open(text) as f:
+            body = f.read()
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a decode plan is a JSON object, got {type(data).__name__}")
+    try:
+        return DecodePlan.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def requested_plan(
