@@ -116,7 +116,7 @@ def test_a_distributed_run_leaves_its_group_and_exits_without_finalizing(
 
     monkeypatch.setattr(api, "pretrain", distributed_pretrain)
     monkeypatch.setattr(cli, "_LEFT_GROUP", False)
-    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setattr(os, "_exit", exit_now)
     monkeypatch.setattr(sys, "argv", ["mcore-train", "pretrain", "--recipe", "tiny", "data.mock=true"])
     with pytest.raises(_Exited) as exited:
         cli.entry()

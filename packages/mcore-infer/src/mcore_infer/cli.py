@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from types import FrameType
@@ -261,29 +260,20 @@ _LEFT_GROUP = False  # set once this process destroyed its process group: entry(
 
 
 def _leave_process_group() -> None:
-    """Destroy torch.distributed's default group once this rank is done with it: a gloo group left for the
-    interpreter's exit can abort the process there (``terminate called without an active exception``) once the other
-    ranks have gone. Even destroyed, its teardown at the interpreter's finalization aborted a rank now and then
-    (about one run in five of ``generate --tp 2`` on the CPU, no Python frame on the stack), so :func:`entry` ends
-    such a process with ``os._exit`` once its output is flushed."""
-    import torch.distributed as dist
+    """Destroy the process groups once this rank is done with them (:func:`mcore_parallel.leave_process_group`:
+    a gloo group left for the interpreter's exit aborted about one run in five of ``generate --tp 2`` on the CPU)."""
+    from mcore_parallel import leave_process_group
 
     global _LEFT_GROUP
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        _LEFT_GROUP = True
+    _LEFT_GROUP = leave_process_group() or _LEFT_GROUP
 
 
 def entry() -> None:
     """The ``mcore-infer`` command (and ``python -m mcore_infer.cli``): :func:`main`'s exit code; a process that ran
     a tensor-parallel group exits without the interpreter's finalization (its logs and output flushed first)."""
-    code = main()
-    if _LEFT_GROUP:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    from mcore_parallel import exit_process
+
+    exit_process(main(), _LEFT_GROUP)
 
 
 def _serve_engine_process(args: argparse.Namespace) -> int:

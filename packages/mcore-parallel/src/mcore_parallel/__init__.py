@@ -6,7 +6,7 @@
 1
 """
 
-from mcore_parallel._launch import LaunchEnv, read_launch_env
+from mcore_parallel._launch import LaunchEnv, exit_process, leave_process_group, read_launch_env
 from mcore_parallel.config import ParallelConfig
 from mcore_parallel.errors import LaunchEnvironmentError, MCoreParallelError, ParallelConfigError
 from mcore_parallel.layout import RankLayout
@@ -27,6 +27,8 @@ __all__ = [
     "data_parallel_group",
     "LaunchEnv",
     "read_launch_env",
+    "exit_process",
+    "leave_process_group",
     "default_backend",
     "MCoreParallelError",
     "ParallelConfigError",

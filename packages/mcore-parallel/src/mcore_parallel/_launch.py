@@ -8,14 +8,17 @@ launcher is needed.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 from mcore_parallel.errors import LaunchEnvironmentError
 
-__all__ = ["LaunchEnv", "read_launch_env", "first_slurm_host"]
+__all__ = ["LaunchEnv", "exit_process", "first_slurm_host", "leave_process_group", "read_launch_env"]
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -92,3 +95,28 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     if problems:
         raise LaunchEnvironmentError(f"inconsistent {source} environment: " + "; ".join(problems))
     return LaunchEnv(rank, world, local_rank, local_world, addr, port, source)
+
+
+def leave_process_group() -> bool:
+    """Destroy torch.distributed's process groups (the default one and every other) if this process has them; True
+    if it did. A command-line rank calls it once it is done with them: a gloo group left for the interpreter's exit
+    aborts a finished rank now and then there (``terminate called without an active exception``, exit code -6, and
+    torchrun reports the run as failed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        return True
+    return False
+
+
+def exit_process(code: int, left_group: bool) -> NoReturn:
+    """End a command with ``code``. A process that had a process group (``left_group``) ends with ``os._exit`` once
+    its logs and output are flushed: even destroyed, a group's teardown at the interpreter's finalization aborted a
+    rank now and then (no Python frame on the stack). Any other process exits normally."""
+    if left_group:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,28 +131,20 @@ _LEFT_GROUP = False  # set once this process destroyed its process groups: entry
 
 
 def _leave_process_group() -> None:
-    """Destroy torch.distributed's process groups once this rank is done with them. A gloo group left for the
-    interpreter's exit aborted a rank there now and then after a run that had finished and logged its closing line
-    (``terminate called without an active exception``, exit code -6, and torchrun reports the run as failed), so
-    :func:`entry` also ends such a process with ``os._exit`` once its logs and output are flushed."""
-    import torch.distributed as dist
+    """Destroy the process groups once this rank is done with them (:func:`mcore_parallel.leave_process_group`: a
+    gloo group left for the interpreter's exit aborted finished torchrun ranks now and then)."""
+    from mcore_parallel import leave_process_group
 
     global _LEFT_GROUP
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        _LEFT_GROUP = True
+    _LEFT_GROUP = leave_process_group() or _LEFT_GROUP
 
 
 def entry() -> None:
     """The ``mcore-train`` command (and ``python -m mcore_train.cli``, as torchrun runs it): :func:`main`'s exit code;
     a process that ran a process group exits without the interpreter's finalization (logs and output flushed)."""
-    code = main()
-    if _LEFT_GROUP:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    from mcore_parallel import exit_process
+
+    exit_process(main(), _LEFT_GROUP)
 
 
 if __name__ == "__main__":
