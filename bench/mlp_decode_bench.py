@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import torch
+from gemv_bench import time_in_graph
 
 from mcore_infer.kernels import MlpLaunch
 from mcore_infer.kernels.add_norm import add_rms_norm
@@ -36,28 +37,13 @@ from mcore_infer.kernels.small_gemv import swiglu_down_partials
 
 
 def time_graph(fn: Any, reps: int) -> float:
-    """Seconds per replay of ``fn`` captured once in a CUDA graph (after warm-up runs on a side stream); on the CPU,
-    per plain call."""
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    """Seconds per replay of ``fn`` captured once in a CUDA graph (``gemv_bench.time_in_graph``); on the CPU, per
+    plain call."""
+    if torch.cuda.is_available():
+        return time_in_graph(fn, calls=1, reps=reps) * 1e-6
     start = time.perf_counter()
     for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
+        fn()
     return (time.perf_counter() - start) / reps
 
 

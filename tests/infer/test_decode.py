@@ -45,6 +45,8 @@ def test_preset_names_and_plan_validation() -> None:
     assert replace(ROW, swiglu_down=False, fused_mlp=True).pdl
     with pytest.raises(ValueError, match="qkv_norm runs inside the QKV row GEMV: turn row_gemv on"):
         replace(ATTENTION, qkv_norm=True)
+    with pytest.raises(ValueError, match=r"launches.row_gemv=2,8,256,4 needs SPLITS=1"):
+        replace(ROW, qkv_norm=True, launches=DecodeLaunches(row_gemv=GemvLaunch(2, 8)))
     with pytest.raises(ValueError, match=r"DecodeLaunches.fused_mlp=.*BLOCK_F"):
         DecodeLaunches(fused_mlp=MlpLaunch(48, 128, 64, 8))
     with pytest.raises(ValueError, match=r"DecodeLaunches.swiglu_down=.*SPLITS must be >= 1"):

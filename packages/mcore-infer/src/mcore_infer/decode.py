@@ -152,6 +152,9 @@ class DecodePlan:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
         if self.qkv_norm and not self.row_gemv:
             raise ValueError("DecodePlan: qkv_norm runs inside the QKV row GEMV: turn row_gemv on or qkv_norm off")
+        if self.qkv_norm and self.launches.row_gemv is not None and self.launches.row_gemv.splits != 1:
+            raise ValueError(f"DecodePlan: qkv_norm writes the QKV projection summed: launches.row_gemv="
+                             f"{self.launches.row_gemv} needs SPLITS=1")  # fmt: skip
         if self.fused_mlp and self.swiglu_down:
             raise ValueError(
                 "DecodePlan: fused_mlp runs the whole MLP, swiglu_down only its down projection; turn one of them off"
