@@ -242,7 +242,7 @@ def gpu_tests(ctx: Context) -> list[dict[str, Any]]:
 BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the anchor), then the candidates
     "row (default)": "row",
     "row, fused_mlp": '{"preset": "row", "swiglu_down": false, "fused_mlp": true}',
-    "row, fused_mlp, qkv_norm": '{"preset": "row", "swiglu_down": false, "fused_mlp": true, "qkv_norm": true}',
+    "row, fused_mlp, norm_gemv": '{"preset": "row", "swiglu_down": false, "fused_mlp": true, "norm_gemv": true}',
 }
 
 

@@ -466,7 +466,7 @@ def main() -> None:
     results["decode_plan"] = plan.to_dict()
     from mcore_infer.decode import ROW_KERNELS
 
-    results["row_kernels"] = {k: getattr(plan, k) for k in (*ROW_KERNELS, "qkv_norm")}
+    results["row_kernels"] = {k: getattr(plan, k) for k in (*ROW_KERNELS, "norm_gemv")}
     engine_results(llm, args, results)
     if args.profile:
         profile_run(llm, args.profile, engine_run)

@@ -43,10 +43,10 @@ def test_preset_names_and_plan_validation() -> None:
     with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, swiglu_down only its down projection"):
         replace(ROW, fused_mlp=True)
     assert replace(ROW, swiglu_down=False, fused_mlp=True).pdl
-    with pytest.raises(ValueError, match="qkv_norm runs inside the QKV row GEMV: turn row_gemv on"):
-        replace(ATTENTION, qkv_norm=True)
+    with pytest.raises(ValueError, match="norm_gemv runs inside the QKV row GEMV: turn row_gemv on"):
+        replace(ATTENTION, norm_gemv=True)
     with pytest.raises(ValueError, match=r"launches.row_gemv=2,8,256,4 needs SPLITS=1"):
-        replace(ROW, qkv_norm=True, launches=DecodeLaunches(row_gemv=GemvLaunch(2, 8)))
+        replace(ROW, norm_gemv=True, launches=DecodeLaunches(row_gemv=GemvLaunch(2, 8)))
     with pytest.raises(ValueError, match=r"DecodeLaunches.fused_mlp=.*BLOCK_F"):
         DecodeLaunches(fused_mlp=MlpLaunch(48, 128, 64, 8))
     with pytest.raises(ValueError, match=r"DecodeLaunches.swiglu_down=.*SPLITS must be >= 1"):
@@ -128,9 +128,9 @@ def test_a_strict_plan_names_what_the_model_lacks() -> None:
     with pytest.raises(ValueError, match=r"DecodePlan.proj_partials cannot .*linear_proj has a bias"):
         _plan(tiny_model(add_bias_linear=True), DecodePlan(proj_partials=True))
     with pytest.raises(
-        ValueError, match=r"DecodePlan.qkv_norm cannot .*input_layernorm is a LayerNorm \(needs RMSNorm"
+        ValueError, match=r"DecodePlan.norm_gemv cannot .*input_layernorm is a LayerNorm \(needs RMSNorm"
     ):
-        _plan(tiny_model(normalization="layernorm"), DecodePlan(row_gemv=True, qkv_norm=True))
+        _plan(tiny_model(normalization="layernorm"), DecodePlan(row_gemv=True, norm_gemv=True))
     with pytest.raises(ValueError, match=r"DecodePlan.fused_mlp cannot .*activation='gelu'"):
         _plan(tiny_model(activation="gelu"), DecodePlan(fused_mlp=True))
     with pytest.raises(ValueError, match=r"DecodePlan.norm_linear cannot .*needs RMSNorm; normalization='layernorm'"):

@@ -147,26 +147,29 @@ def test_fused_mlp_gives_the_same_tokens(
         assert 1 in added  # the next layer adds the MLP's float32 sum as a partial
 
 
-QKV_NORM_PLANS = {
-    "eager": (False, DecodePlan(row_gemv=True, qkv_norm=True)),
-    "compiled-row-fused-mlp": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, qkv_norm=True)),
+NORM_GEMV_PLANS = {
+    "eager": (False, DecodePlan(row_gemv=True, norm_gemv=True)),
+    "compiled-row-fused-mlp": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, norm_gemv=True)),
 }
 
 
-@pytest.mark.parametrize("case", list(QKV_NORM_PLANS))
-def test_norm_inside_the_qkv_projection_gives_the_same_tokens(
+@pytest.mark.parametrize("case", list(NORM_GEMV_PLANS))
+def test_norms_inside_the_row_gemvs_give_the_same_tokens(
     case: str, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``qkv_norm``: in steps of at most 4 tokens every layer runs its residual add (the first and, without the
-    deferred add, every layer: none) and input norm inside the QKV row GEMV, longer prefill chunks the norm and
-    cuBLAS; greedy tokens unchanged, also with every other small-step fusion of the candidate plan."""
-    from mcore_infer import decode_layers
+    """``norm_gemv``: in steps of at most 4 tokens every layer runs its residual add (the first and, without the
+    deferred add, every layer: none) and input norm inside the QKV row GEMV, and the model its last add and final
+    norm inside the output layer's; longer prefill chunks run the norms and cuBLAS. Greedy tokens unchanged, also
+    with every other small-step fusion of the candidate plan."""
+    from mcore_infer import decode, decode_layers
 
-    compiled, plan = QKV_NORM_PLANS[case]
+    compiled, plan = NORM_GEMV_PLANS[case]
     rows = _spy_rows(monkeypatch, decode_layers, "norm_row_linear")
     plain = _spy_rows(monkeypatch, decode_layers, "row_linear")
+    head = _spy_rows(monkeypatch, decode, "norm_row_linear")
     _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0 and not plain
+    assert head and max(head) <= 4 and 1 in head  # (eager, not compiled: every decode step)
 
 
 def test_fused_mlp_after_another_norm(monkeypatch: pytest.MonkeyPatch) -> None:

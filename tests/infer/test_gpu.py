@@ -196,7 +196,7 @@ GEMV_PLANS = {
     "row-no-pdl": replace(DECODE_PRESETS["row"], pdl=False),
     "row-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True),
     "fused-mlp-no-defer": DecodePlan(fused_mlp=True),
-    "row-qkv-norm-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, qkv_norm=True),
+    "row-norm-gemv-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, norm_gemv=True),
     "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
 }
 

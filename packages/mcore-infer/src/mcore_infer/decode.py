@@ -13,8 +13,9 @@ number of kernels per layer, and serving removes some with fusions the training 
 - ``swiglu_down``, ``proj_partials``, ``row_gemv``: steps of at most 4 tokens run SwiGLU inside the down projection,
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
   (:mod:`mcore_infer.kernels`);
-- ``qkv_norm``: with ``row_gemv``, the residual add and RMSNorm before each attention run inside the QKV row GEMV
-  (:mod:`mcore_infer.kernels.norm_gemv`: no norm kernel before it);
+- ``norm_gemv``: with ``row_gemv``, in steps of at most 4 tokens the residual add and RMSNorm before each attention
+  run inside the QKV row GEMV, and the last residual add and the final norm inside the output layer's
+  (:mod:`mcore_infer.kernels.norm_gemv`: no norm kernels);
 - ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection), with the
   residual add and RMSNorm before it, as one weight-streaming kernel and a small one that adds its partial sums
   (:mod:`mcore_infer.kernels.fused_mlp`), instead of the norm, cuBLAS's up projection and ``swiglu_down``;
@@ -52,10 +53,11 @@ from mcore_infer.decode_layers import (
     skipped_fusions,
 )
 from mcore_infer.kernels.fused_mlp import MlpLaunch
+from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.norm_linear import Launch as NormLinearLaunch
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred
 from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
-from mcore_infer.kernels.small_gemv import add_deferred
 from mcore_models import GPTModel
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.layer import TransformerLayer
@@ -129,8 +131,9 @@ class DecodePlan:
     """Steps of at most 4 tokens: the attention output projection as split-K partial sums (bias-free, tp=1)."""
     row_gemv: bool = False
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
-    qkv_norm: bool = False
-    """With ``row_gemv``: the residual add and RMSNorm before the attention inside the QKV row GEMV (RMSNorm)."""
+    norm_gemv: bool = False
+    """With ``row_gemv``, steps of at most 4 tokens: the residual add and RMSNorm before each attention inside the
+    QKV row GEMV, and the final ones inside the output layer's (RMSNorm; a bias-free output layer)."""
     fused_mlp: bool = False
     """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection; with an RMSNorm before it,
     the residual add and the norm too) as one Triton kernel plus the sum of its partials (SwiGLU, bias-free, tp=1);
@@ -150,10 +153,10 @@ class DecodePlan:
         ]
         if clashes:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
-        if self.qkv_norm and not self.row_gemv:
-            raise ValueError("DecodePlan: qkv_norm runs inside the QKV row GEMV: turn row_gemv on or qkv_norm off")
-        if self.qkv_norm and self.launches.row_gemv is not None and self.launches.row_gemv.splits != 1:
-            raise ValueError(f"DecodePlan: qkv_norm writes the QKV projection summed: launches.row_gemv="
+        if self.norm_gemv and not self.row_gemv:
+            raise ValueError("DecodePlan: norm_gemv runs inside the QKV row GEMV: turn row_gemv on or norm_gemv off")
+        if self.norm_gemv and self.launches.row_gemv is not None and self.launches.row_gemv.splits != 1:
+            raise ValueError(f"DecodePlan: norm_gemv writes the QKV projection summed: launches.row_gemv="
                              f"{self.launches.row_gemv} needs SPLITS=1")  # fmt: skip
         if self.fused_mlp and self.swiglu_down:
             raise ValueError(
@@ -285,12 +288,20 @@ class DecodeModel(nn.Module):
     FusedDecodeLayer` or a :class:`~mcore_infer.decode_layers.PlainDecodeLayer`.
     """
 
-    def __init__(self, model: GPTModel, layers: dict[str, nn.Module], plan: DecodePlan, norm_linear_head: bool) -> None:
+    def __init__(
+        self,
+        model: GPTModel,
+        layers: dict[str, nn.Module],
+        plan: DecodePlan,
+        norm_linear_head: bool,
+        norm_gemv_head: bool = False,
+    ) -> None:
         super().__init__()
         self.model = model
         self.layers = nn.ModuleDict(layers)
         self.plan = plan
         self.norm_linear_head = norm_linear_head
+        self.norm_gemv_head = norm_gemv_head  # the last add and the final norm inside the output layer's row GEMV
 
     def compile_layers(self, mode: str | None = None) -> None:
         """``torch.compile`` each wrapper (dynamic token count): a layer's work between its attention calls, with
@@ -316,6 +327,18 @@ class DecodeModel(nn.Module):
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
             hidden, pending = layer(hidden, rotary, ctx, pending)
         index = ctx.logits_index
+        rows = (pending if pending is not None else hidden).numel() // hidden.shape[-1]
+        if self.norm_gemv_head and rows <= FMA_MAX_ROWS:
+            # the last residual add, the final norm and the output layer in one kernel (rows are independent: the
+            # logits rows are selected first; the layer's output may be partial sums [splits, *residual.shape])
+            if index is not None:
+                parts = pending is not None and hidden.dim() == pending.dim() + 1
+                hidden = hidden.index_select(1 if parts else 0, index)
+                pending = pending.index_select(0, index) if pending is not None else None
+            norm: Any = model.decoder.final_layernorm
+            pdl = self.plan.pdl
+            logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, None, pdl)
+            return model.finish_logits(logits, gather_logits=gather_logits)
         if self.norm_linear_head and hidden.shape[0] * hidden.shape[1] <= MAX_ROWS:
             # the last residual add, the final norm and the output layer in one kernel (rows are independent:
             # selecting the logits rows first changes nothing)
@@ -370,8 +393,9 @@ def prepare_for_decode(
         log.info("decode plan: %s stays off for layers %s: %s", fusion, ",".join(keys), why)
     resolved = replace(wanted, **applied)
     head = resolved.norm_linear and _norm_linear_head(model)
+    gemv_head = resolved.norm_gemv and _norm_linear_head(model)
     log.info("decode plan: %s", {k: v for k, v in resolved.to_dict().items() if v})
-    return DecodeModel(model, wrappers, resolved, head)
+    return DecodeModel(model, wrappers, resolved, head, gemv_head)
 
 
 def _layer_fusions(
@@ -407,7 +431,7 @@ def _layer_fusions(
 
 
 def _norm_linear_head(model: GPTModel) -> bool:
-    """Whether the final norm and the output layer can run as one ``norm_linear`` call."""
+    """Whether the final norm and the output layer can run as one ``norm_linear`` (or ``norm_row_linear``) call."""
     head = model.output_layer
     return bool(
         head.bias is None

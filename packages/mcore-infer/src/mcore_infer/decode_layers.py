@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
 LAYER_FUSIONS = (
-    "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "qkv_norm", "fused_mlp", "pdl",
+    "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "norm_gemv", "fused_mlp", "pdl",
 )  # fmt: skip
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
@@ -76,7 +76,7 @@ def skipped_fusions(layer: nn.Module) -> dict[str, str]:
     skipped: dict[str, str] = {}
     if not attn_ok:
         why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
-        skipped.update(dict.fromkeys(("row_gemv", "qkv_norm", "proj_partials", "norm_linear"), why))
+        skipped.update(dict.fromkeys(("row_gemv", "norm_gemv", "proj_partials", "norm_linear"), why))
     if not mlp_ok:
         skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp"), f"mlp is a {type(layer.mlp).__name__}, not an MLP"))
     return skipped
@@ -98,7 +98,7 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
         missing["row_gemv"] = _plain_linear(attn.linear_qkv, "linear_qkv") + sharded("tensor-parallel shards")
         norm = layer.input_layernorm
         rms = [] if isinstance(norm, RMSNorm) else [f"input_layernorm is a {type(norm).__name__} (needs RMSNorm)"]
-        missing["qkv_norm"] = missing["row_gemv"] + rms
+        missing["norm_gemv"] = missing["row_gemv"] + rms
         missing["proj_partials"] = _plain_linear(attn.linear_proj, "linear_proj") + sharded(
             "the output projection's all-reduce"
         )
@@ -169,7 +169,7 @@ class FusedDecodeLayer(nn.Module):
             fusions["proj_partials"],
             fusions["row_gemv"],
         )
-        self.qkv_norm = fusions["qkv_norm"]  # (with row_gemv: the plan checks it)
+        self.norm_gemv = fusions["norm_gemv"]  # (with row_gemv: the plan checks it)
         self.fused_mlp = fusions["fused_mlp"]
         self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
@@ -185,7 +185,7 @@ class FusedDecodeLayer(nn.Module):
         if self.norm_linear and x.numel() // x.shape[-1] <= MAX_ROWS:
             return self._norm_linear_forward(x, rotary, inference_context, residual)
         # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs;
-        # qkv_norm comes with row_gemv)
+        # norm_gemv comes with row_gemv)
         fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.pdl
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         # the previous layer's output may be partial sums (swiglu_down, fused_mlp)
@@ -204,7 +204,7 @@ class FusedDecodeLayer(nn.Module):
         layer: Any = self.layer
         attn: Any = layer.self_attention
         launches, pdl = self.launches, self.pdl and small
-        if self.qkv_norm and small:  # the add (if any) and the norm inside the QKV projection
+        if self.norm_gemv and small:  # the add (if any) and the norm inside the QKV projection
             ln1 = layer.input_layernorm
             qkv, x = norm_row_linear(x, residual, ln1.weight, ln1.eps, attn.linear_qkv.weight, launches.row_gemv, pdl)
         else:
