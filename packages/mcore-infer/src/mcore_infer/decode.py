@@ -327,6 +327,7 @@ class DecodeModel(nn.Module):
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
             hidden, pending = layer(hidden, rotary, ctx, pending)
         index = ctx.logits_index
+        norm: Any = model.decoder.final_layernorm
         rows = (pending if pending is not None else hidden).numel() // hidden.shape[-1]
         if self.norm_gemv_head and rows <= FMA_MAX_ROWS:
             # the last residual add, the final norm and the output layer in one kernel (rows are independent: the
@@ -335,7 +336,6 @@ class DecodeModel(nn.Module):
                 parts = pending is not None and hidden.dim() == pending.dim() + 1
                 hidden = hidden.index_select(1 if parts else 0, index)
                 pending = pending.index_select(0, index) if pending is not None else None
-            norm: Any = model.decoder.final_layernorm
             pdl = self.plan.pdl
             logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, None, pdl)
             return model.finish_logits(logits, gather_logits=gather_logits)
@@ -345,7 +345,6 @@ class DecodeModel(nn.Module):
             if index is not None:
                 hidden = hidden.index_select(0, index)
                 pending = pending.index_select(0, index) if pending is not None else None
-            norm: Any = model.decoder.final_layernorm
             launch = self.plan.launches.norm_linear
             logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, launch=launch)
             return model.finish_logits(logits, gather_logits=gather_logits)
