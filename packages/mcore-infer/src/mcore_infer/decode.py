@@ -329,24 +329,20 @@ class DecodeModel(nn.Module):
         index = ctx.logits_index
         norm: Any = model.decoder.final_layernorm
         rows = (pending if pending is not None else hidden).numel() // hidden.shape[-1]
-        if self.norm_gemv_head and rows <= FMA_MAX_ROWS:
+        gemv_head = self.norm_gemv_head and rows <= FMA_MAX_ROWS
+        if gemv_head or (self.norm_linear_head and rows <= MAX_ROWS):
             # the last residual add, the final norm and the output layer in one kernel (rows are independent: the
             # logits rows are selected first; the layer's output may be partial sums [splits, *residual.shape])
             if index is not None:
                 parts = pending is not None and hidden.dim() == pending.dim() + 1
                 hidden = hidden.index_select(1 if parts else 0, index)
                 pending = pending.index_select(0, index) if pending is not None else None
-            pdl = self.plan.pdl
-            logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, None, pdl)
-            return model.finish_logits(logits, gather_logits=gather_logits)
-        if self.norm_linear_head and hidden.shape[0] * hidden.shape[1] <= MAX_ROWS:
-            # the last residual add, the final norm and the output layer in one kernel (rows are independent:
-            # selecting the logits rows first changes nothing)
-            if index is not None:
-                hidden = hidden.index_select(0, index)
-                pending = pending.index_select(0, index) if pending is not None else None
-            launch = self.plan.launches.norm_linear
-            logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, model.output_weight, launch=launch)
+            w = model.output_weight
+            if gemv_head:
+                logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, w, None, self.plan.pdl)
+            else:
+                launch = self.plan.launches.norm_linear
+                logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w, launch=launch)
             return model.finish_logits(logits, gather_logits=gather_logits)
         if pending is not None:
             hidden = add_deferred(hidden, pending)

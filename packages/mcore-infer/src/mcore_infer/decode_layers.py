@@ -230,18 +230,17 @@ class FusedDecodeLayer(nn.Module):
             ln2 = layer.pre_mlp_layernorm
             w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
             out, x = norm_mlp_partials(proj, x, ln2.weight, ln2.eps, w1, w2, launches.fused_mlp, pdl)
-            return (out, x) if self.defer else (x + out[0].to(x.dtype), None)
-        h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
-        if self.fused_mlp and small:  # the whole MLP: its float32 sum, added where the next layer adds it
-            out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)
-            if not self.defer:
-                out = out[0].to(h.dtype)
-        elif self.swiglu_down and small:  # with the deferred add: partial sums, summed where the next layer adds them
-            fused = swiglu_down_partials if self.defer else swiglu_down
-            out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
         else:
-            out = mlp(h)
-        return (out, x) if self.defer else (x + out, None)
+            h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
+            if self.fused_mlp and small:  # the whole MLP: its float32 sum
+                out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)
+            elif self.swiglu_down and small:  # with the deferred add: partial sums
+                fused = swiglu_down_partials if self.defer else swiglu_down
+                out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
+            else:
+                out = mlp(h)
+        # partial sums are added where the next layer adds the residual, or here (in float32, rounded once)
+        return (out, x) if self.defer else (add_deferred(out, x), None)
 
     def _norm_linear_forward(
         self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext, residual: torch.Tensor | None

@@ -1,5 +1,6 @@
 """Triton helpers shared by the kernels that take the residual add and RMSNorm before their weight-streaming loop
-(:mod:`~mcore_infer.kernels.fused_mlp`, :mod:`~mcore_infer.kernels.norm_gemv`).
+(:mod:`~mcore_infer.kernels.fused_mlp`, :mod:`~mcore_infer.kernels.norm_gemv`), and :func:`row_operands`, their
+inputs as the kernels read them.
 
 Triton resolves the functions a kernel calls among the globals of the kernel's module: :func:`install` puts the
 helpers there (once Triton is imported, from the module's kernel factory)."""
@@ -8,7 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 _HELPERS: dict[str, Any] = {}
+
+
+def row_operands(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Size, bool]:
+    """``(x2, r2, shape, parts)``: ``x`` as ``[splits, rows, width]`` (one split unless it is the float32 partial
+    sums of ``residual``, ``parts``) with unit stride, the residual as ``[rows, width]`` (no residual: ``x2[0]``),
+    and the rows' shape."""
+    shape = x.shape if residual is None else residual.shape
+    width = shape[-1]
+    rows = int(torch.Size(shape).numel()) // width
+    parts = residual is not None and x.dim() == residual.dim() + 1
+    x2 = x.reshape(x.shape[0] if parts else 1, rows, width)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = x2[0] if residual is None else residual.reshape(rows, width).contiguous()
+    return x2, r2, shape, parts
 
 
 def install(module_globals: dict[str, Any]) -> None:

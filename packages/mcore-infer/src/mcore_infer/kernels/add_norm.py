@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch
-from mcore_infer.kernels.small_gemv import add_deferred
+from mcore_infer.kernels.small_gemv import add_deferred, check_deferred
 
 __all__ = ["MAX_ROWS", "add_rms_norm", "add_rms_norm_reference"]
 
@@ -138,10 +138,7 @@ def add_rms_norm(
     rows = int(torch.Size(shape).numel()) // max(1, shape[-1])
     if rows > MAX_ROWS:
         raise ValueError(f"add_rms_norm takes at most {MAX_ROWS} rows, got {rows}: use the residual add and RMSNorm")
-    if residual is not None and x.shape[-residual.dim() :] != residual.shape:
-        raise ValueError(
-            f"add_rms_norm: x {tuple(x.shape)} is neither residual's shape {tuple(shape)} nor its partials"
-        )
+    check_deferred("add_rms_norm", x, residual)
     if weight.shape != (shape[-1],):
         raise ValueError(f"add_rms_norm: norm weight {tuple(weight.shape)} for rows of {shape[-1]}")
     return _add_rms_norm_op(x, residual, weight, float(eps), bool(pdl))

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mcore_infer.kernels._row_input import install
+from mcore_infer.kernels._row_input import install, row_operands
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch, parse_ints
-from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred, swiglu_down_reference
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred, check_deferred, swiglu_down_reference
 
 __all__ = [
     "MlpLaunch",
@@ -247,12 +247,8 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' ``(sum [1, ..., H], h)`` (``h`` the residual sum with ``norm``, else an empty tensor)."""
     h, ff = fc2_weight.shape
-    shape = residual.shape if residual is not None else x.shape
-    rows = int(torch.Size(shape).numel()) // h
-    parts_in = residual is not None and x.dim() == residual.dim() + 1
-    x2 = x.reshape(x.shape[0] if parts_in else 1, rows, h)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    r2 = residual.reshape(rows, h).contiguous() if residual is not None else x2[0]
+    x2, r2, shape, parts_in = row_operands(x, residual)
+    rows = r2.shape[0]
     w1 = fc1_weight if fc1_weight.stride(-1) == 1 else fc1_weight.contiguous()
     w2 = fc2_weight if fc2_weight.stride(-1) == 1 else fc2_weight.contiguous()
     launch = heuristic_mlp_launch(rows) if launch_values is None else MlpLaunch(*launch_values)
@@ -374,9 +370,7 @@ def norm_mlp_partials(
     :func:`~mcore_infer.kernels.add_norm.add_rms_norm` adds them). Each program of the MLP kernel takes the rows'
     mean squares itself (a row is a few KB, read from the L2), so no norm kernel runs before it. Inference only."""
     _check(residual, fc1_weight, fc2_weight)
-    if x.shape[-residual.dim() :] != residual.shape or x.dim() > residual.dim() + 1:
-        raise ValueError(f"norm_mlp_partials: x {tuple(x.shape)} is neither residual's shape "
-                         f"{tuple(residual.shape)} nor its partials")  # fmt: skip
+    check_deferred("norm_mlp_partials", x, residual)
     if norm_weight.shape != (residual.shape[-1],):
         raise ValueError(f"norm_mlp_partials: norm weight {tuple(norm_weight.shape)} for rows of {residual.shape[-1]}")
     values = None if launch is None else list(launch.checked())

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_infer.kernels._row_input import install
+from mcore_infer.kernels._row_input import install, row_operands
 from mcore_infer.kernels.add_norm import add_rms_norm_reference
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch
-from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, Launch, heuristic_launch
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, Launch, check_deferred, heuristic_launch
 
 __all__ = ["norm_row_linear", "norm_row_linear_reference"]
 
@@ -129,13 +129,8 @@ def _norm_row_linear_op(
     if not _use_triton(x if residual is None else residual):
         return norm_row_linear_reference(x, residual, norm_weight, eps, weight)
     n, k = weight.shape
-    shape = x.shape if residual is None else residual.shape
-    rows = int(torch.Size(shape).numel()) // k
-    parts = residual is not None and x.dim() == residual.dim() + 1
-    x2 = x.reshape(x.shape[0] if parts else 1, rows, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    # no residual: h is x itself, read as the "residual" with no partial sums added to it
-    r2 = x2[0] if residual is None else residual.reshape(rows, k).contiguous()
+    x2, r2, shape, parts = row_operands(x, residual)  # no residual: h is x itself, read as r2 with nothing added
+    rows = r2.shape[0]
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     launch = _heuristic(k, rows) if launch_values is None else Launch(*launch_values)
     y = torch.empty(rows, n, dtype=r2.dtype, device=x.device)
@@ -183,9 +178,7 @@ def norm_row_linear(
     rows = int(torch.Size(shape).numel()) // max(1, shape[-1])
     if rows > FMA_MAX_ROWS:
         raise ValueError(f"norm_row_linear takes at most {FMA_MAX_ROWS} rows, got {rows}: use the norm and F.linear")
-    if residual is not None and (x.shape[-residual.dim() :] != residual.shape or x.dim() > residual.dim() + 1):
-        raise ValueError(f"norm_row_linear: x {tuple(x.shape)} is neither residual's shape {tuple(residual.shape)} "
-                         "nor its partials")  # fmt: skip
+    check_deferred("norm_row_linear", x, residual)
     if norm_weight.shape != (shape[-1],) or weight.shape[1] != shape[-1]:
         raise ValueError(f"norm_row_linear: norm weight {tuple(norm_weight.shape)} and weight {tuple(weight.shape)} "
                          f"for rows of {shape[-1]}")  # fmt: skip

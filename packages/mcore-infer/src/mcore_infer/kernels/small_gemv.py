@@ -33,6 +33,7 @@ __all__ = [
     "MAX_ROWS",
     "Launch",
     "add_deferred",
+    "check_deferred",
     "gemv_partials",
     "heuristic_launch",
     "linear_partials",
@@ -368,6 +369,14 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = No
     _check_row("row_linear", x, weight)
     result: torch.Tensor = _row_linear_op(x, weight, _values(launch), pdl)
     return result
+
+
+def check_deferred(name: str, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """A ValueError opened by ``name`` unless ``x`` can be added to ``residual`` as :func:`add_deferred` adds it: of
+    the residual's shape or its partial sums ``[splits, *residual.shape]`` (no residual: any ``x``)."""
+    if residual is not None and (x.shape[-residual.dim() :] != residual.shape or x.dim() > residual.dim() + 1):
+        raise ValueError(f"{name}: x {tuple(x.shape)} is neither residual's shape {tuple(residual.shape)} "
+                         "nor its partials")  # fmt: skip
 
 
 def add_deferred(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
