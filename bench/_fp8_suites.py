@@ -13,6 +13,11 @@ VARIANTS = {
     "fp8 hybrid, tensorwise": ["model.fp8=hybrid"],
     "fp8 e4m3, tensorwise": ["model.fp8=e4m3"],
     "fp8 hybrid, delayed": ["model.fp8=hybrid", "model.fp8_recipe=delayed"],
+    "fp8 hybrid, delayed, fused SwiGLU casts": [
+        "model.fp8=hybrid",
+        "model.fp8_recipe=delayed",
+        "model.fp8_fused_swiglu=true",
+    ],
     "fp8 e4m3, rowwise": ["model.fp8=e4m3", "model.fp8_recipe=rowwise"],
     "fp8 hybrid, bf16 weight gradient": ["model.fp8=hybrid", "model.fp8_wgrad=false"],
 }
@@ -65,6 +70,22 @@ def _linear_table(ctx: Context) -> dict[str, Any]:
     return table("one linear of llama-1b, FP8 against bf16 (bench/fp8_linear_bench.py)", _LINEAR_COLS, rows, notes)
 
 
+_MLP_COLS = [("mlp", "MLP", ""), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".0f"), ("vs_bf16", "vs bf16", ".2f"),
+             ("fused_calls", "fused forwards", "d")]  # fmt: skip
+
+
+def _mlp_table(ctx: Context) -> dict[str, Any]:
+    out = ctx.path("fp8-mlp.json")
+    step = ctx.run([PY, "bench/fp8_linear_bench.py", "--mlp", "--iters", "2" if ctx.quick else "5", "--out", out],
+                   timeout=600, out=out)  # fmt: skip
+    rows = [ctx.row(step, **r) for r in (step.data or {}).get("mlp", [])] or [ctx.row(step, mlp="all")]
+    notes = ["llama-1b's MLP (fc1 2048 -> 2 x 8192, SwiGLU, fc2 8192 -> 2048), one micro-batch of 8 x 4096 tokens, "
+             "forward + backward, 4 micro-batches a step; fused: model.fp8_fused_swiglu=true (the SwiGLU kernels "
+             "write fc2's FP8 input and fc1's FP8 output gradient)"]  # fmt: skip
+    return table("llama-1b's MLP: bf16, FP8 (delayed), FP8 with the SwiGLU casts fused (bench/fp8_linear_bench.py "
+                 "--mlp)", _MLP_COLS, rows, notes)  # fmt: skip
+
+
 def train_fp8(ctx: Context) -> list[dict[str, Any]]:
     variants = {k: v for k, v in VARIANTS.items() if not ctx.quick or k == "fp8 hybrid, tensorwise"}
     rows = _against_bf16(ctx, "llama-1b/best", variants, "--extra", "training.global_batch_size=64")
@@ -72,7 +93,11 @@ def train_fp8(ctx: Context) -> list[dict[str, Any]]:
              "llama-1b/best (compiled layers, weight-gradient fusion, micro-batch 8) at global batch 64, sequence "
              "4096, mock data; target of issue 28: 1.35x bf16's tokens/s",
              "tp > 1 (the FP8 all-gather): suite train-fp8-tp2"]  # fmt: skip
-    return [table("FP8 against bf16 on one GPU (llama-1b, seq 4096)", _COLS, rows, notes), _linear_table(ctx)]
+    return [
+        table("FP8 against bf16 on one GPU (llama-1b, seq 4096)", _COLS, rows, notes),
+        _linear_table(ctx),
+        _mlp_table(ctx),
+    ]
 
 
 def train_fp8_tp2(ctx: Context) -> list[dict[str, Any]]:
@@ -145,8 +170,8 @@ def train_fp8_curves(ctx: Context) -> list[dict[str, Any]]:
 
 FP8_SUITES = [
     Suite("train-fp8", "llama-1b's fastest one-GPU case (seq 4096) in bf16 and with FP8 linears: hybrid and e4m3, "
-          "tensorwise, delayed and rowwise scaling, FP8 or bf16 weight gradients",
-          "the same case in bf16, same call", 6, 1, train_fp8),
+          "tensorwise, delayed and rowwise scaling, FP8 or bf16 weight gradients, the fused SwiGLU casts; one linear and the "
+          "MLP alone", "the same case in bf16, same call", 8, 1, train_fp8),
     Suite("train-fp8-tp2", "llama3-8b (seq 8192) at tp2 + SP in bf16 and FP8, the FP8 all-gather on and off "
           "(--quick: llama-1b)", "the same case in bf16, same call", 9, 2, train_fp8_tp2),
     Suite("train-fp8-curves", "500 steps of llama-1b on the demo corpus: FP8 (hybrid) loss curve against bf16",

@@ -9,6 +9,7 @@ gradient's quantisation, by the Triton casts and by the ``torch.compile``-genera
 
     python3 bench/fp8_linear_bench.py --out fp8_linear.json
     python3 bench/fp8_linear_bench.py --tune-casts   # the Triton cast's tile shapes, fastest first
+    python3 bench/fp8_linear_bench.py --mlp          # the whole MLP: bf16, FP8 (delayed), FP8 + fused SwiGLU casts
 """
 
 from __future__ import annotations
@@ -72,6 +73,37 @@ def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
     return row
 
 
+MLP_CASES = {"bf16": {}, "hybrid-delayed": {"fp8": "hybrid", "fp8_recipe": "delayed"},
+             "hybrid-delayed-fused": {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_fused_swiglu": True}}  # fmt: skip
+"""``--mlp``: llama-1b's MLP in bf16, with FP8 linears (delayed scaling), and with the SwiGLU casts fused."""
+
+
+def measure_mlp(tokens: int, micro: int, iters: int) -> list[dict[str, Any]]:
+    """llama-1b's whole MLP (fc1, SwiGLU, fc2) forward + backward under each of :data:`MLP_CASES`: ms per
+    micro-batch, TFLOP/s (the two linears' 6 x tokens x in x out) and the ratio to bf16."""
+    from mcore_models.backends import layer_spec
+    from mcore_models.presets import preset
+    from mcore_models.spec import default_spec
+    from mcore_models.transformer.context import ModelContext
+
+    base = preset("llama-1b", params_dtype="bfloat16", fp8_first_layers_bf16=0, fp8_last_layers_bf16=0)
+    h, ffn = base.hidden_size, base.ffn_size
+    flops = 6 * tokens * h * ffn * 3  # fc1 (gate and up) and fc2
+    x = torch.randn(tokens, 1, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, 1, h, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for label, kw in MLP_CASES.items():
+        config = base.replace(**kw)
+        spec = layer_spec(default_spec(), config, 0)
+        mlp = spec.mlp(config, ModelContext(Group.single("tp"), device="cuda"), spec, "mlp")
+        s = cuda_seconds(lambda mlp=mlp: _step(mlp, x, g, micro), iters) / micro
+        rows.append({"mlp": label, "tokens": tokens, "ms": s * 1e3, "tflops": flops / s / 1e12,
+                     "fused_calls": mlp.fp8_fused_calls})  # fmt: skip
+    for r in rows:
+        r["vs_bf16"] = rows[0]["ms"] / r["ms"]
+    return rows
+
+
 CAST_TILES = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (128, 256, 8), (256, 128, 8), (64, 256, 8)]
 """(rows, columns, warps) per program of the Triton cast that ``--tune-casts`` times, each with the rounding in
 float32 arithmetic and by the conversion instruction (``cast_triton.NATIVE_ROUNDING``)."""
@@ -104,9 +136,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune-casts", action="store_true", help="time the Triton cast's tiles instead (CAST_TILES)")
+    ap.add_argument("--mlp", action="store_true", help="time llama-1b's whole MLP instead (MLP_CASES)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (compute capability 8.9 or newer)")
+    if args.mlp:
+        mlp_rows = measure_mlp(args.tokens, args.micro, args.iters)
+        for r in mlp_rows:
+            print(json.dumps(r), flush=True)
+        if args.out:
+            Path(args.out).write_text(
+                json.dumps({"tokens": args.tokens, "micro": args.micro, "mlp": mlp_rows}, indent=1)
+            )
+        return
     if args.tune_casts:
         tuned = tune_casts(args.tokens, max(args.iters, 10))
         for r in tuned:

@@ -7,7 +7,7 @@ global-memory traffic inside the loops. For the SSD scan's chunk kernels (``mcor
 positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
 (``ssd_triton.LOW_PRECISION_DOTS``); and the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, with
 its rounding in float32 arithmetic or by the conversion instruction, ``NATIVE_ROUNDING``), with its SASS instructions
-per element; and the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per
+per element, and the FP8 MLP's SwiGLU kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``); and the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per
 step) and the QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per
 step) at one and four rows. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
 time::
@@ -120,6 +120,23 @@ def main() -> None:
         r = usage(cast, consts, warps, {"T": "*bf16", "Q": "*fp8e5", "QT": "*fp8e5"})
         per = bm * bn / (warps * 32)  # elements per thread
         rows.append({"kernel": "fp8_cast" + ("_native" if native else ""), "products": "-", "positions": bm,
+                     "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
+    from mcore_models.transformer.fp8_swiglu import _kernels as swiglu_kernels
+
+    fused = swiglu_kernels()
+    for name, native, (bm, bn), warps in itertools.product(
+        ("swiglu_cast", "swiglu_bwd_cast"), (False, True), ((64, 128), (64, 64), (32, 128)), (4, 8)
+    ):
+        consts = {"EMIN": 127 - 6, "MBITS": 3, "NATIVE": native, "BM": bm, "BN": bn}
+        fp8 = "*fp8e4nv"
+        if name == "swiglu_cast":
+            consts["TRANSPOSE"] = True
+        else:
+            consts.update(EMIN=127 - 14, MBITS=2)
+            fp8 = "*fp8e5"
+        r = usage(fused[name], consts, warps, {"H": "*bf16", "G": "*bf16", "Q": fp8, "QT": fp8})
+        per = bm * bn / (warps * 32)  # SwiGLU outputs (forward) or gate/up pairs (backward) per thread
+        rows.append({"kernel": "fp8_" + name + ("_native" if native else ""), "products": "-", "positions": bm,
                      "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
     from mcore_infer.kernels.fused_mlp import MlpLaunch, heuristic_mlp_launch
     from mcore_infer.kernels.fused_mlp import _kernels as mlp_kernels

@@ -221,3 +221,20 @@ def test_single_group_default() -> None:
     layer = model.decoder.layers["1"].self_attention.linear_qkv
     assert isinstance(layer, Fp8ColumnParallelLinear) and layer.tp.size == 1 and isinstance(layer.tp, Group)
     assert isinstance(model.config, TransformerConfig)
+
+
+@pytest.mark.parametrize(
+    "kw,needs",
+    [
+        (dict(fp8_recipe="tensorwise"), "fp8_recipe=delayed"),
+        (dict(fp8=None, backend="torch", fp8_recipe="tensorwise"), "fp8=e4m3 or hybrid"),
+        (dict(activation="gelu"), "activation=swiglu"),
+        (dict(fp8_modules=("qkv", "fc1")), "fc1 and fc2 in fp8_modules"),
+        (dict(add_bias_linear=True), "add_bias_linear=false"),
+        (dict(fp8_wgrad=False), "fp8_wgrad=true"),
+    ],
+)
+def test_fp8_fused_swiglu_is_refused_where_it_cannot_run(kw: dict, needs: str) -> None:
+    with pytest.raises(ConfigError, match=f"fp8_fused_swiglu=true needs {needs}"):
+        llama(**{"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 4,
+                 "ffn_hidden_size": 128, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_fused_swiglu": True, **kw})  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mcore_models import GPTModel, TransformerConfig
+from mcore_models.transformer.mlp import MLP
 from mcore_parallel import Group, ParallelConfig, ParallelState, shard_info
 from mcore_parallel.fp8 import fp8_step
 from mcore_parallel.tensor import allreduce_sequence_parallel_grads
@@ -72,6 +73,9 @@ def _run(config: TransformerConfig, tp: int, sp: bool) -> None:
             torch.testing.assert_close(mine.local, theirs.local, rtol=1e-3, atol=0)  # the histories agree ...
             mine.local.copy_(theirs.local)  # ... and the next step starts from the same ones
     assert len(model.runtime_state_dict()) == (24 if config.fp8_recipe == "delayed" else 0)
+    if config.fp8_fused_swiglu:  # the second step ran the fused FP8 MLP (tests/models/test_fp8_swiglu.py)
+        for m in (ref, model):
+            assert [mlp.fp8_fused_calls for mlp in m.modules() if isinstance(mlp, MLP)] == [1] * config.num_layers
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

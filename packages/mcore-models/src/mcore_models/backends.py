@@ -150,6 +150,8 @@ def backend_problems(config: TransformerConfig) -> list[str]:
         value = getattr(config, key)
         if not isinstance(value, int) or value < 0:
             p.append(f"{key}={value!r} must be a non-negative integer")
+    if config.fp8_fused_swiglu:
+        p.extend(_fused_swiglu_problems(config))
     if p or config.fp8 is None:
         return p
     if config.hidden_size % GEMM_MULTIPLE:
@@ -162,6 +164,20 @@ def backend_problems(config: TransformerConfig) -> list[str]:
                  f"{config.fp8_first_layers_bf16 + config.fp8_last_layers_bf16} leaves none of the "
                  f"{config.num_layers} layers in FP8; lower them (e.g. 0) or set fp8=null")  # fmt: skip
     return p
+
+
+def _fused_swiglu_problems(config: TransformerConfig) -> list[str]:
+    needs = [
+        (config.fp8 is not None, "fp8=e4m3 or hybrid"),
+        (config.fp8_recipe == "delayed", f"fp8_recipe=delayed (not {config.fp8_recipe!r}: the SwiGLU kernels cast "
+                                         "with a scale known before they run)"),
+        (config.activation == "swiglu", f"activation=swiglu (not {config.activation!r})"),
+        ({"fc1", "fc2"} <= set(config.fp8_modules), f"fc1 and fc2 in fp8_modules (got {list(config.fp8_modules)})"),
+        (not config.add_bias_linear, "add_bias_linear=false"),
+        (config.fp8_wgrad, "fp8_wgrad=true"),
+        (not config.fp8_allgather, "fp8_allgather=false"),
+    ]  # fmt: skip
+    return [f"fp8_fused_swiglu=true needs {what}; set it or set fp8_fused_swiglu=false" for ok, what in needs if not ok]
 
 
 def check_backend_device(config: TransformerConfig, device: Any) -> None:

@@ -158,6 +158,10 @@ class TransformerConfig:
     the wire) instead of after a bf16 all-gather."""
     fp8_wgrad: bool = True
     """Weight gradients as FP8 GEMMs (tensorwise and delayed scaling; rowwise keeps them bf16); false: bf16."""
+    fp8_fused_swiglu: bool = False
+    """The FP8 MLP's SwiGLU writes fc2's FP8 input, and its backward fc1's FP8 output gradient, directly: two bf16
+    tensors and their cast passes fewer per layer (:mod:`mcore_models.transformer.fp8_swiglu`). Needs fp8_recipe=delayed,
+    activation=swiglu, fc1 and fc2 in fp8_modules, add_bias_linear=false, fp8_wgrad=true, fp8_allgather=false."""
     moe: MoEConfig | None = None
     """Mixture of experts (:class:`~mcore_models.moe.MoEConfig`): which layers get routed experts, and how; None =
     every layer has a dense MLP."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
+from mcore_models.transformer.fp8_swiglu import fp8_swiglu_mlp, fusion_problem
 from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
@@ -77,5 +78,15 @@ class MLP(nn.Module):
             **common,
         )
 
+        self.fp8_fused = False
+        """Whether this MLP runs :func:`~mcore_models.transformer.fp8_swiglu.fp8_swiglu_mlp` (``fp8_fused_swiglu``
+        and both linears in FP8)."""
+        self.fp8_fused_calls = 0
+        """How many forwards took the fused path (diagnostics, tests)."""
+        if config.fp8_fused_swiglu:
+            self.fp8_fused = fusion_problem(self.linear_fc1, self.linear_fc2) is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_fused:
+            return fp8_swiglu_mlp(self, x)
         return self.linear_fc2(self.act(self.linear_fc1(x)))  # type: ignore[operator]

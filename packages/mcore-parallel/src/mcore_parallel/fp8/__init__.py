@@ -15,7 +15,7 @@ delayed scaling), :mod:`~mcore_parallel.fp8.gemm` (the three GEMMs and their aut
 optimizer step: the weight-cast cache, the delayed-scaling update).
 """
 
-from mcore_parallel.fp8.gemm import GEMM_ALIGNMENT, LinearPlan, WeightCast, fp8_linear, scaled_mm
+from mcore_parallel.fp8.gemm import GEMM_ALIGNMENT, LinearPlan, WeightCast, fp8_linear, fp8_weight_grad, scaled_mm
 from mcore_parallel.fp8.layers import Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear
 from mcore_parallel.fp8.recipe import AMAX_ALGOS, E4M3, E5M2, FP8_FORMATS, FP8_SCALINGS, Fp8Format, Fp8Recipe
 from mcore_parallel.fp8.scaling import DelayedScaling, Fp8Tensor, amax_of, current_scale, quantize, scale_from_amax
@@ -39,6 +39,7 @@ __all__ = [
     "WeightCast",
     "LinearPlan",
     "fp8_linear",
+    "fp8_weight_grad",
     "GEMM_ALIGNMENT",
     "Fp8Linear",
     "Fp8ColumnParallelLinear",

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "amax_triton", "cast_triton"]
+__all__ = ["available", "amax_triton", "cast_triton", "install", "quantize_args"]
 
 _AMAX_BLOCK = 8192
 _GRID = {torch.float8_e4m3fn: (127 - 6, 3), torch.float8_e5m2: (127 - 14, 2)}
@@ -50,10 +50,69 @@ def available() -> bool:
     return True
 
 
+_HELPERS: dict[str, Any] = {}
+
+
+def install(module_globals: dict[str, Any]) -> None:
+    """Add :func:`_quantize` (a Triton function: a float32 tile scaled, clamped and rounded to FP8 exactly as
+    :func:`cast_triton` does) to ``module_globals``, a kernel module's ``globals()`` (Triton looks up the functions
+    a kernel calls among its module's globals), for kernels that cast their own output to FP8."""
+    if not _HELPERS:
+        _HELPERS.update(_define_helpers())
+    module_globals.update(_HELPERS)
+
+
+def quantize_args(dtype: torch.dtype) -> dict[str, int]:
+    """The constexpr arguments of :func:`_quantize` for an FP8 ``dtype`` (its grid) and :data:`NATIVE_ROUNDING`."""
+    return {"EMIN": _GRID[dtype][0], "MBITS": _GRID[dtype][1], "NATIVE": NATIVE_ROUNDING}
+
+
+def _define_helpers() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    globals()["tl"] = tl  # (Triton's interpreter looks for triton.language among a jit function's globals)
+
+    @triton.jit  # type: ignore[misc]
+    def _quantize(x, s, fmax, dtype, EMIN: tl.constexpr, MBITS: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+        """``x * s`` (float32) clamped to ``±fmax`` and rounded to nearest even in the FP8 ``dtype``."""
+        y = tl.minimum(tl.maximum(x * s, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        if NATIVE:  # the GPU's own conversion, round to nearest even (y is already within the format's range)
+            q = y.to(dtype, fp_downcast_rounding="rtne")
+        else:
+            # round to nearest even on the format's grid in float32 (the spacing of y's binade, or of the smallest
+            # normal binade below it): (y + M) - M with M = 1.5 * 2^23 * spacing; the cast of a value on the grid is
+            # exact (the sign bit put back: a small negative value rounds to -0, as the PyTorch cast gives)
+            bits = y.to(tl.int32, bitcast=True)
+            e = tl.maximum((bits >> 23) & 0xFF, EMIN)
+            magic = (((e - MBITS + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+            r = ((y + magic) - magic).to(tl.int32, bitcast=True) | (bits & -2147483648)
+            q = tl.where(y == y, r.to(tl.float32, bitcast=True), y).to(dtype)  # NaN stays NaN
+        return q
+
+    @triton.jit  # type: ignore[misc]
+    def _tile_amax(x):  # type: ignore[no-untyped-def]
+        """The largest ``|x|`` of a 2-D float32 tile, +inf if it holds a NaN (the history counts that as 0)."""
+        a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+        return tl.where(nan > 0, float("inf"), a)
+
+    helpers = {"_quantize": _quantize, "_tile_amax": _tile_amax}
+    globals().update(helpers)
+    return helpers
+
+
+_quantize: Any = None  # the helpers (set by install: Triton looks a kernel's callees up among these globals)
+_tile_amax: Any = None
+
+
 @functools.cache
 def _kernels() -> dict[str, Any]:
     import triton
     import triton.language as tl
+
+    install(globals())
 
     @triton.jit  # type: ignore[misc]
     def amax_partials(T, OUT, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -74,27 +133,13 @@ def _kernels() -> dict[str, Any]:
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < rows) & (rn[None, :] < cols)
         x = tl.load(T + rm[:, None] * t_row + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        if AMAX_OUT:  # this tile's largest |t| into AMAX (a NaN as +inf: the history counts it as 0)
-            a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
-            tl.atomic_max(AMAX, tl.where(nan > 0, float("inf"), a))
+        if AMAX_OUT:  # this tile's largest |t| into AMAX
+            tl.atomic_max(AMAX, _tile_amax(x))
         if ROWWISE:
             s = tl.load(SCALE + rm, mask=rm < rows, other=1.0)[:, None]
         else:
             s = tl.load(SCALE)
-        y = tl.minimum(tl.maximum(x * s, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
-                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-        if NATIVE:  # the GPU's own conversion, round to nearest even (y is already within the format's range)
-            q = y.to(Q.dtype.element_ty, fp_downcast_rounding="rtne")
-        else:
-            # round to nearest even on the format's grid in float32 (the spacing of y's binade, or of the smallest
-            # normal binade below it): (y + M) - M with M = 1.5 * 2^23 * spacing; the cast of a value on the grid is
-            # exact (the sign bit put back: a small negative value rounds to -0, as the PyTorch cast gives)
-            bits = y.to(tl.int32, bitcast=True)
-            e = tl.maximum((bits >> 23) & 0xFF, EMIN)
-            magic = (((e - MBITS + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
-            r = ((y + magic) - magic).to(tl.int32, bitcast=True) | (bits & -2147483648)
-            q = tl.where(y == y, r.to(tl.float32, bitcast=True), y).to(Q.dtype.element_ty)  # NaN stays NaN
+        q = _quantize(x, s, fmax, Q.dtype.element_ty, EMIN, MBITS, NATIVE)
         tl.store(Q + rm[:, None] * cols + rn[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(
@@ -138,6 +183,6 @@ def cast_triton(
     if rows and cols:
         amax = amax_out if amax_out is not None else scale
         _kernels()["cast"][grid](t, scale.reshape(-1).to(torch.float32), q, q if qt is None else qt, amax, rows, cols,
-                                 t.stride(0), float(fmax), AMAX_OUT=amax_out is not None, EMIN=_GRID[dtype][0], MBITS=_GRID[dtype][1], ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
-                                 NATIVE=NATIVE_ROUNDING, num_warps=_WARPS)  # fmt: skip
+                                 t.stride(0), float(fmax), AMAX_OUT=amax_out is not None, ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
+                                 num_warps=_WARPS, **quantize_args(dtype))  # fmt: skip
     return q, qt

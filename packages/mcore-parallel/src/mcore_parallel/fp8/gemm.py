@@ -34,7 +34,7 @@ from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
 from mcore_parallel.tensor.wgrad import keep_owner, weight_grad, wgrad_owner
 
-__all__ = ["scaled_mm", "WeightCast", "LinearPlan", "fp8_linear", "GEMM_ALIGNMENT"]
+__all__ = ["scaled_mm", "WeightCast", "LinearPlan", "fp8_linear", "fp8_weight_grad", "GEMM_ALIGNMENT"]
 
 GEMM_ALIGNMENT = 16
 """``torch._scaled_mm`` on GPUs: the contraction dimension and the second operand's rows are multiples of this."""
@@ -166,13 +166,25 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             owner = wgrad_owner(ctx, g2)  # the parameter when the gradient goes into its main_grad
             if fp8_wgrad:
-                dw = scaled_mm(_pad_k(gt), _pad_k(saved), torch.float32)
-                grad_w = _add_weight_grad(owner, dw) if plan.fuse else dw.to(ctx.w_dtype)
+                grad_w = fp8_weight_grad(gt, saved, owner, plan.fuse, ctx.w_dtype)
             else:  # bf16 GEMM of the exact output gradient and the FP8 input, dequantised
                 grad_w = weight_grad(owner, g2, saved.dequantize(g2.dtype), plan.fuse)
         if handle is not None:
             handle.wait()
         return grad_x, grad_w, None, None, None
+
+
+def fp8_weight_grad(
+    gt: Fp8Tensor, xt: Fp8Tensor, owner: torch.Tensor | None, fuse: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight gradient ``gᵀ x`` as an FP8 GEMM of the output gradient's transpose ``gt`` ``[out, T]`` and the
+    input's ``xt`` ``[in, T]`` (``T`` padded to the GEMMs' alignment): added into ``owner.main_grad`` with ``fuse``
+    (``owner``: the parameter; a placeholder returned), else returned in ``dtype``."""
+    dw = scaled_mm(_pad_k(gt), _pad_k(xt), torch.float32)
+    if fuse:
+        assert owner is not None, "a fused weight gradient needs its parameter"
+        return _add_weight_grad(owner, dw)
+    return dw.to(dtype)
 
 
 def _add_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:

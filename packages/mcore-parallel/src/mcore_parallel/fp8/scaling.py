@@ -234,13 +234,23 @@ class DelayedScaling(nn.Module):
             if transpose:
                 return quantize_with_transpose(t, fmt, scale)
             return quantize(t, fmt, scale), None
-        weight = self.grad_weight if role == 2 else 1.0
-        scale = self._stored(role, weight)
-        amax = torch.zeros(1, dtype=torch.float32, device=t.device)
+        scale, amax = self.kernel_scale(role, t.device)
         q, qt = cast_triton.cast_triton(t, scale, fmt.max, fmt.dtype, transpose, amax_out=amax)
-        self.record(role, amax / weight)
+        self.record_kernel_amax(role, amax)
         inv = scale.reciprocal()
         return Fp8Tensor(q, inv, fmt), None if qt is None else Fp8Tensor(qt, inv, fmt)
+
+    def kernel_scale(self, role: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a kernel that casts a tensor of ``role`` itself (once :meth:`ready`): the scale to cast with (the
+        stored one, with this step's gradient weight for the gradient) and a zeroed one-element float32 tensor for
+        the kernel to fold the tensor's absolute maximum into (+inf for a NaN); give it back to
+        :meth:`record_kernel_amax`."""
+        weight = self.grad_weight if role == 2 else 1.0
+        return self._stored(role, weight), torch.zeros(1, dtype=torch.float32, device=device)
+
+    def record_kernel_amax(self, role: int, amax: torch.Tensor) -> None:
+        """Record the maximum a kernel folded into :meth:`kernel_scale`'s buffer."""
+        self.record(role, amax / (self.grad_weight if role == 2 else 1.0))
 
     def roll(self, amax: torch.Tensor) -> None:
         """End of a step: push ``amax`` (``[3]``, this step's maxima reduced over the ranks; non-finite entries

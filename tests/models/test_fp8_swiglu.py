@@ -1,0 +1,202 @@
+"""The FP8 MLP's fused SwiGLU casts (``model.fp8_fused_swiglu``, ``mcore_models.transformer.fp8_swiglu``).
+
+- The kernels against the unfused path's ops: SwiGLU (or its backward) in float32, rounded to the activation dtype,
+  then the PyTorch FP8 cast (``scaling._cast_transposed``): the same FP8 codes, except that the kernel's sigmoid may
+  differ from PyTorch's in the last float32 bit, which can move a value across a rounding boundary: at most one
+  code in a thousand, each by one code. Shapes off the tiles, saturating scales, the absolute maximum, NaN.
+- A tiny Llama in FP8 with delayed scaling, fused against unfused, over three steps (the first builds the history and
+  runs unfused): the loss, every gradient (also into ``main_grad``), the histories; the fused path taken.
+- The same at tp 2 and tp 2 with sequence parallelism on gloo, against one process (``test_fp8_tp._run``).
+
+On GPUs, or on the CPU under ``TRITON_INTERPRET=1`` (the nox ``kernels`` session); skipped without either."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_models import GPTModel
+from mcore_models.transformer.fp8_swiglu import swiglu_backward_quantize, swiglu_quantize
+from mcore_models.transformer.mlp import MLP
+from mcore_models.transformer.swiglu import swiglu_backward_reference
+from mcore_parallel import Group
+from mcore_parallel.fp8 import E4M3, E5M2, fp8_step, scaling
+from mcore_parallel.testing import run_distributed
+from tests._model_configs import llama
+from tests.models.test_fp8_tp import _run
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICES: list = []
+if torch.cuda.is_available() and HAS_TRITON:
+    DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
+if INTERPRETED:
+    DEVICES.append("cpu")
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
+SHAPES = [(100, 72), (3, 16), (130, 200), (64, 128)]
+"""(tokens, ffn): h is [tokens, 2 * ffn]."""
+
+
+def _h(tokens: int, ffn: int, device: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, 2 * ffn, generator=g) * torch.logspace(-3, 1, 2 * ffn)
+    return h.to(device=device, dtype=dtype)
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Float32 ``t`` rounded to ``dtype`` as the kernel rounds it: to nearest even on GPUs; Triton's interpreter
+    converts float32 to bfloat16 by truncation (toward zero), so on the CPU the reference does too."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)
+
+
+def _assert_codes_match(q: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Equal FP8 codes but for at most one in a thousand, each the neighbouring code (same sign: FP8 codes are
+    ordered by magnitude within a sign)."""
+    a, b = q.view(torch.uint8).cpu().int(), ref.view(torch.uint8).cpu().int()
+    assert a.shape == b.shape, what
+    differ = a != b
+    assert differ.float().mean().item() <= 1e-3, f"{what}: {int(differ.sum())} of {a.numel()} codes differ"
+    assert ((a - b).abs()[differ] == 1).all(), f"{what}: a code differs by more than one step"
+
+
+def _scale(t: torch.Tensor, fmt: object, saturate: bool) -> torch.Tensor:
+    """The scale that maps max|t| onto the format's maximum, or onto twice it (the largest values saturate)."""
+    top = fmt.max * (2.0 if saturate else 1.0)  # type: ignore[attr-defined]
+    return torch.tensor(top / t.float().abs().max().item(), device=t.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("saturate", [False, True], ids=["in-range", "saturating"])
+def test_swiglu_quantize_equals_swiglu_then_the_cast(
+    device: str, dtype: torch.dtype, shape: tuple, saturate: bool
+) -> None:
+    h = _h(*shape, device, dtype, seed=1)
+    gate, up = h.float().chunk(2, dim=-1)
+    a = _stored(F.silu(gate) * up, dtype, device)
+    scale = _scale(a, E4M3, saturate)
+    amax = torch.zeros(1, device=device)
+    q, qt = swiglu_quantize(h, scale, E4M3, amax)
+    ref, ref_t, _ = scaling._cast_transposed(a, scale, E4M3.max, E4M3.dtype)
+    _assert_codes_match(q, ref, "a")
+    assert qt is not None and qt.is_contiguous()
+    _assert_codes_match(qt, ref_t, "aᵀ")
+    torch.testing.assert_close(amax[0].cpu(), a.float().abs().max().cpu(), rtol=2**-7, atol=0)
+    q2, none = swiglu_quantize(h, scale, E4M3, torch.zeros(1, device=device), transpose=False)
+    assert none is None and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", [E5M2, E4M3], ids=["e5m2", "e4m3"])
+def test_swiglu_backward_quantize_equals_the_backward_then_the_cast(
+    device: str, dtype: torch.dtype, shape: tuple, fmt: object
+) -> None:
+    h = _h(*shape, device, dtype, seed=2)
+    g = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 1e-2).to(device=device, dtype=dtype)
+    dh = _stored(swiglu_backward_reference(h.float(), g.float()), dtype, device)
+    scale = _scale(dh, fmt, saturate=False)
+    amax = torch.full((1,), 1e-30, device=device)  # folded in: max(previous, this tensor's)
+    q, qt = swiglu_backward_quantize(h, g, scale, fmt, amax)  # type: ignore[arg-type]
+    ref, ref_t, _ = scaling._cast_transposed(dh, scale, fmt.max, fmt.dtype)  # type: ignore[attr-defined]
+    assert q.shape == (shape[0], 2 * shape[1]) and qt.shape == (2 * shape[1], shape[0]) and qt.is_contiguous()
+    _assert_codes_match(q, ref, "dh")
+    _assert_codes_match(qt, ref_t, "dhᵀ")
+    torch.testing.assert_close(amax[0].cpu(), dh.float().abs().max().cpu(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_shows_in_the_maximum(device: str) -> None:
+    h = _h(40, 32, device, torch.bfloat16, seed=4)
+    h[7, 3] = float("nan")
+    amax = torch.zeros(1, device=device)
+    swiglu_quantize(h, torch.tensor(1.0, device=device), E4M3, amax)
+    assert amax.item() == float("inf")
+    amax = torch.zeros(1, device=device)
+    swiglu_backward_quantize(h, torch.ones(40, 32, device=device, dtype=torch.bfloat16), torch.tensor(1.0, device=device),
+                             E5M2, amax)  # fmt: skip
+    assert amax.item() == float("inf")
+
+
+def _config(**kw: object):  # type: ignore[no-untyped-def]
+    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128,
+                fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_first_layers_bf16=0,
+                fp8_last_layers_bf16=1)  # fmt: skip
+    base.update(kw)
+    return llama(**base)
+
+
+def _steps(model: GPTModel, steps: int, main_grad: bool) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    out = []
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    if main_grad:
+        for name, p in params.items():
+            if name.endswith("linear_fc1.weight") or name.endswith("linear_fc2.weight"):
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)  # type: ignore[attr-defined]
+                p.fuse_wgrad_accumulation = True  # type: ignore[attr-defined]
+    for step in range(steps):
+        torch.manual_seed(21 + step)
+        ids = torch.randint(0, model.config.vocab_size, (2, 24)).to(device)
+        labels = torch.randint(0, model.config.vocab_size, (2, 24)).to(device)
+        with fp8_step([model], Group.single()):
+            loss = model(ids, labels=labels)
+            (loss * torch.linspace(0.5, 1.5, ids.shape[1], device=device)).sum().backward()
+        grads = {}
+        for name, p in params.items():
+            main = getattr(p, "main_grad", None)
+            grads[name] = (main if main is not None else p.grad).detach().clone()
+            if main is not None:
+                main.zero_()
+        with torch.no_grad():
+            for name, p in params.items():
+                p -= 0.05 * grads[name].to(p.dtype)
+        model.zero_grad(set_to_none=True)
+        out.append((loss.detach(), grads))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_fused_mlp_trains_like_the_unfused_one(device: str, main_grad: bool) -> None:
+    torch.manual_seed(0)
+    dtype = "bfloat16" if device == "cuda" else "float32"  # (the GPU runs the models as training does)
+    rtol = 1e-3 if device == "cuda" else 1e-4
+    plain = GPTModel(_config(params_dtype=dtype), device=device)
+    fused = GPTModel(_config(params_dtype=dtype, fp8_fused_swiglu=True), device=device)
+    fused.load_state_dict(plain.state_dict())
+    mlps = [m for m in fused.modules() if isinstance(m, MLP)]
+    assert [m.fp8_fused for m in mlps] == [True, True, False]  # the last layer stays bf16
+    ref, got = _steps(plain, 3, main_grad), _steps(fused, 3, main_grad)
+    assert [m.fp8_fused_calls for m in mlps] == [2, 2, 0]  # the first step builds the history, unfused
+    assert not any(m.fp8_fused_calls for m in plain.modules() if isinstance(m, MLP))
+    for step, ((ref_loss, ref_grads), (loss, grads)) in enumerate(zip(ref, got, strict=True)):
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=1e-5)
+        for name, g in grads.items():
+            diff, norm = (g - ref_grads[name]).norm().item(), ref_grads[name].norm().item()
+            assert diff <= 1e-2 * norm + 1e-6, f"step {step} {name}: |difference| {diff:.3e}, |gradient| {norm:.3e}"
+    ids = torch.randint(0, plain.config.vocab_size, (2, 24)).to(device)
+    with torch.no_grad():  # an evaluation: no gradients, no transposes, the histories untouched
+        evals = []
+        for m in (plain, fused):
+            with fp8_step([m], update_scaling=False):
+                evals.append(m(ids, labels=ids).mean())
+    torch.testing.assert_close(evals[1], evals[0], rtol=rtol, atol=1e-5)
+    assert [m.fp8_fused_calls for m in mlps] == [3, 3, 0]
+    for (name, mine), theirs in zip(fused.runtime_state_dict().items(), plain.runtime_state_dict().values(),
+                                    strict=True):  # fmt: skip
+        torch.testing.assert_close(mine.local, theirs.local, rtol=2e-2, atol=0, msg=f"{name}: histories differ")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the gloo runs use the interpreted kernels")
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_fused_mlp_under_tp_matches_one_process(sp: bool) -> None:
+    run_distributed(_run, 2, _config(fp8_fused_swiglu=True, fp8_last_layers_bf16=0), 2, sp)
