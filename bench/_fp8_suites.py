@@ -18,6 +18,13 @@ VARIANTS = {
         "model.fp8_recipe=delayed",
         "model.fp8_fused_swiglu=true",
     ],
+    "fp8 hybrid, delayed, fused SwiGLU casts, every layer in FP8": [
+        "model.fp8=hybrid",
+        "model.fp8_recipe=delayed",
+        "model.fp8_fused_swiglu=true",
+        "model.fp8_first_layers_bf16=0",
+        "model.fp8_last_layers_bf16=0",
+    ],
     "fp8 e4m3, rowwise": ["model.fp8=e4m3", "model.fp8_recipe=rowwise"],
     "fp8 hybrid, bf16 weight gradient": ["model.fp8=hybrid", "model.fp8_wgrad=false"],
 }
