@@ -7,6 +7,8 @@ random weights with a larger init so greedy outputs vary."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any, get_args
 
@@ -22,7 +24,7 @@ from mcore_models import GPTModel
 from mcore_models.checkpoint import save_weights
 from mcore_models.moe import MoEConfig
 from mcore_models.presets import preset
-from mcore_models.ssm.inference import mixer_inference_forward
+from mcore_models.ssm.inference import MAX_PADDING, mixer_inference_forward, plan_prefill
 from mcore_models.ssm.layer import MambaLayer
 from mcore_parallel import Group, ParallelConfig, ParallelState
 from mcore_parallel.testing import run_distributed
@@ -228,6 +230,61 @@ def test_the_mixer_in_chunks_and_steps_equals_its_training_forward() -> None:
             got_b.append(out[1:])
     assert torch.allclose(torch.cat(got_a), want_a, atol=1e-12, rtol=1e-10)
     assert torch.allclose(torch.cat(got_b), want_b[:8], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dt_min", [0.0, 1e-3], ids=["padded-groups", "dt-limit-one-by-one"])
+def test_several_prefills_in_one_step_equal_the_training_forward(dt_min: float) -> None:
+    """float64: four requests prefill chunks of 17, 9, 3 and 2 tokens in the same mixed steps (two padded groups:
+    17 + 9 and 3 + 2) beside a fifth request's single token, starting from states left by an earlier chunk, then a
+    decode step; every output equals the mixer's training forward. With a dt_limit above 0 the chunks run one by
+    one (a padded step would decay the state)."""
+    layer: Any = mamba_model("mamba").decoder.layers["1"]
+    mixer = layer.mixer.double()
+    mixer.mamba = dataclasses.replace(mixer.mamba, dt_limit=(dt_min, math.inf))
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(5, 40, 1, 64, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        want = [mixer(x) for x in xs]
+    cache = MambaCache.allocate({1: mixer}, 6, torch.device("cpu"))
+
+    class Context:
+        layer_number, mamba = 1, None
+
+    ctx = Context()
+    sizes = [17, 9, 3, 2]
+    got: list[list[torch.Tensor]] = [[] for _ in range(5)]
+    pos = [0] * 5
+    with torch.no_grad():
+        for _ in range(2):  # two mixed steps: the second starts from the states the first left
+            parts, segments, start = [], [], 0
+            for r, n in enumerate([*sizes, 1]):
+                parts.append(xs[r, pos[r] : pos[r] + n])
+                segments.append((start, start + n, r + 1))
+                start += n
+            ctx.mamba = MambaStepView(cache, torch.arange(1, 6), segments)  # type: ignore[assignment]
+            if dt_min == 0:
+                assert [(grp.count, grp.length) for grp in ctx.mamba.prefill_groups()] == [(2, 17), (2, 3)]  # type: ignore[attr-defined]
+            out = mixer(torch.cat(parts), inference_context=ctx)
+            for r, (s, e, _) in enumerate(segments):
+                got[r].append(out[s:e])
+                pos[r] += e - s
+        ctx.mamba = MambaStepView(cache, torch.arange(1, 6))  # type: ignore[assignment]
+        out = mixer(torch.stack([xs[r, pos[r]] for r in range(5)]), inference_context=ctx)
+        for r in range(5):
+            got[r].append(out[r : r + 1])
+    for r in range(5):
+        mine = torch.cat(got[r])
+        assert torch.allclose(mine, want[r][: mine.shape[0]], atol=1e-12, rtol=1e-10), f"request {r}"
+
+
+def test_prefill_groups_keep_padding_bounded() -> None:
+    segments = [(0, 1500, 1), *((1500 + 50 * i, 1550 + 50 * i, 2 + i) for i in range(10)), (2000, 2001, 12)]
+    groups = plan_prefill(segments, "cpu")
+    assert [(grp.count, grp.length) for grp in groups] == [(1, 1500), (10, 50)]
+    for grp in groups:
+        assert grp.count * grp.length <= MAX_PADDING * len(grp.rows)
+        assert grp.rows.tolist() == sorted(set(grp.rows.tolist()))  # each token once, in step order per chunk
+    assert sorted(r for grp in groups for r in grp.rows.tolist()) == list(range(2000))  # the single token is not
 
 
 def test_a_context_without_states_is_refused() -> None:

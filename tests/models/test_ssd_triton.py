@@ -176,6 +176,30 @@ def test_kernels_equal_the_torch_path(device: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_minus_infinity_time_step_is_an_identity_step(device: str, impl: str) -> None:
+    """How the engine pads prefill chunks of several requests into one batch (``plan_prefill``): raw dt ``-inf``
+    after a row's tokens (softplus gives 0: decay 1, no input) leaves every real position's output and the final
+    state as the row's own tokens alone give them (rows of 21, 7 and 1 tokens padded to 21, from initial states)."""
+    ssd = pytest.importorskip("mcore_models.ssm.ssd")
+    t = {k: v.to(device, torch.float32) for k, v in make_inputs(3, 21, 4, 2, 4, 8, D=True, bias=True, init=True,
+                                                                   seed=13).items()}  # fmt: skip
+    sizes = (21, 7, 1)
+    padded = t["dt"].clone()
+    for r, n in enumerate(sizes):
+        padded[r, n:] = float("-inf")
+    y, fin = ssd.ssd_scan(**{**t, "dt": padded}, chunk_size=8, return_final_states=True, impl=impl)
+    assert torch.isfinite(y).all() and torch.isfinite(fin).all()
+    for r, n in enumerate(sizes):
+        row = {k: (v[r : r + 1, :n] if k in ("x", "dt", "B", "C") else v[r : r + 1] if k == "initial_states" else v)
+               for k, v in t.items()}  # fmt: skip
+        want_y, want_fin = ssd.ssd_scan(**row, chunk_size=8, return_final_states=True, impl=impl)
+        assert_close(y[r : r + 1, :n], want_y, 2e-5, f"row {r}: y")
+        assert_close(fin[r : r + 1].float(), want_fin.float(), 2e-5, f"row {r}: final state")
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_bf16_inputs_with_either_product_precision(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 x, B, C: the products on float32 operands (TF32 on GPUs) and on bf16 operands
     (``LOW_PRECISION_DOTS``) each give the float64 recurrence's outputs and gradients within bf16 rounding, and

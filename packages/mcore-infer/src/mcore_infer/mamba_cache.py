@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_models import GPTModel
-from mcore_models.ssm.inference import mamba_state_shapes
+from mcore_models.ssm.inference import PrefillGroup, mamba_state_shapes, plan_prefill
 from mcore_models.ssm.mixer import Mamba2Mixer
 from mcore_models.ssm.ssd import _compute_dtype
 
@@ -137,6 +137,7 @@ class MambaStepView:
         self.cache, self.slots, self.segments = cache, slots, segments
         self.decode = segments is None
         self._single: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._groups: list[PrefillGroup] | None = None
         single = [(s, slot) for s, e, slot in segments or [] if e - s == 1]
         if single:  # one copy per step, shared by the layers
             rows_slots = torch.tensor(single, dtype=torch.int64).t().to(slots.device)
@@ -147,3 +148,8 @@ class MambaStepView:
 
     def single_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._single
+
+    def prefill_groups(self) -> list[PrefillGroup]:
+        if self._groups is None:
+            self._groups = plan_prefill(self.segments or [], self.slots.device)
+        return self._groups

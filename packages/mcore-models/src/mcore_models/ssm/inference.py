@@ -18,9 +18,13 @@ the step, and the host token ranges of the requests. Two paths:
   at the slot tensor's slots, so a CUDA graph can capture it (padded rows use a scratch slot). On CUDA it is two
   Triton kernels (:mod:`mcore_models.ssm.decode_triton`), else PyTorch ops (``MambaConfig.decode_kernel``, see
   :func:`uses_decode_kernel`);
-- a *mixed* step (prefill chunks, with or without decode tokens) runs each chunk's causal conv continuing from its
-  conv state and :func:`~mcore_models.ssm.ssd.ssd_scan` from its SSM state (``initial_states`` /
-  ``return_final_states``); its one-token requests take the vectorised step together.
+- a *mixed* step (prefill chunks, with or without decode tokens) runs its chunks' causal conv continuing from their
+  conv states and :func:`~mcore_models.ssm.ssd.ssd_scan` from their SSM states (``initial_states`` /
+  ``return_final_states``), the chunks as the rows of one padded batch (:func:`plan_prefill` groups chunks of
+  similar length, so padding stays below half the tokens): one conv and one scan per group and layer, not per
+  request. A padded position gets the raw time step ``-inf``, so its step is ``softplus(-inf) = 0``: decay 1 and no
+  input, the state passes through it unchanged (with a ``dt_limit`` whose lower bound is above 0 the chunks run one
+  by one instead). Its one-token requests take the vectorised step together.
 
 Either way the new states are written back to the requests' slots. A request that starts fresh has had its slot
 zeroed by the engine before the step. The gated norm and ``out_proj`` (row-parallel: its all-reduce) run on the
@@ -31,6 +35,7 @@ groups, as its mixer's parameters are.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MambaStep",
+    "PrefillGroup",
+    "plan_prefill",
     "decode_step",
     "decode_step_torch",
     "mamba_state_shapes",
@@ -70,6 +77,54 @@ class MambaStep(Protocol):
         """For a step with segments: the token rows of its one-token requests and their slots (device tensors,
         made once per step, shared by the layers), or None when it has none."""
         ...
+
+    def prefill_groups(self) -> list[PrefillGroup]:
+        """For a step with segments: its chunks of two or more tokens as :func:`plan_prefill` groups them (made once
+        per step, shared by the layers)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Prefill chunks of one step that run as one padded batch of ``count`` rows of ``length`` positions (chunk
+    ``i`` at the start of row ``i``, longest first). Device tensors: ``slots`` ``[count]`` (each chunk's state
+    slot), ``sizes`` ``[count]`` (its token count), ``rows`` ``[n]`` (the chunks' token rows in the step) and
+    ``index`` ``[n]`` (where each of those tokens sits in the padded ``[count * length]`` layout)."""
+
+    slots: torch.Tensor
+    sizes: torch.Tensor
+    rows: torch.Tensor
+    index: torch.Tensor
+    count: int
+    length: int
+
+
+MAX_PADDING = 1.5
+"""A prefill group's padded positions are at most this many times its tokens."""
+
+
+def plan_prefill(segments: list[tuple[int, int, int]], device: torch.device | str) -> list[PrefillGroup]:
+    """The chunks of two or more tokens among ``segments`` (host ``(start, end, slot)``) in padded groups: longest
+    first, a chunk joins the current group while the group's padded size stays within :data:`MAX_PADDING` times
+    its tokens."""
+    chunks = sorted(((e - s, s, slot) for s, e, slot in segments if e - s > 1), key=lambda c: -c[0])
+    groups: list[list[tuple[int, int, int]]] = []
+    for chunk in chunks:
+        g = groups[-1] if groups else None
+        if g is not None and g[0][0] * (len(g) + 1) <= MAX_PADDING * (sum(c[0] for c in g) + chunk[0]):
+            g.append(chunk)
+        else:
+            groups.append([chunk])
+    out = []
+    for g in groups:
+        length = g[0][0]
+        rows = [r for n, s, _ in g for r in range(s, s + n)]
+        index = [i * length + j for i, (n, _, _) in enumerate(g) for j in range(n)]
+        meta = torch.tensor([[slot for _, _, slot in g], [n for n, _, _ in g]], dtype=torch.int64)
+        flat = torch.tensor([rows, index], dtype=torch.int64).to(device)
+        meta = meta.to(device)
+        out.append(PrefillGroup(meta[0], meta[1], flat[0], flat[1], len(g), length))
+    return out
 
 
 def mamba_state_shapes(mixer: Mamba2Mixer) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -123,9 +178,13 @@ def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context
     if single is not None:
         rows, slots = single
         y[rows] = decode_step(mixer, xbc[rows], dt[rows], slots, conv_state, ssm_state)
-    for start, end, slot in step.segments:
-        if end - start > 1:
-            y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
+    if mixer.mamba.dt_limit[0] > 0:  # a padded step would not be the identity: one chunk at a time
+        for start, end, slot in step.segments:
+            if end - start > 1:
+                y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
+        return y
+    for group in step.prefill_groups():
+        y[group.rows] = prefill_group(mixer, xbc, dt, group, conv_state, ssm_state)
     return y
 
 
@@ -160,6 +219,39 @@ def prefill_chunk(
                         initial_states=ssm_state[slot][None], return_final_states=True, impl=m.scan)  # fmt: skip
     ssm_state[slot] = final[0].to(ssm_state.dtype)
     return y[0].reshape(y.shape[1], -1)
+
+
+def prefill_group(
+    mixer: Mamba2Mixer,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    group: PrefillGroup,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """The chunks of ``group`` (their rows of the step's ``xbc`` ``[T, d + 2GN]`` and raw ``dt`` ``[T, H]``) as one
+    padded batch from their states, as :func:`prefill_chunk` runs one: one conv and one scan; the states written
+    back. Returns ``y`` ``[n, d]`` for ``group.rows``. Needs ``dt_limit``'s lower bound to be 0 (see the module
+    docstring)."""
+    conv, m = mixer.conv1d, mixer.mamba
+    S, L, k = group.count, group.length, m.d_conv - 1
+    channels = xbc.shape[1]
+    padded = xbc.new_zeros(S * L, channels).index_copy_(0, group.index, xbc[group.rows])
+    window = torch.cat(
+        [conv_state[group.slots], padded.view(S, L, channels).transpose(1, 2).to(conv_state.dtype)], dim=2
+    )  # [S, C, k + L] fmt: skip
+    last = (group.sizes[:, None] + torch.arange(k, device=xbc.device))[:, None, :].expand(S, channels, k)
+    conv_state[group.slots] = window.gather(2, last)  # each chunk's last k inputs (its old state if shorter)
+    h = F.conv1d(window.to(xbc.dtype), conv.weight, conv.bias, groups=conv.weight.shape[0])  # [S, C, L]
+    x, B, C = _split_xbc(mixer, F.silu(h).transpose(1, 2).reshape(S * L, channels))
+    steps = dt.new_full((S * L, dt.shape[1]), float("-inf")).index_copy_(0, group.index, dt[group.rows])
+    A = -torch.exp(mixer.A_log.to(_compute_dtype(mixer.A_log)))
+    y, final = ssd_scan(x.view(S, L, *x.shape[1:]), steps.view(S, L, -1), A, B.view(S, L, *B.shape[1:]),
+                        C.view(S, L, *C.shape[1:]), chunk_size=m.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias,
+                        dt_softplus=True, dt_limit=m.dt_limit, initial_states=ssm_state[group.slots],
+                        return_final_states=True, impl=m.scan)  # fmt: skip
+    ssm_state[group.slots] = final.to(ssm_state.dtype)
+    return y.reshape(S * L, -1)[group.index]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
