@@ -165,18 +165,22 @@ def _steps(model: GPTModel, steps: int, main_grad: bool) -> list[tuple[torch.Ten
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
-def test_fused_mlp_trains_like_the_unfused_one(device: str, main_grad: bool) -> None:
+@pytest.mark.parametrize(
+    "main_grad,recompute", [(False, "none"), (True, "none"), (True, "full")], ids=["grad", "main_grad", "recompute"]
+)
+def test_fused_mlp_trains_like_the_unfused_one(device: str, main_grad: bool, recompute: str) -> None:
+    """The fused model (with full recompute: its MLP runs twice a step) against the unfused one without."""
     torch.manual_seed(0)
     dtype = "bfloat16" if device == "cuda" else "float32"  # (the GPU runs the models as training does)
     rtol = 1e-3 if device == "cuda" else 1e-4
     plain = GPTModel(_config(params_dtype=dtype), device=device)
-    fused = GPTModel(_config(params_dtype=dtype, fp8_fused_swiglu=True), device=device)
+    fused = GPTModel(_config(params_dtype=dtype, fp8_fused_swiglu=True, recompute=recompute), device=device)
     fused.load_state_dict(plain.state_dict())
     mlps = [m for m in fused.modules() if isinstance(m, MLP)]
     assert [m.fp8_fused for m in mlps] == [True, True, False]  # the last layer stays bf16
     ref, got = _steps(plain, 3, main_grad), _steps(fused, 3, main_grad)
-    assert [m.fp8_fused_calls for m in mlps] == [2, 2, 0]  # the first step builds the history, unfused
+    runs = 2 if recompute == "full" else 1  # forwards of each fused MLP a step
+    assert [m.fp8_fused_calls for m in mlps] == [2 * runs, 2 * runs, 0]  # the first step builds the history
     assert not any(m.fp8_fused_calls for m in plain.modules() if isinstance(m, MLP))
     for step, ((ref_loss, ref_grads), (loss, grads)) in enumerate(zip(ref, got, strict=True)):
         torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=1e-5)
@@ -190,7 +194,7 @@ def test_fused_mlp_trains_like_the_unfused_one(device: str, main_grad: bool) -> 
             with fp8_step([m], update_scaling=False):
                 evals.append(m(ids, labels=ids).mean())
     torch.testing.assert_close(evals[1], evals[0], rtol=rtol, atol=1e-5)
-    assert [m.fp8_fused_calls for m in mlps] == [3, 3, 0]
+    assert [m.fp8_fused_calls for m in mlps] == [2 * runs + 1, 2 * runs + 1, 0]
     for (name, mine), theirs in zip(fused.runtime_state_dict().items(), plain.runtime_state_dict().values(),
                                     strict=True):  # fmt: skip
         torch.testing.assert_close(mine.local, theirs.local, rtol=2e-2, atol=0, msg=f"{name}: histories differ")
