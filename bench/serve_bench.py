@@ -1,4 +1,5 @@
-"""Serving benchmark: llama-1b (random weights, bf16), prompt 128, 128 output tokens, greedy.
+"""Serving benchmark: llama-1b (random weights, bf16), prompt 128 (``--context``: also longer ones, one request at a
+time), 128 output tokens, greedy.
 
 Through the engine at each concurrency (all requests submitted at once, continuous batching): output tokens/s,
 time to first token (TTFT) and per-token latency (TPOT: (finish - first token) / (tokens - 1)), p50/p99 over
@@ -64,10 +65,13 @@ def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:
         if args.smoke:  # the toy keeps the pattern's first layers
             over.update(hybrid_pattern="M*-"[: over["num_layers"]])
             over["mamba"].update(d_state=16, head_dim=16, chunk_size=16)
+    max_len = max([1024, *(c + GEN for c in args.context)])
+    if max_len > preset(args.preset).max_position_embeddings:  # (--context: random weights, any length will do)
+        over["max_position_embeddings"] = max_len
     model = GPTModel(preset(args.preset, params_dtype=args.dtype, **over), device=args.device).eval()
     cfg = EngineConfig(
         block_size=args.block_size,
-        max_model_len=1024,
+        max_model_len=max_len,
         max_num_seqs=args.max_seqs,
         max_num_batched_tokens=args.batched_tokens,
         memory_fraction=0.6,
@@ -81,11 +85,11 @@ def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:
     return llm
 
 
-def engine_run(llm: Any, conc: int, seed: int) -> dict[str, Any]:
+def engine_run(llm: Any, conc: int, seed: int, prompt: int = PROMPT) -> dict[str, Any]:
     from mcore_infer import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    ps = prompts(conc, 32768, seed)
+    ps = prompts(conc, 32768, seed, prompt)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -203,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(engine.json, process.json, workersN.json)")  # fmt: skip
     ap.add_argument("--plain-http", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3, help="engine runs per concurrency; the median is reported")
+    ap.add_argument("--context", default="", metavar="N[,N...]",
+                    help="also one request at a time after prompts of these lengths (e.g. 128,4096,16384): the "
+                         "per-token time a Mamba model keeps flat and attention does not")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--out", default="/tmp/serve_bench.json")
@@ -430,6 +437,18 @@ def hf_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
     _subprocess_into(results, "hf_static_compile", args, flags, args.hf_deadline + 120)
 
 
+def context_results(llm: Any, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
+    """One request of ``GEN`` tokens after a prompt of each length (the median run by per-token time)."""
+    rows = []
+    for n in lengths:
+        engine_run(llm, 1, 99, n)  # warm-up at this length
+        runs = sorted((engine_run(llm, 1, seed, n) for seed in range(repeats)), key=lambda r: r["tpot_ms_p50"])
+        row = {"context": n, **runs[len(runs) // 2]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     args = _parser().parse_args()
     if args.hf_only:
@@ -441,6 +460,7 @@ def main() -> None:
     args.http_concurrency = [int(c) for c in args.http_concurrency.split(",") if c.strip()]
     args.api_workers = [int(n) for n in str(args.api_workers).split(",")]
     args.mamba_decode = [v for v in args.mamba_decode.split(",") if v] or ["auto"]
+    args.context = [int(c) for c in args.context.split(",") if c.strip()]
     args.http_client = [c for c in args.http_client.split(",") if c]
     if bad := [c for c in args.http_client if c not in ("httpx", "raw")]:
         raise SystemExit(f"--http-client: unknown client {bad[0]!r} (httpx or raw)")
@@ -468,6 +488,9 @@ def main() -> None:
 
     results["row_kernels"] = {k: getattr(plan, k) for k in (*ROW_KERNELS, "norm_gemv")}
     engine_results(llm, args, results)
+    if args.context:
+        results["context"] = context_results(llm, args.context, args.repeats)
+        _dump(results, args.out)
     if args.profile:
         profile_run(llm, args.profile, engine_run)
         prefill_profile(llm, args.profile + ".prefill")
