@@ -277,6 +277,49 @@ def test_several_prefills_in_one_step_equal_the_training_forward(dt_min: float) 
         assert torch.allclose(mine, want[r][: mine.shape[0]], atol=1e-12, rtol=1e-10), f"request {r}"
 
 
+def test_a_16_bit_state_is_the_float32_state_rounded_after_each_step() -> None:
+    """``mamba_ssm_dtype=bfloat16`` (PyTorch path): two requests' prefill chunks then decode steps with their states
+    kept in bf16 give exactly the outputs of float32 states rounded to bf16 after every step (the math is float32 on
+    both; only the stored state is rounded)."""
+    layer: Any = mamba_model("mamba").decoder.layers["1"]
+    mixer = layer.mixer
+    xs = torch.randn(2, 12, 1, 64, generator=torch.Generator().manual_seed(2))
+    half = MambaCache.allocate({1: mixer}, 3, torch.device("cpu"), torch.bfloat16)
+    full = MambaCache.allocate({1: mixer}, 3, torch.device("cpu"))
+    assert half.ssm[1].dtype == torch.bfloat16 and full.ssm[1].dtype == torch.float32
+    assert half.conv[1].dtype == full.conv[1].dtype == mixer.conv1d.weight.dtype
+
+    class Context:
+        layer_number, mamba = 1, None
+
+    outs: dict[str, list[torch.Tensor]] = {"half": [], "full": []}
+    with torch.no_grad():
+        for t in range(6, 12):
+            prefill = t == 6
+            for name, cache in (("half", half), ("full", full)):
+                ctx = Context()
+                segments = [(0, 6, 1), (6, 12, 2)] if prefill else None
+                ctx.mamba = MambaStepView(cache, torch.tensor([1, 2]), segments)  # type: ignore[assignment]
+                x = torch.cat([xs[0, :6], xs[1, :6]]) if prefill else xs[:, t]
+                outs[name].append(mixer(x, inference_context=ctx))
+            full.ssm[1].copy_(full.ssm[1].to(torch.bfloat16).float())  # the reference rounds its state here
+            assert torch.equal(half.ssm[1].float(), full.ssm[1])
+    for a, b in zip(outs["half"], outs["full"], strict=True):
+        assert torch.equal(a, b)
+    assert MambaCache.bytes_for({1: mixer}, 3, torch.bfloat16) < MambaCache.bytes_for({1: mixer}, 3)
+
+
+def test_an_engine_with_bf16_states_serves(model: GPTModel) -> None:
+    llm = tiny_llm(model, mamba_ssm_dtype="bfloat16")
+    assert llm.runner.mamba is not None and all(t.dtype == torch.bfloat16 for t in llm.runner.mamba.ssm.values())
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS[:3], seed=5)
+    done = llm.generate(prompts, GREEDY)
+    assert all(len(d.outputs[0].token_ids) == 8 for d in done)
+    assert _slots_all_free(llm)
+    with pytest.raises(ValueError, match="mamba_ssm_dtype='int8': use float32, bfloat16, float16"):
+        EngineConfig(mamba_ssm_dtype="int8")
+
+
 def test_prefill_groups_keep_padding_bounded() -> None:
     segments = [(0, 1500, 1), *((1500 + 50 * i, 1550 + 50 * i, 2 + i) for i in range(10)), (2000, 2001, 12)]
     groups = plan_prefill(segments, "cpu")

@@ -146,6 +146,31 @@ def test_decode_step_dispatches_on_the_switch(device: str) -> None:
         _close(got, want, 2e-5, "y or state")
 
 
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("state", [torch.bfloat16, torch.float16], ids=["bf16-state", "fp16-state"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_16_bit_state_steps_like_the_pytorch_path(device: str, state: torch.dtype, dtype: torch.dtype) -> None:
+    """``EngineConfig.mamba_ssm_dtype``: the state read and stored in 16 bits, the step's math in float32 on both
+    paths; ``y`` from the unrounded state. Within a 16-bit rounding of each other (the interpreter rounds toward
+    zero, the GPU and PyTorch to nearest)."""
+    mixer = _mixer(2, dtype, device)
+    slots = torch.tensor([7, 0, 2], device=device)
+    conv_t, ssm32 = _states(mixer, device, seed=5)
+    ssm_t = ssm32.to(state)
+    conv_k, ssm_k = conv_t.clone(), ssm_t.clone()
+    with torch.no_grad():
+        for step in range(2):
+            xbc, dt = _inputs(mixer, 3, device, seed=40 + step)
+            want = decode_step_torch(mixer, xbc, dt, slots, conv_t, ssm_t)
+            got = _kernel(mixer, xbc, dt, slots, conv_k, ssm_k)
+            assert ssm_k.dtype == ssm_t.dtype == state
+            _close(got, want, TOL[torch.bfloat16][0], f"y, step {step}")
+            assert torch.equal(conv_k, conv_t), f"conv state, step {step}"
+            _close(ssm_k, ssm_t, 1e-2, f"ssm state, step {step}")
+    assert uses_decode_kernel(_mixer(2, dtype, "cpu", decode_kernel="triton"), xbc.cpu(), ssm_t.cpu())
+
+
 def test_the_switch_and_its_limits() -> None:
     """``auto`` takes the kernels only on CUDA; no choice takes them for a float64 model (its states are float64)."""
     for choice, device_kernel in (("auto", False), ("triton", True), ("torch", False)):
@@ -175,5 +200,5 @@ def test_bad_shapes_are_refused(device: str) -> None:
     xbc, dt = _inputs(mixer, 2, device, seed=0)
     with pytest.raises(ValueError, match="xbc"):
         _kernel(mixer, xbc[:, 1:], dt, torch.tensor([1, 2], device=device), conv, ssm)
-    with pytest.raises(ValueError, match="float32 ssm_state"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 ssm_state; got .* and torch.float64"):
         _kernel(mixer, xbc, dt, torch.tensor([1, 2], device=device), conv, ssm.double())

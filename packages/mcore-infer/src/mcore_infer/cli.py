@@ -17,7 +17,7 @@ import sys
 from types import FrameType
 from typing import get_args
 
-from mcore_infer.config import EngineConfig
+from mcore_infer.config import MAMBA_SSM_DTYPES, EngineConfig
 from mcore_infer.decode import DecodeKernels, parse_decode_kernels
 from mcore_infer.errors import InvalidRequestError, MissingDependencyError
 from mcore_infer.sampling import SamplingParams
@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each decode step before reading the last one (default on; one TP rank)")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
+    p.add_argument("--mamba-ssm-dtype", default="float32", choices=list(MAMBA_SSM_DTYPES),
+                   help="Mamba and hybrid models: each request's SSM state in float32 (exact) or 16 bits (half its "
+                   "memory and decode traffic, rounded every step)")  # fmt: skip
     p.add_argument(
         "--decode-kernels",
         default="auto",
@@ -117,6 +120,7 @@ def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
         lookahead=args.lookahead,
         attention_backend=args.attention,
         decode_kernels=args.decode_kernels,
+        mamba_ssm_dtype=args.mamba_ssm_dtype,
         max_images=args.max_images,
         image_mean=args.image_mean,
         image_std=args.image_std,

@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from mcore_data.tiling import Tiling
 from mcore_infer.decode import DecodeKernels, DecodePlan, check_decode_kernels
 
-__all__ = ["STEP_GRAPH_MAX_TOKENS", "EngineConfig"]
+__all__ = ["MAMBA_SSM_DTYPES", "STEP_GRAPH_MAX_TOKENS", "EngineConfig"]
 
 STEP_GRAPH_MAX_TOKENS = 2048
 """The largest step graph by default: a step of more tokens is GPU-bound, its host launches hidden behind it."""
+
+
+MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
+"""``EngineConfig.mamba_ssm_dtype``'s values."""
 
 
 @dataclass
@@ -66,6 +70,11 @@ class EngineConfig:
     most 2048 (longer steps keep the GPU busy on their own). ``()``: none."""
     seed: int = 0
     """Seed of the generator used by requests without their own seed."""
+    mamba_ssm_dtype: str = "float32"
+    """Models with Mamba layers: the dtype of each request's SSM state, float32 (the scan's own precision: the engine
+    equals the training forward) or bfloat16 / float16 (half the state memory, so twice the requests in it, and half
+    the state traffic of a decode step, which is most of a Mamba layer's decode time; the state is rounded after
+    every step)."""
     max_images: int = 8
     """Vision-language models: most images per request (more are refused, HTTP 400). With tiling each image is up
     to ``tiling().most_tiles`` tower inputs: a request's prefill encodes up to ``max_images * most_tiles`` tiles at
@@ -111,6 +120,8 @@ class EngineConfig:
             problems.append(f"step_graph_tokens={self.step_graph_tokens}: token counts must be positive")
         if self.attention_backend not in ("auto", "plain", "triton"):
             problems.append(f"attention_backend={self.attention_backend!r}: use auto, plain or triton")
+        if self.mamba_ssm_dtype not in MAMBA_SSM_DTYPES:
+            problems.append(f"mamba_ssm_dtype={self.mamba_ssm_dtype!r}: use {', '.join(MAMBA_SSM_DTYPES)}")
         if self.max_images < 0:
             problems.append(f"max_images={self.max_images} must be >= 0")
         if (self.image_mean is None) != (self.image_std is None):

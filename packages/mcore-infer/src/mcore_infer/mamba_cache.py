@@ -23,7 +23,7 @@ from mcore_models.ssm.inference import PrefillGroup, mamba_state_shapes, plan_pr
 from mcore_models.ssm.mixer import Mamba2Mixer
 from mcore_models.ssm.ssd import _compute_dtype
 
-__all__ = ["MambaCache", "MambaStepView", "SlotManager", "attention_layer_numbers", "mamba_mixers"]
+__all__ = ["MambaCache", "MambaStepView", "SlotManager", "attention_layer_numbers", "mamba_mixers", "ssm_state_dtype"]
 
 
 def mamba_mixers(model: GPTModel) -> dict[int, Mamba2Mixer]:
@@ -77,7 +77,8 @@ class SlotManager:
 @dataclass
 class MambaCache:
     """Per Mamba layer (by layer number): conv states ``[num_slots, C, d_conv - 1]`` (model dtype) and SSM states
-    ``[num_slots, H, P, N]`` (float32; float64 for a float64 model), this rank's channels and heads. The layers' states
+    ``[num_slots, H, P, N]`` (float32, or ``EngineConfig.mamba_ssm_dtype``; float64 for a float64 model), this rank's
+    channels and heads. The layers' states
     are views of one tensor per kind when their shapes agree (the usual case), so a reset is two kernels."""
 
     conv: dict[int, torch.Tensor]
@@ -87,22 +88,25 @@ class MambaCache:
     """The tensors :meth:`reset` zeroes along dim 1 (``[layers, num_slots, ...]``); empty: it zeroes each layer's."""
 
     @classmethod
-    def allocate(cls, mixers: dict[int, Mamba2Mixer], num_slots: int, device: torch.device) -> MambaCache:
+    def allocate(
+        cls, mixers: dict[int, Mamba2Mixer], num_slots: int, device: torch.device, ssm_dtype: torch.dtype | None = None
+    ) -> MambaCache:
+        """Zeroed states; ``ssm_dtype``: the SSM states' (None: the scan's own, :func:`ssm_state_dtype`)."""
         conv, conv_whole = _states({n: (mamba_state_shapes(m)[0], m.conv1d.weight.dtype) for n, m in mixers.items()},
                                    num_slots, device)  # fmt: skip
-        ssm, ssm_whole = _states({n: (mamba_state_shapes(m)[1], _compute_dtype(m.A_log)) for n, m in mixers.items()},
-                                 num_slots, device)  # fmt: skip
+        ssm, ssm_whole = _states({n: (mamba_state_shapes(m)[1], ssm_state_dtype(m, ssm_dtype))
+                                  for n, m in mixers.items()}, num_slots, device)  # fmt: skip
         stacked = [conv_whole, ssm_whole] if conv_whole is not None and ssm_whole is not None else []
         return cls(conv, ssm, num_slots, stacked)
 
     @staticmethod
-    def bytes_for(mixers: dict[int, Mamba2Mixer], num_slots: int) -> int:
+    def bytes_for(mixers: dict[int, Mamba2Mixer], num_slots: int, ssm_dtype: torch.dtype | None = None) -> int:
         """The memory :meth:`allocate` takes for ``num_slots`` slots."""
         total = 0
         for mixer in mixers.values():
             (c, k), (h, p, n) = mamba_state_shapes(mixer)
             conv_bytes = c * k * mixer.conv1d.weight.element_size()
-            ssm_bytes = h * p * n * torch.empty((), dtype=_compute_dtype(mixer.A_log)).element_size()
+            ssm_bytes = h * p * n * torch.empty((), dtype=ssm_state_dtype(mixer, ssm_dtype)).element_size()
             total += num_slots * (conv_bytes + ssm_bytes)
         return total
 
@@ -114,6 +118,13 @@ class MambaCache:
             return
         for t in (*self.conv.values(), *self.ssm.values()):
             t.index_fill_(0, slots, 0)
+
+
+def ssm_state_dtype(mixer: Mamba2Mixer, requested: torch.dtype | None) -> torch.dtype:
+    """The SSM state dtype of ``mixer``'s requests: ``requested``, except that a float64 model (the references of
+    tests) keeps float64; None: the scan's own (float32, float64 for a float64 model)."""
+    own = _compute_dtype(mixer.A_log)
+    return own if requested is None or own == torch.float64 else requested
 
 
 def _states(

@@ -207,18 +207,21 @@ class ModelRunner:
         if not mixers:
             return
         slots = self.config.max_num_seqs + 1
-        size = MambaCache.bytes_for(mixers, slots)
+        ssm_dtype = getattr(torch, self.config.mamba_ssm_dtype)
+        size = MambaCache.bytes_for(mixers, slots, ssm_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(self.config.memory_fraction * total) - (total - free) - (2 << 30)
             if size > budget:
                 raise RuntimeError(
                     f"the Mamba states of max_num_seqs={self.config.max_num_seqs} requests take {size / 2**30:.1f} "
-                    f"GiB, {budget / 2**30:.1f} GiB are left under memory_fraction: lower max_num_seqs"
+                    f"GiB, {budget / 2**30:.1f} GiB are left under memory_fraction: lower max_num_seqs (or set "
+                    "mamba_ssm_dtype=bfloat16: half the SSM states' memory)"
                 )
-        self.mamba = MambaCache.allocate(mixers, slots, self.device)
+        self.mamba = MambaCache.allocate(mixers, slots, self.device, ssm_dtype)
         self.state_slots = SlotManager(slots)
-        log.info("Mamba states: %d layers x %d request slots, %.1f MiB", len(mixers), slots - 1, size / 2**20)
+        log.info("Mamba states: %d layers x %d request slots, %.1f MiB (SSM states in %s)", len(mixers), slots - 1,
+                 size / 2**20, str(next(iter(self.mamba.ssm.values())).dtype).removeprefix("torch."))  # fmt: skip
 
     def _blocks_from_memory(self, nlayers: int, head_dim: int) -> int:
         per_block = KVCache.bytes_per_block(nlayers, self.block_size, self.groups, head_dim, self.dtype)

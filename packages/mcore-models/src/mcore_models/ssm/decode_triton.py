@@ -16,8 +16,9 @@ and the conv state becomes the window's last ``K - 1`` columns. Two kernels:
   its own kernel because every head of a group reads the group's ``B`` and ``C`` channels: a program that both reads
   and shifts them could race with the other heads' programs;
 - ``ssm_step``, one program per (request, head, block of ``P`` rows): the state block ``[BP, N]`` is read once and
-  written once (float32) and ``y`` for its rows is reduced from the new state. The state traffic (``H P N`` float32
-  read and written per request) is the step's cost, so the block of rows shrinks for small batches until there are
+  written once (float32, or bf16/fp16 to halve it: the math stays float32, the state is rounded when stored) and
+  ``y`` for its rows is reduced from the new (unrounded) state. The state traffic (``H P N`` elements read and written
+  per request) is the step's cost, so the block of rows shrinks for small batches until there are
   enough programs to keep the memory system busy.
 
 The rounding follows ``mcore_models.ssm.inference.decode_step``'s PyTorch ops: the conv sums in float32 from the
@@ -41,6 +42,7 @@ __all__ = ["decode_step_triton", "ssm_rows_per_program"]
 
 _CONV_BLOCK = 128  # channels per program of the conv kernel
 _WARPS = 4
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_PROGRAMS = 512  # ssm_step programs wanted (about 4 per SM of an H200) before the row block stops shrinking
 
 
@@ -104,9 +106,9 @@ def _kernels() -> dict[str, Any]:
         slot = tl.load(SLOTS + r * slot_step).to(tl.int64)
         ptr = SS + slot * ss_slot + h * ss_head + p[:, None].to(tl.int64) * ss_row + n[None, :] * ss_col
         keep = mp[:, None] & mn[None, :]
-        st = tl.load(ptr, mask=keep, other=0.0)
+        st = tl.load(ptr, mask=keep, other=0.0).to(tl.float32)
         st = decay * st + (step * x)[:, None] * b[None, :]
-        tl.store(ptr, st, mask=keep)
+        tl.store(ptr, st.to(SS.dtype.element_ty), mask=keep)  # (a 16-bit state: rounded here, y from the float32)
         y = tl.sum(st * c[None, :], axis=1) + tl.load(D + h).to(tl.float32) * x
         tl.store(Y + r.to(tl.int64) * (H * P) + h * P + p, y.to(Y.dtype.element_ty), mask=mp)
 
@@ -134,9 +136,9 @@ def _check(xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, conv_state:
             f"H % G == 0; got xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, slots {tuple(slots.shape)}, ssm_state "
             f"{tuple(ssm_state.shape)}, heads {heads}, groups {groups}"
         )
-    if conv_state.shape[:2] != (ssm_state.shape[0], channels) or ssm_state.dtype != torch.float32:
-        raise ValueError(f"decode_step_triton: conv_state [slots, {channels}, d_conv - 1] and a float32 ssm_state; "
-                         f"got {tuple(conv_state.shape)} and {ssm_state.dtype}")  # fmt: skip
+    if conv_state.shape[:2] != (ssm_state.shape[0], channels) or ssm_state.dtype not in _STATE_DTYPES:
+        raise ValueError(f"decode_step_triton: conv_state [slots, {channels}, d_conv - 1] and a float32, bfloat16 or "
+                         f"float16 ssm_state; got {tuple(conv_state.shape)} and {ssm_state.dtype}")  # fmt: skip
     on = xbc.device
     tensors = (dt, slots, conv_state, ssm_state)
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -162,7 +164,8 @@ def decode_step_triton(
 ) -> torch.Tensor:
     """One token of each of ``R`` requests: ``xbc`` ``[R, H P + 2 G N]`` (before the conv; rows may be strided, as
     views of the in-projection's output are), raw ``dt`` ``[R, H]``, their state ``slots`` ``[R]`` (any stride). Advances
-    ``conv_state`` ``[slots, C, d_conv - 1]`` and ``ssm_state`` ``[slots, H, P, N]`` (float32) in place at the slots
+    ``conv_state`` ``[slots, C, d_conv - 1]`` and ``ssm_state`` ``[slots, H, P, N]`` (float32, or 16-bit: the math in
+    float32, the state rounded when stored) in place at the slots
     and returns ``y`` ``[R, H P]`` in ``xbc``'s dtype. ``conv_weight`` ``[C, 1, d_conv]``; ``A_log``, ``D``,
     ``dt_bias`` ``[H]``; ``groups`` of ``B`` and ``C``."""
     H, P, N = ssm_state.shape[1:]

@@ -6,7 +6,8 @@ fixed-size states per request, held by the engine in one tensor per layer and in
 
 - the conv state ``[slots, conv_channels, d_conv - 1]`` (model dtype): the last ``d_conv - 1`` inputs of the causal
   depthwise convolution over ``[x, B, C]``;
-- the SSM state ``[slots, H, P, N]`` (float32; float64 for a float64 model): each head's recurrent state.
+- the SSM state ``[slots, H, P, N]`` (float32, or 16-bit to halve its memory and traffic: the step's math stays
+  float32 and the state is rounded when stored; float64 for a float64 model): each head's recurrent state.
 
 The step's context (the engine's inference context) carries a :class:`MambaStep` view under its ``mamba``
 attribute (:class:`MambaStep` is the protocol): the current layer's two state tensors, one slot per request of
@@ -216,7 +217,8 @@ def prefill_chunk(
     A = -torch.exp(mixer.A_log.to(_compute_dtype(mixer.A_log)))
     y, final = ssd_scan(x[None], dt[None], A, B[None], C[None], chunk_size=m.chunk_size, D=mixer.D,
                         dt_bias=mixer.dt_bias, dt_softplus=True, dt_limit=m.dt_limit,
-                        initial_states=ssm_state[slot][None], return_final_states=True, impl=m.scan)  # fmt: skip
+                        initial_states=ssm_state[slot][None].to(_state_compute_dtype(ssm_state)),
+                        return_final_states=True, impl=m.scan)  # fmt: skip
     ssm_state[slot] = final[0].to(ssm_state.dtype)
     return y[0].reshape(y.shape[1], -1)
 
@@ -248,7 +250,8 @@ def prefill_group(
     A = -torch.exp(mixer.A_log.to(_compute_dtype(mixer.A_log)))
     y, final = ssd_scan(x.view(S, L, *x.shape[1:]), steps.view(S, L, -1), A, B.view(S, L, *B.shape[1:]),
                         C.view(S, L, *C.shape[1:]), chunk_size=m.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias,
-                        dt_softplus=True, dt_limit=m.dt_limit, initial_states=ssm_state[group.slots],
+                        dt_softplus=True, dt_limit=m.dt_limit,
+                        initial_states=ssm_state[group.slots].to(_state_compute_dtype(ssm_state)),
                         return_final_states=True, impl=m.scan)  # fmt: skip
     ssm_state[group.slots] = final.to(ssm_state.dtype)
     return y.reshape(S * L, -1)[group.index]
@@ -256,14 +259,15 @@ def prefill_group(
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def uses_decode_kernel(mixer: Mamba2Mixer, xbc: torch.Tensor, ssm_state: torch.Tensor) -> bool:
     """Whether :func:`decode_step` runs the Triton kernels: ``mamba.decode_kernel`` is ``triton``, or ``auto`` on
-    CUDA with Triton installed; and the input is bf16, fp16 or fp32 with a float32 SSM state (a float64 model always
+    CUDA with Triton installed; and the input is bf16, fp16 or fp32 with a float32 or 16-bit SSM state (a float64 model always
     takes the PyTorch ops). Traceable: it reads only dtypes, devices and constants."""
     choice = mixer.mamba.decode_kernel
-    if choice == "torch" or xbc.dtype not in _KERNEL_DTYPES or ssm_state.dtype != torch.float32:
+    if choice == "torch" or xbc.dtype not in _KERNEL_DTYPES or ssm_state.dtype not in _STATE_DTYPES:
         return False
     return choice == "triton" or (xbc.is_cuda and _HAS_TRITON)
 
@@ -304,6 +308,11 @@ def _decode_kernel(
                               dt_limit=mixer.mamba.dt_limit, groups=mixer.groups_local)  # fmt: skip
 
 
+def _state_compute_dtype(ssm_state: torch.Tensor) -> torch.dtype:
+    """The math of a step over ``ssm_state``: its own dtype, float32 for a 16-bit state (rounded only when stored)."""
+    return torch.float32 if ssm_state.dtype in (torch.bfloat16, torch.float16) else ssm_state.dtype
+
+
 def decode_step_torch(
     mixer: Mamba2Mixer,
     xbc: torch.Tensor,
@@ -315,7 +324,7 @@ def decode_step_torch(
     """:func:`decode_step` in PyTorch ops, vectorised over the requests: the states at ``slots`` are gathered,
     advanced and written back (``index_select`` / ``index_copy_``)."""
     conv, m = mixer.conv1d, mixer.mamba
-    cdt = ssm_state.dtype
+    cdt = _state_compute_dtype(ssm_state)
     window = torch.cat([conv_state.index_select(0, slots), xbc[:, :, None].to(conv_state.dtype)], dim=2)  # [b, C, K]
     conv_state.index_copy_(0, slots, window[:, :, 1:])
     h = (window.to(cdt) * conv.weight[:, 0].to(cdt)).sum(-1)
@@ -326,9 +335,9 @@ def decode_step_torch(
     steps = _time_steps(dt, mixer.dt_bias, True, m.dt_limit, cdt)  # [b, H]
     A = -torch.exp(mixer.A_log.to(cdt))
     xg = x.view(b, G, -1, m.head_dim)  # [b, G, R, P]
-    state = ssm_state.index_select(0, slots).view(b, G, -1, m.head_dim, m.d_state)
+    state = ssm_state.index_select(0, slots).to(cdt).view(b, G, -1, m.head_dim, m.d_state)
     decay = torch.exp(steps * A).view(b, G, -1, 1, 1)
     state = decay * state + (steps.view(b, G, -1, 1) * xg)[..., None] * B[:, :, None, None, :]
-    ssm_state.index_copy_(0, slots, state.view(b, -1, m.head_dim, m.d_state))
+    ssm_state.index_copy_(0, slots, state.view(b, -1, m.head_dim, m.d_state).to(ssm_state.dtype))
     y = torch.einsum("bgrpn,bgn->bgrp", state, C) + mixer.D.to(cdt).view(G, -1, 1) * xg
     return y.reshape(b, -1).to(xbc.dtype)
