@@ -51,9 +51,10 @@ def decode_kernels(value: str) -> Any:
     return parse_decode_kernels(value)
 
 
-def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:
+def build_llm(args: argparse.Namespace, mamba_decode: str | None = None, ssm_dtype: str | None = None) -> Any:
     """The engine over the preset's model; ``mamba_decode``: its ``mamba.decode_kernel`` (default: the first of
-    ``--mamba-decode``)."""
+    ``--mamba-decode``); ``ssm_dtype``: ``EngineConfig.mamba_ssm_dtype`` (default: the first of
+    ``--mamba-ssm-dtype``)."""
     from mcore_infer import LLM, EngineConfig
     from mcore_models import GPTModel, preset
 
@@ -78,6 +79,7 @@ def build_llm(args: argparse.Namespace, mamba_decode: str | None = None) -> Any:
         compile=args.compile,
         lookahead=args.lookahead,
         decode_kernels=decode_kernels(args.decode_kernels),
+        mamba_ssm_dtype=ssm_dtype or args.mamba_ssm_dtype[0],
     )
     t0 = time.perf_counter()
     llm = LLM(model=model, config=cfg, name="llama-1b")  # (the HTTP clients' model name, whatever the preset)
@@ -224,6 +226,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mamba-decode", default="auto", metavar="auto|torch|triton[,...]",
                     help="mamba.decode_kernel of a Mamba or hybrid preset (a list: the engine measured once per "
                     "value)")  # fmt: skip
+    ap.add_argument("--mamba-ssm-dtype", default="float32", metavar="float32|bfloat16|float16[,...]",
+                    help="EngineConfig.mamba_ssm_dtype; several: the engine rows again for each other value")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a one-layer toy model (checks the script on CPU)")
     ap.add_argument("--hf", action="store_true", help="also run the HF static-cache baseline (subprocess)")
     ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)
@@ -461,6 +465,7 @@ def main() -> None:
     args.api_workers = [int(n) for n in str(args.api_workers).split(",")]
     args.mamba_decode = [v for v in args.mamba_decode.split(",") if v] or ["auto"]
     args.context = [int(c) for c in args.context.split(",") if c.strip()]
+    args.mamba_ssm_dtype = [v for v in args.mamba_ssm_dtype.split(",") if v] or ["float32"]
     args.http_client = [c for c in args.http_client.split(",") if c]
     if bad := [c for c in args.http_client if c not in ("httpx", "raw")]:
         raise SystemExit(f"--http-client: unknown client {bad[0]!r} (httpx or raw)")
@@ -501,6 +506,14 @@ def main() -> None:
         torch.cuda.empty_cache()
         llm = build_llm(args, value)
         engine_results(llm, args, results, key=f"engine_mamba_decode_{value}")
+    for value in args.mamba_ssm_dtype[1:]:  # and with the SSM states in another dtype
+        del llm
+        torch.cuda.empty_cache()
+        llm = build_llm(args, ssm_dtype=value)
+        engine_results(llm, args, results, key=f"engine_mamba_ssm_{value}")
+        if args.context:
+            results[f"context_mamba_ssm_{value}"] = context_results(llm, args.context, args.repeats)
+            _dump(results, args.out)
     if args.hf:
         del llm  # the GPU memory goes to the baseline's process
         torch.cuda.empty_cache()
