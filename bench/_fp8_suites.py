@@ -119,6 +119,25 @@ def train_fp8_tp2(ctx: Context) -> list[dict[str, Any]]:
     return [table(f"FP8 against bf16 at tp2 + SP ({case})", _COLS, rows, notes)]
 
 
+MOE_VARIANTS = {
+    "fp8 hybrid, delayed, experts bf16": ["model.fp8=hybrid", "model.fp8_recipe=delayed"],
+    "fp8 hybrid, delayed, experts FP8 (E4M3 rowwise grouped GEMMs)": [
+        "model.fp8=hybrid",
+        "model.fp8_recipe=delayed",
+        "model.fp8_modules=[qkv,proj,fc1,fc2,experts]",
+    ],
+}
+
+
+def train_fp8_moe(ctx: Context) -> list[dict[str, Any]]:
+    rows = _against_bf16(ctx, "moe-8x4k/mb8", MOE_VARIANTS)
+    notes = [_MFU_NOTE, _FLOPS_NOTE, _FP8_NOTE,
+             "moe-8x4k (8 experts of ffn 4096, top-2; llama-1b's active FLOPs) at sequence 4096; experts in FP8: "
+             "torch._scaled_grouped_mm for the forward and input gradient (E4M3, rowwise scales), the weight "
+             "gradient a bf16 grouped GEMM"]  # fmt: skip
+    return [table("FP8 MoE against bf16 on one GPU (moe-8x4k, seq 4096)", _COLS, rows, notes)]
+
+
 CURVE_EXTRA = ["model.preset=llama-1b", "data.seq_length=1024", "training.micro_batch_size=4",
                "training.global_batch_size=8", "scheduler.warmup_iters=50", "training.compile=layers",
                "parallel.gradient_accumulation_fusion=true"]  # fmt: skip
@@ -181,6 +200,8 @@ FP8_SUITES = [
           "MLP alone", "the same case in bf16, same call", 8, 1, train_fp8),
     Suite("train-fp8-tp2", "llama3-8b (seq 8192) at tp2 + SP in bf16 and FP8, the FP8 all-gather on and off "
           "(--quick: llama-1b)", "the same case in bf16, same call", 9, 2, train_fp8_tp2),
+    Suite("train-fp8-moe", "moe-8x4k (seq 4096) in bf16 and with FP8 linears, its routed experts in bf16 and as FP8 "
+          "grouped GEMMs", "the same case in bf16, same call", 6, 1, train_fp8_moe),
     Suite("train-fp8-curves", "500 steps of llama-1b on the demo corpus: FP8 (hybrid) loss curve against bf16",
           "the bf16 run, same seed, data and initialisation, same call", 8, 1, train_fp8_curves),
 ]  # fmt: skip

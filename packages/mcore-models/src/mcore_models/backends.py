@@ -33,7 +33,13 @@ from mcore_models.errors import ConfigError
 from mcore_models.transformer.attention import SDPACoreAttention
 from mcore_models.transformer.norm import build_norm
 from mcore_parallel.errors import ParallelConfigError
-from mcore_parallel.fp8 import Fp8ColumnParallelLinear, Fp8Recipe, Fp8RowParallelLinear, fp8_device_problem
+from mcore_parallel.fp8 import (
+    Fp8ColumnParallelLinear,
+    Fp8Recipe,
+    Fp8RowParallelLinear,
+    fp8_device_problem,
+    grouped_fp8_device_problem,
+)
 from mcore_parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -44,8 +50,9 @@ __all__ = ["BACKENDS", "FP8_MODULES", "Backend", "backend_classes", "layer_spec"
            "backend_problems", "check_backend_device", "describe_backend"]  # fmt: skip
 
 BACKENDS = ("auto", "torch", "fp8")
-FP8_MODULES = ("qkv", "proj", "fc1", "fc2")
-"""The linears of a layer an FP8 backend may run in FP8 (``fp8_modules``)."""
+FP8_MODULES = ("qkv", "proj", "fc1", "fc2", "experts")
+"""The linears of a layer an FP8 backend may run in FP8 (``fp8_modules``; ``experts``: the routed experts' grouped
+GEMMs, :mod:`mcore_parallel.fp8.grouped`)."""
 GEMM_MULTIPLE = 16
 
 
@@ -125,6 +132,7 @@ def layer_spec(spec: LayerSpec, config: TransformerConfig, layer_number: int) ->
         attention=_with_linears(spec.attention, choose("qkv", col, spec.column_linear),
                                 choose("proj", row, spec.row_linear)),
         mlp=_with_linears(spec.mlp, choose("fc1", col, spec.column_linear), choose("fc2", row, spec.row_linear)),
+        experts_fp8=fp8_recipe(config) if "experts" in mods else None,
     )  # fmt: skip
 
 
@@ -188,6 +196,11 @@ def check_backend_device(config: TransformerConfig, device: Any) -> None:
     if problem is not None:
         raise ConfigError([f"fp8={config.fp8!r}: {problem}; set model.fp8=null (and model.backend=auto or torch) "
                            "to train in bf16"])  # fmt: skip
+    if "experts" in config.fp8_modules and config.moe is not None:
+        problem = grouped_fp8_device_problem(device)
+        if problem is not None:
+            raise ConfigError([f"fp8_modules has experts: {problem}; leave experts out of model.fp8_modules (the "
+                               "routed experts then run in bf16)"])  # fmt: skip
 
 
 def describe_backend(config: TransformerConfig) -> str:

@@ -148,7 +148,8 @@ class TransformerConfig:
     """FP8 scales are lowered by 2**fp8_margin."""
     fp8_modules: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     """Which linears of an FP8 layer run in FP8: qkv (attention's input projection), proj (its output projection),
-    fc1, fc2 (the MLP's); the others stay bf16."""
+    fc1, fc2 (the MLP's), experts (an MoE layer's routed experts: E4M3 grouped GEMMs with rowwise scales, on GPUs of
+    compute capability 9.0+); the others stay bf16."""
     fp8_first_layers_bf16: int = 1
     """The first this many layers stay bf16 (published FP8 recipes keep the first and last layers in bf16)."""
     fp8_last_layers_bf16: int = 1

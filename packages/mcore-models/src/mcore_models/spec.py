@@ -40,6 +40,9 @@ class LayerSpec:
     norm: Callable[..., nn.Module] = build_norm
     column_linear: Callable[..., Any] = ColumnParallelLinear
     row_linear: Callable[..., Any] = RowParallelLinear
+    experts_fp8: Any = None
+    """The FP8 recipe (``mcore_parallel.fp8.Fp8Recipe``) of the routed experts' grouped GEMMs; None: bf16. Set per
+    layer by the fp8 backend (``experts`` in ``fp8_modules``)."""
 
 
 def default_spec() -> LayerSpec:

@@ -8,10 +8,14 @@ partial sums over the expert-tensor-parallel ranks). Globally each is one array 
 layout. Every expert's initial weights are drawn from a seed of its own global index, so they do not depend on ep.
 
 :func:`grouped_linear` is ``torch.nn.functional.grouped_mm`` on CUDA (one kernel for every expert, offsets on the
-device) and a loop over the experts' row blocks elsewhere (the CPU reference path, any dtype).
+device) and a loop over the experts' row blocks elsewhere (the CPU reference path, any dtype). With ``experts`` in
+``TransformerConfig.fp8_modules`` an FP8 layer's experts run FP8 grouped GEMMs instead
+(:func:`mcore_parallel.fp8.fp8_grouped_linear`: E4M3 with rowwise scales, the weight gradient in bf16).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +26,12 @@ from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.mlp import activation_fn
 from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel import Group
+from mcore_parallel.fp8 import Fp8Recipe, GroupedPlan, fp8_grouped_linear, grouped_fp8_problem
 from mcore_parallel.tensor import init_sharded_, normal_init, scaled_normal_init
 
 __all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_applies"]
+
+logger = logging.getLogger(__name__)
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -80,7 +87,7 @@ class _Weight(nn.Module):
 class GroupedExperts(nn.Module):
     """This rank's routed experts (see the module docstring)."""
 
-    def __init__(self, config: TransformerConfig, ctx: ModelContext, prefix: str) -> None:
+    def __init__(self, config: TransformerConfig, ctx: ModelContext, prefix: str, fp8: Fp8Recipe | None = None) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
@@ -109,9 +116,25 @@ class GroupedExperts(nn.Module):
                           ctx.seed_for(f"{prefix}.linear_fc2.weight.{g}"))  # fmt: skip
         self.act = (swiglu if config.activation == "swiglu" and config.swiglu_backward == "triton"
                     else activation_fn(config.activation))  # fmt: skip
+        self.fp8_plans: tuple[GroupedPlan, GroupedPlan] | None = None
+        """With an FP8 recipe: fc1's and fc2's :class:`~mcore_parallel.fp8.GroupedPlan` (FP8 grouped GEMMs)."""
+        self.fp8_reason: str | None = None
+        """Why the experts run in bf16 although FP8 was asked for (None otherwise)."""
+        if fp8 is not None:
+            self.fp8_reason = grouped_fp8_problem(h, fc1_out // etp.size) or grouped_fp8_problem(f // etp.size, h)
+            if self.fp8_reason is None:
+                split = etp if etp.size > 1 else None  # fc1's output features / fc2's input features are split
+                self.fp8_plans = (GroupedPlan(n_group=split, margin=fp8.margin),
+                                  GroupedPlan(k_group=split, margin=fp8.margin))  # fmt: skip
+            else:
+                logger.warning("FP8 off for the routed experts of %s: %s, so they run in bf16", prefix, self.fp8_reason)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``[M, hidden]`` outputs (partial sums over expert-tensor-parallel ranks) of rows ``x`` grouped by local
         expert, ``counts`` ``[E_local]`` rows each."""
-        hidden = grouped_linear(x, self.linear_fc1.weight, counts)
-        return grouped_linear(self.act(hidden), self.linear_fc2.weight, counts)  # type: ignore[operator]
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if self.fp8_plans is not None:
+            hidden = fp8_grouped_linear(x, w1, counts, self.fp8_plans[0])
+            return fp8_grouped_linear(self.act(hidden), w2, counts, self.fp8_plans[1])  # type: ignore[operator]
+        hidden = grouped_linear(x, w1, counts)
+        return grouped_linear(self.act(hidden), w2, counts)  # type: ignore[operator]

@@ -114,7 +114,7 @@ class MoELayer(nn.Module):
         if moe.pad_expert_input_to_capacity and moe.token_dispatcher == "allgather":
             raise ValueError("moe.pad_expert_input_to_capacity needs moe.token_dispatcher='alltoall'")
         self.router = TopKRouter(config, ctx, f"{prefix}.router")
-        self.experts = GroupedExperts(config, ctx, f"{prefix}.experts")
+        self.experts = GroupedExperts(config, ctx, f"{prefix}.experts", fp8=spec.experts_fp8)
         self.shared_experts = (
             SharedExpertMLP(config, ctx, spec, f"{prefix}.shared_experts")
             if moe.shared_expert_ffn_hidden_size is not None

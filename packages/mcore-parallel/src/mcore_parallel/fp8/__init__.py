@@ -11,11 +11,19 @@
 
 :mod:`~mcore_parallel.fp8.recipe` (formats, the recipe), :mod:`~mcore_parallel.fp8.scaling` (amax, scales, casts,
 delayed scaling), :mod:`~mcore_parallel.fp8.gemm` (the three GEMMs and their autograd function),
-:mod:`~mcore_parallel.fp8.layers` (the FP8 column/row-parallel linears), :mod:`~mcore_parallel.fp8.step` (one
+:mod:`~mcore_parallel.fp8.layers` (the FP8 column/row-parallel linears), :mod:`~mcore_parallel.fp8.grouped` (FP8
+grouped GEMMs for routed experts), :mod:`~mcore_parallel.fp8.step` (one
 optimizer step: the weight-cast cache, the delayed-scaling update).
 """
 
 from mcore_parallel.fp8.gemm import GEMM_ALIGNMENT, LinearPlan, WeightCast, fp8_linear, fp8_weight_grad, scaled_mm
+from mcore_parallel.fp8.grouped import (
+    GroupedPlan,
+    fp8_grouped_linear,
+    grouped_fp8_device_problem,
+    grouped_fp8_problem,
+    scaled_grouped_mm,
+)
 from mcore_parallel.fp8.layers import Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear
 from mcore_parallel.fp8.recipe import AMAX_ALGOS, E4M3, E5M2, FP8_FORMATS, FP8_SCALINGS, Fp8Format, Fp8Recipe
 from mcore_parallel.fp8.scaling import DelayedScaling, Fp8Tensor, amax_of, current_scale, quantize, scale_from_amax
@@ -40,6 +48,11 @@ __all__ = [
     "LinearPlan",
     "fp8_linear",
     "fp8_weight_grad",
+    "GroupedPlan",
+    "fp8_grouped_linear",
+    "grouped_fp8_problem",
+    "grouped_fp8_device_problem",
+    "scaled_grouped_mm",
     "GEMM_ALIGNMENT",
     "Fp8Linear",
     "Fp8ColumnParallelLinear",
