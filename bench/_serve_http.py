@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 GEN = 128
+PROMPT = 128
+"""Prompt tokens of every benchmark request (``serve_bench.py --context`` adds longer ones)."""
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -35,7 +37,7 @@ def latency_row(conc: int, wall: float, ttft: list[float], tpot: list[float]) ->
     }
 
 
-def prompts(n: int, vocab: int, seed: int, length: int = 128) -> list[list[int]]:
+def prompts(n: int, vocab: int, seed: int, length: int = PROMPT) -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(seed)

@@ -86,11 +86,8 @@ def usage(fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | N
             "shared_bytes": out.metadata.shared, "instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/\s", sass))}  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore")
+def _ssm_rows() -> list[dict[str, Any]]:
+    """The SSD scan's chunk kernels over positions x warps and product precisions; the causal conv."""
     import triton.language as tl
 
     from mcore_models.ssm._ssd_kernels import kernels
@@ -111,8 +108,15 @@ def main() -> None:
         consts = {"K": 4, "HAS_BIAS": True, "BACKWARD": backward, "SHIFTS": 4 if backward else 1, "BS": bs, "BC": bc}
         rows.append({"kernel": "conv_bwd" if backward else "conv_fwd", "products": "-", "positions": bs,
                      "channels": bc, "warps": warps, **usage(conv, consts, warps)})  # fmt: skip
+    return rows
+
+
+def _fp8_rows() -> list[dict[str, Any]]:
+    """The FP8 cast with its transpose, and the FP8 MLP's SwiGLU kernels that cast their own outputs."""
+    from mcore_models.transformer.fp8_swiglu import _kernels as swiglu_kernels
     from mcore_parallel.fp8.cast_triton import _kernels as fp8_kernels
 
+    rows = []
     cast = fp8_kernels()["cast"]
     for native, (bm, bn), warps in itertools.product((False, True), ((64, 128), (128, 128)), (4, 8)):
         consts = {"AMAX_OUT": False, "EMIN": 127 - 14, "MBITS": 2, "ROWWISE": False, "TRANSPOSE": True, "BM": bm,
@@ -121,8 +125,6 @@ def main() -> None:
         per = bm * bn / (warps * 32)  # elements per thread
         rows.append({"kernel": "fp8_cast" + ("_native" if native else ""), "products": "-", "positions": bm,
                      "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
-    from mcore_models.transformer.fp8_swiglu import _kernels as swiglu_kernels
-
     fused = swiglu_kernels()
     for name, native, (bm, bn), warps in itertools.product(
         ("swiglu_cast", "swiglu_bwd_cast"), (False, True), ((64, 128), (64, 64), (32, 128)), (4, 8)
@@ -138,9 +140,16 @@ def main() -> None:
         per = bm * bn / (warps * 32)  # SwiGLU outputs (forward) or gate/up pairs (backward) per thread
         rows.append({"kernel": "fp8_" + name + ("_native" if native else ""), "products": "-", "positions": bm,
                      "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
+    return rows
+
+
+def _decode_rows() -> list[dict[str, Any]]:
+    """The decode MLP kernel and the QKV GEMV with the norm inside, at one and four rows."""
     from mcore_infer.kernels.fused_mlp import MlpLaunch, heuristic_mlp_launch
     from mcore_infer.kernels.fused_mlp import _kernels as mlp_kernels
+    from mcore_infer.kernels.norm_gemv import _kernel as norm_gemv_kernel
 
+    rows = []
     mlp, _ = mlp_kernels()
     ints = {"M": "i32", "H": "i32", "FF": "i32"}
     launches = (heuristic_mlp_launch(1), MlpLaunch(32, 128, 64, 4), MlpLaunch(64, 64, 64, 8), MlpLaunch(128, 64, 64, 8))
@@ -154,8 +163,6 @@ def main() -> None:
         r = usage(mlp, consts, launch.warps, types)
         rows.append({"kernel": f"fused_mlp{' + norm' if norm else ''} ({rows_} rows)", "products": "-",
                      "positions": launch.block_f, "channels": bk, "warps": launch.warps, **r})  # fmt: skip
-    from mcore_infer.kernels.norm_gemv import _kernel as norm_gemv_kernel
-
     for rows_, (block_n, block_k, warps) in itertools.product(
         (1, 4), ((8, 1024, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2))
     ):
@@ -166,6 +173,15 @@ def main() -> None:
         r = usage(norm_gemv_kernel(), consts, warps, types)
         rows.append({"kernel": f"norm_row_linear ({rows_} rows)", "products": "-", "positions": block_n,
                      "channels": block_k, "warps": warps, **r})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    rows = [*_ssm_rows(), *_fp8_rows(), *_decode_rows()]
     print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
