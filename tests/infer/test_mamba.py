@@ -324,6 +324,7 @@ def test_prefill_groups_keep_padding_bounded() -> None:
     segments = [(0, 1500, 1), *((1500 + 50 * i, 1550 + 50 * i, 2 + i) for i in range(10)), (2000, 2001, 12)]
     groups = plan_prefill(segments, "cpu")
     assert [(grp.count, grp.length) for grp in groups] == [(1, 1500), (10, 50)]
+    assert groups[0].chunks == ((0, 1500, 1),) and groups[1].chunks[0] == (1500, 1550, 2)  # (runs unpadded)
     for grp in groups:
         assert grp.count * grp.length <= MAX_PADDING * len(grp.rows)
         assert grp.rows.tolist() == sorted(set(grp.rows.tolist()))  # each token once, in step order per chunk

@@ -98,6 +98,8 @@ class PrefillGroup:
     index: torch.Tensor
     count: int
     length: int
+    chunks: tuple[tuple[int, int, int], ...] = ()
+    """The chunks' host ``(start, end, slot)``, longest first."""
 
 
 MAX_PADDING = 1.5
@@ -124,7 +126,8 @@ def plan_prefill(segments: list[tuple[int, int, int]], device: torch.device | st
         meta = torch.tensor([[slot for _, _, slot in g], [n for n, _, _ in g]], dtype=torch.int64)
         flat = torch.tensor([rows, index], dtype=torch.int64).to(device)
         meta = meta.to(device)
-        out.append(PrefillGroup(meta[0], meta[1], flat[0], flat[1], len(g), length))
+        chunks = tuple((s, s + n, slot) for n, s, slot in g)
+        out.append(PrefillGroup(meta[0], meta[1], flat[0], flat[1], len(g), length, chunks))
     return out
 
 
@@ -185,7 +188,11 @@ def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context
                 y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
         return y
     for group in step.prefill_groups():
-        y[group.rows] = prefill_group(mixer, xbc, dt, group, conv_state, ssm_state)
+        if group.count == 1:  # one chunk: no padding (and fewer kernels) on its own
+            start, end, slot = group.chunks[0]
+            y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
+        else:
+            y[group.rows] = prefill_group(mixer, xbc, dt, group, conv_state, ssm_state)
     return y
 
 
