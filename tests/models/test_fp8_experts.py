@@ -23,7 +23,7 @@ from mcore_models.moe import MoEConfig, MoELayer
 from mcore_models.spec import default_spec
 from mcore_models.transformer.context import ModelContext
 from mcore_parallel import Group, ParallelConfig, ParallelState
-from mcore_parallel.fp8 import E4M3, E5M2, GroupedPlan, fp8_grouped_linear, scaled_grouped_mm
+from mcore_parallel.fp8 import E4M3, E5M2, GroupedPlan, fp8_grouped_linear, fp8_step, scaled_grouped_mm
 from mcore_parallel.fp8.scaling import current_scale, quantize
 from mcore_parallel.testing import run_distributed
 from tests._model_configs import llama
@@ -95,6 +95,21 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
         wbound = _bound(ge.t(), xe.t(), 0.0, u, torch.zeros_like(ge.t()), dx[rows].t())
         _check(w.grad[e], ge.t() @ xe, wbound, f"expert {e}: weight gradient")
     assert xq.shape == x.shape and gq.shape == g.shape
+
+
+def test_the_expert_weight_casts_are_kept_for_a_step() -> None:
+    """Inside ``fp8_step`` each expert layer casts its two weights once each way, whatever the micro-batches;
+    outside, every call casts afresh (a weight changed between calls is never used stale)."""
+    model = GPTModel(_moe_config(fp8_modules=("experts",), fp8_last_layers_bf16=2))
+    experts = next(m for m in model.modules() if isinstance(m, MoELayer)).experts
+    assert experts.fp8_plans is not None
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    with fp8_step([model]):
+        for _ in range(3):
+            model(ids, labels=ids).mean().backward()
+    assert [c.casts for c in experts.fp8_casts] == [2, 2]  # forward + input-gradient operand, once a step
+    model(ids, labels=ids).mean().backward()
+    assert [c.casts for c in experts.fp8_casts] == [4, 4]
 
 
 def _moe_config(**kw: object):  # type: ignore[no-untyped-def]

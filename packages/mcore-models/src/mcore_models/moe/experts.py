@@ -26,7 +26,7 @@ from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.mlp import activation_fn
 from mcore_models.transformer.swiglu import swiglu
 from mcore_parallel import Group
-from mcore_parallel.fp8 import Fp8Recipe, GroupedPlan, fp8_grouped_linear, grouped_fp8_problem
+from mcore_parallel.fp8 import Fp8Recipe, GroupedPlan, GroupedWeightCasts, fp8_grouped_linear, grouped_fp8_problem
 from mcore_parallel.tensor import init_sharded_, normal_init, scaled_normal_init
 
 __all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_applies"]
@@ -116,6 +116,8 @@ class GroupedExperts(nn.Module):
                           ctx.seed_for(f"{prefix}.linear_fc2.weight.{g}"))  # fmt: skip
         self.act = (swiglu if config.activation == "swiglu" and config.swiglu_backward == "triton"
                     else activation_fn(config.activation))  # fmt: skip
+        self.fp8_casts = (GroupedWeightCasts(), GroupedWeightCasts())
+        """fc1's and fc2's FP8 weight casts, kept for an optimizer step inside ``fp8_step``."""
         self.fp8_plans: tuple[GroupedPlan, GroupedPlan] | None = None
         """With an FP8 recipe: fc1's and fc2's :class:`~mcore_parallel.fp8.GroupedPlan` (FP8 grouped GEMMs)."""
         self.fp8_reason: str | None = None
@@ -129,12 +131,21 @@ class GroupedExperts(nn.Module):
             else:
                 logger.warning("FP8 off for the routed experts of %s: %s, so they run in bf16", prefix, self.fp8_reason)
 
+    def begin_weight_cache(self) -> None:
+        """(``fp8_step``) From now on the FP8 casts of the expert weights are kept until :meth:`end_weight_cache`."""
+        for c in self.fp8_casts:
+            c.begin_weight_cache()
+
+    def end_weight_cache(self) -> None:
+        for c in self.fp8_casts:
+            c.end_weight_cache()
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``[M, hidden]`` outputs (partial sums over expert-tensor-parallel ranks) of rows ``x`` grouped by local
         expert, ``counts`` ``[E_local]`` rows each."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if self.fp8_plans is not None:
-            hidden = fp8_grouped_linear(x, w1, counts, self.fp8_plans[0])
-            return fp8_grouped_linear(self.act(hidden), w2, counts, self.fp8_plans[1])  # type: ignore[operator]
+            hidden = fp8_grouped_linear(x, w1, counts, self.fp8_plans[0], self.fp8_casts[0])
+            return fp8_grouped_linear(self.act(hidden), w2, counts, self.fp8_plans[1], self.fp8_casts[1])  # type: ignore[operator]
         hidden = grouped_linear(x, w1, counts)
         return grouped_linear(self.act(hidden), w2, counts)  # type: ignore[operator]

@@ -126,8 +126,8 @@ def plan_prefill(segments: list[tuple[int, int, int]], device: torch.device | st
         meta = torch.tensor([[slot for _, _, slot in g], [n for n, _, _ in g]], dtype=torch.int64)
         flat = torch.tensor([rows, index], dtype=torch.int64).to(device)
         meta = meta.to(device)
-        chunks = tuple((s, s + n, slot) for n, s, slot in g)
-        out.append(PrefillGroup(meta[0], meta[1], flat[0], flat[1], len(g), length, chunks))
+        spans = tuple((s, s + n, slot) for n, s, slot in g)
+        out.append(PrefillGroup(meta[0], meta[1], flat[0], flat[1], len(g), length, spans))
     return out
 
 

@@ -19,6 +19,7 @@ optimizer step: the weight-cast cache, the delayed-scaling update).
 from mcore_parallel.fp8.gemm import GEMM_ALIGNMENT, LinearPlan, WeightCast, fp8_linear, fp8_weight_grad, scaled_mm
 from mcore_parallel.fp8.grouped import (
     GroupedPlan,
+    GroupedWeightCasts,
     fp8_grouped_linear,
     grouped_fp8_device_problem,
     grouped_fp8_problem,
@@ -49,6 +50,7 @@ __all__ = [
     "fp8_linear",
     "fp8_weight_grad",
     "GroupedPlan",
+    "GroupedWeightCasts",
     "fp8_grouped_linear",
     "grouped_fp8_problem",
     "grouped_fp8_device_problem",

@@ -12,7 +12,8 @@ cumulative row counts ``offs``. :class:`_Fp8GroupedLinear` runs an expert layer'
 
 The weight gradient ``dWₑ = gₑᵀ xₑ`` contracts over each expert's rows, a dimension rowwise scales cannot run along:
 it is a bf16 grouped GEMM of the exact output gradient and the saved FP8 input dequantised (as the dense rowwise
-recipe does, :mod:`mcore_parallel.fp8.gemm`). Every operand is E4M3 whatever the dense layers' recipe (the grouped
+recipe does, :mod:`mcore_parallel.fp8.gemm`). The weight's casts are made once an optimizer step
+(:class:`GroupedWeightCasts`). Every operand is E4M3 whatever the dense layers' recipe (the grouped
 GEMM takes no E5M2), scaled by its own rows' maxima (current scaling); widths must be multiples of 16.
 
 With the expert weights split over expert-tensor-parallel ranks (``k_group``: fc2's input features; ``n_group``:
@@ -122,40 +123,75 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, experts: 
     return out
 
 
+class GroupedWeightCasts:
+    """The FP8 casts of one expert weight ``[E, N, K]``: rowwise over ``K`` (the forward's operand) and, of its
+    transpose, over ``N`` (the input gradient's). Inside an optimizer step (:func:`~mcore_parallel.fp8.fp8_step`
+    calls :meth:`begin_weight_cache` / :meth:`end_weight_cache`) each is made once and reused by the step's
+    micro-batches and backward passes, as the dense FP8 linears' casts are; outside, every call casts afresh."""
+
+    def __init__(self) -> None:
+        self._caching = False
+        self._cache: list[Fp8Tensor | None] = [None, None]
+        self.casts = 0
+        """How many casts were made (diagnostics, tests)."""
+
+    def begin_weight_cache(self) -> None:
+        self._caching, self._cache = True, [None, None]
+
+    def end_weight_cache(self) -> None:
+        self._caching, self._cache = False, [None, None]
+
+    def get(self, w: torch.Tensor, plan: GroupedPlan, transposed: bool) -> Fp8Tensor:
+        """``w`` rowwise in E4M3 (``transposed``: ``wᵀ`` per expert, ``[E * K, N]``), else ``[E * N, K]``."""
+        cached = self._cache[transposed]
+        if cached is not None:
+            return cached
+        e, n, k = w.shape
+        w = w.detach()
+        if transposed:
+            q = _rowwise(w.transpose(1, 2).reshape(e * k, n), plan.n_group, plan.margin)
+        else:
+            q = _rowwise(w.reshape(e * n, k), plan.k_group, plan.margin)
+        self.casts += 1
+        if self._caching:
+            self._cache[transposed] = q
+        return q
+
+
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, plan: GroupedPlan,  # type: ignore[override]
-                grad: bool) -> torch.Tensor:  # fmt: skip
-        e, n, k = w.shape
+                casts: GroupedWeightCasts, grad: bool) -> torch.Tensor:  # fmt: skip
+        e = w.shape[0]
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         xq = _rowwise(x.contiguous(), plan.k_group, plan.margin)
-        wq = _rowwise(w.detach().reshape(e * n, k), plan.k_group, plan.margin)
-        y = scaled_grouped_mm(xq, wq, offs, e, x.dtype)
+        y = scaled_grouped_mm(xq, casts.get(w, plan, False), offs, e, x.dtype)
         if grad:
             ctx.save_for_backward(xq.data, xq.scale_inv, w, offs)
-            ctx.plan = plan
+            ctx.plan, ctx.casts = plan, casts
         return y  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_data, x_inv, w, offs = ctx.saved_tensors
         plan: GroupedPlan = ctx.plan
-        e, n, k = w.shape
+        e = w.shape[0]
         g = g.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             gq = _rowwise(g, plan.n_group, plan.margin)
-            wt = w.detach().transpose(1, 2).reshape(e * k, n)
-            wtq = _rowwise(wt, plan.n_group, plan.margin)
-            grad_x = scaled_grouped_mm(gq, wtq, offs, e, g.dtype)
+            grad_x = scaled_grouped_mm(gq, ctx.casts.get(w, plan, True), offs, e, g.dtype)
         if ctx.needs_input_grad[1]:
             x = Fp8Tensor(x_data, x_inv, E4M3).dequantize(g.dtype)
             grad_w = _weight_grad(g, x, offs, e).to(w.dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
-def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, plan: GroupedPlan) -> torch.Tensor:
+def fp8_grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, plan: GroupedPlan, casts: GroupedWeightCasts | None = None
+) -> torch.Tensor:
     """``[M, N]``: rows ``x`` ``[M, K]`` grouped by expert (``counts`` ``[E]`` rows each, on ``x``'s device) times
-    their expert's ``w[e]`` ``[N, K]`` transposed, through FP8 grouped GEMMs (see the module docstring)."""
+    their expert's ``w[e]`` ``[N, K]`` transposed, through FP8 grouped GEMMs (see the module docstring); ``casts``:
+    the weight's cast cache (None: cast at this call)."""
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return _Fp8GroupedLinear.apply(x, w, counts, plan, grad)  # type: ignore[no-any-return]
+    return _Fp8GroupedLinear.apply(x, w, counts, plan, casts or GroupedWeightCasts(), grad)  # type: ignore[no-any-return]

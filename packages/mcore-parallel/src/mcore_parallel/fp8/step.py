@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,26 @@ from mcore_parallel.fp8.layers import Fp8Linear
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
 
-__all__ = ["fp8_linears", "fp8_step", "fp8_device_problem", "roll_delayed_scaling"]
+__all__ = ["WeightCastCache", "fp8_linears", "fp8_step", "fp8_device_problem", "roll_delayed_scaling"]
 
 
 def fp8_linears(models: Iterable[nn.Module]) -> list[Fp8Linear]:
     """The FP8 linears of ``models`` that run in FP8 (not the ones that fell back to bf16), in module order."""
     return [m for model in models for m in model.modules() if isinstance(m, Fp8Linear) and m.runs_fp8]
+
+
+@runtime_checkable
+class WeightCastCache(Protocol):
+    """A module that keeps FP8 casts of its weights for one optimizer step (the FP8 linears, an MoE layer's FP8
+    experts): :func:`fp8_step` opens and closes its cache."""
+
+    def begin_weight_cache(self) -> None: ...
+
+    def end_weight_cache(self) -> None: ...
+
+
+def _caches(models: Iterable[nn.Module]) -> list[WeightCastCache]:
+    return [m for model in models for m in model.modules() if isinstance(m, WeightCastCache)]
 
 
 def roll_delayed_scaling(layers: Iterable[Fp8Linear], group: Group | None = None) -> None:
@@ -50,19 +65,21 @@ def fp8_step(
     step, delayed scaling rolled at the end over ``group`` (unless ``update_scaling`` is false, or the body raised).
     ``grad_weight``: the factor each micro-batch's loss is backpropagated with (1 / micro-batches per rank, times an
     fp16 loss scale; mcore-train's context-parallel loss also times cp), so that gradient histories stay per unit loss (see
-    :class:`~mcore_parallel.fp8.scaling.DelayedScaling`). Yields the layers. Nothing happens for models without FP8
-    linears."""
+    :class:`~mcore_parallel.fp8.scaling.DelayedScaling`). Yields the FP8 linears. Nothing happens for models without
+    FP8 layers."""
+    models = list(models)
     layers = fp8_linears(models)
+    caches = _caches(models)  # the FP8 linears and anything else that keeps weight casts (FP8 experts)
     states = [m.fp8_scaling for m in layers if m.fp8_scaling is not None]
-    for m in layers:
-        m.begin_weight_cache()
+    for c in caches:
+        c.begin_weight_cache()
     for s in states:
         s.grad_weight, s.recording = grad_weight, update_scaling  # an evaluation's maxima stay out of the history
     try:
         yield layers
     finally:
-        for m in layers:
-            m.end_weight_cache()
+        for c in caches:
+            c.end_weight_cache()
         for s in states:
             s.recording = True
     if update_scaling:
