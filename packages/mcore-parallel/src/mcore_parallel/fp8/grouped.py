@@ -82,10 +82,13 @@ def _rowwise(t: torch.Tensor, group: Group | None, margin: int) -> Fp8Tensor:
     return quantize(t, E4M3, current_scale(t, E4M3, True, margin, group))
 
 
-def scaled_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offs: torch.Tensor, experts: int, out_dtype: torch.dtype) -> Any:
+def scaled_grouped_mm(
+    a: Fp8Tensor, b: Fp8Tensor, offs: torch.Tensor, experts: int, out_dtype: torch.dtype, fast_accum: bool = False
+) -> Any:
     """``[M, N]``: the rows of ``a`` (``[M, K]``, rowwise E4M3) ending at ``offs[e]`` (int32, cumulative) times
     expert ``e``'s rows of ``b`` (``[E * N, K]``, rowwise E4M3: expert ``e`` holds rows ``e N .. (e + 1) N``)
-    transposed, in ``out_dtype``."""
+    transposed, in ``out_dtype``; ``fast_accum``: Hopper's fast accumulation (the forward's, as the dense FP8
+    linears; not the gradient's)."""
     m, k = a.data.shape
     n = b.data.shape[0] // experts
     if b.data.shape != (experts * n, k) or offs.shape != (experts,):
@@ -99,7 +102,7 @@ def scaled_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offs: torch.Tensor, experts: i
     if a.data.is_cuda:
         return torch._scaled_grouped_mm(a.data, b.data.view(experts, n, k).transpose(-2, -1),
                                         a.scale_inv.reshape(-1), b.scale_inv.reshape(experts, n), offs=offs,
-                                        out_dtype=out_dtype, use_fast_accum=True)  # fmt: skip
+                                        out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
     ad, bd = a.dequantize(torch.float32), b.dequantize(torch.float32).view(experts, n, k)
     out = torch.empty(m, n, dtype=torch.float32, device=ad.device)
     start = 0
@@ -165,7 +168,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         e = w.shape[0]
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         xq = _rowwise(x.contiguous(), plan.k_group, plan.margin)
-        y = scaled_grouped_mm(xq, casts.get(w, plan, False), offs, e, x.dtype)
+        y = scaled_grouped_mm(xq, casts.get(w, plan, False), offs, e, x.dtype, fast_accum=True)
         if grad:
             ctx.save_for_backward(xq.data, xq.scale_inv, w, offs)
             ctx.plan, ctx.casts = plan, casts
