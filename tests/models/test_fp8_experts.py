@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_models import GPTModel
+from mcore_models import ConfigError, GPTModel
 from mcore_models.backends import layer_spec
 from mcore_models.moe import MoEConfig, MoELayer
 from mcore_models.spec import default_spec
@@ -95,6 +95,11 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
         wbound = _bound(ge.t(), xe.t(), 0.0, u, torch.zeros_like(ge.t()), dx[rows].t())
         _check(w.grad[e], ge.t() @ xe, wbound, f"expert {e}: weight gradient")
     assert xq.shape == x.shape and gq.shape == g.shape
+
+
+def test_experts_without_moe_layers_are_refused() -> None:
+    with pytest.raises(ConfigError, match="names experts but the model has no MoE layers"):
+        llama(fp8="e4m3", fp8_modules=("qkv", "experts"), hidden_size=64)
 
 
 def test_the_expert_weight_casts_are_kept_for_a_step() -> None:

@@ -167,6 +167,9 @@ def backend_problems(config: TransformerConfig) -> list[str]:
                  "writes it and torch._scaled_mm needs multiples of 16; change hidden_size or set fp8=null")  # fmt: skip
     if not config.fp8_modules:
         p.append("fp8_modules is empty: no linear would run in FP8; name some of qkv, proj, fc1, fc2 or set fp8=null")
+    if "experts" in config.fp8_modules and config.moe is None:
+        p.append(f"fp8_modules={list(config.fp8_modules)} names experts but the model has no MoE layers (moe is not "
+                 "set); drop experts from fp8_modules")  # fmt: skip
     if isinstance(config.num_layers, int) and len(fp8_layers(config)) == 0:
         p.append(f"fp8={config.fp8!r} but fp8_first_layers_bf16 + fp8_last_layers_bf16 = "
                  f"{config.fp8_first_layers_bf16 + config.fp8_last_layers_bf16} leaves none of the "
