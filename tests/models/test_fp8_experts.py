@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_models import ConfigError, GPTModel
-from mcore_models.backends import layer_spec
+from mcore_models.backends import describe_backend, layer_spec
 from mcore_models.moe import MoEConfig, MoELayer
 from mcore_models.spec import default_spec
 from mcore_models.transformer.context import ModelContext
@@ -95,6 +95,12 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
         wbound = _bound(ge.t(), xe.t(), 0.0, u, torch.zeros_like(ge.t()), dx[rows].t())
         _check(w.grad[e], ge.t() @ xe, wbound, f"expert {e}: weight gradient")
     assert xq.shape == x.shape and gq.shape == g.shape
+
+
+def test_the_backend_line_says_where_the_experts_run() -> None:
+    assert "routed experts: E4M3 rowwise grouped GEMMs" in describe_backend(_moe_config(fp8_modules=("experts",)))
+    line = describe_backend(_moe_config())
+    assert "routed experts" not in line and "MoE experts" in line
 
 
 def test_experts_without_moe_layers_are_refused() -> None:

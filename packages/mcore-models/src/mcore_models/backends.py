@@ -211,6 +211,9 @@ def describe_backend(config: TransformerConfig) -> str:
     if config.layer_backend != "fp8":
         return "backend torch (bf16 linears)"
     layers = fp8_layers(config)
+    experts = config.moe is not None and "experts" in config.fp8_modules
+    routed = "; routed experts: E4M3 rowwise grouped GEMMs, weight gradient bf16" if experts else ""
+    bf16_experts = "shared experts" if experts else "MoE experts"
     return (f"backend fp8: {fp8_recipe(config).describe()}; layers {layers.start}-{layers.stop - 1} of "
-            f"{config.num_layers} ({', '.join(config.fp8_modules)}) in FP8; bf16: the other layers and linears, "
-            "norms, core attention, embedding, output layer, MoE experts, Mamba mixers")  # fmt: skip
+            f"{config.num_layers} ({', '.join(config.fp8_modules)}) in FP8{routed}; bf16: the other layers and "
+            f"linears, norms, core attention, embedding, output layer, {bf16_experts}, Mamba mixers")  # fmt: skip
