@@ -100,7 +100,9 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
 def test_the_backend_line_says_where_the_experts_run() -> None:
     assert "routed experts: E4M3 rowwise grouped GEMMs" in describe_backend(_moe_config(fp8_modules=("experts",)))
     line = describe_backend(_moe_config())
-    assert "routed experts" not in line and "MoE experts" in line
+    assert "routed experts" not in line and "MoE experts" in line and "SwiGLU" not in line
+    fused = llama(fp8="hybrid", fp8_recipe="delayed", fp8_fused_swiglu=True, hidden_size=64, num_layers=3)
+    assert "the MLP's SwiGLU kernels write FP8" in describe_backend(fused)
 
 
 def test_experts_without_moe_layers_are_refused() -> None:

@@ -213,6 +213,8 @@ def describe_backend(config: TransformerConfig) -> str:
     layers = fp8_layers(config)
     experts = config.moe is not None and "experts" in config.fp8_modules
     routed = "; routed experts: E4M3 rowwise grouped GEMMs, weight gradient bf16" if experts else ""
+    if config.fp8_fused_swiglu:
+        routed += "; the MLP's SwiGLU kernels write FP8 (fp8_fused_swiglu)"
     bf16_experts = "shared experts" if experts else "MoE experts"
     return (f"backend fp8: {fp8_recipe(config).describe()}; layers {layers.start}-{layers.stop - 1} of "
             f"{config.num_layers} ({', '.join(config.fp8_modules)}) in FP8{routed}; bf16: the other layers and "
