@@ -204,3 +204,39 @@ def test_fused_mlp_trains_like_the_unfused_one(device: str, main_grad: bool, rec
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_fused_mlp_under_tp_matches_one_process(sp: bool) -> None:
     run_distributed(_run, 2, _config(fp8_fused_swiglu=True, fp8_last_layers_bf16=0), 2, sp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_llama_1b_mlp_fused_equals_unfused_on_the_gpu() -> None:
+    """llama-1b's MLP (2048 -> 2 x 8192 -> 2048) at 4096 tokens in bf16, two steps (the first builds the history):
+    the fused MLP's output and gradients against the unfused one's from the same weights and histories."""
+    from mcore_models.backends import layer_spec
+    from mcore_models.presets import preset
+    from mcore_models.spec import default_spec
+    from mcore_models.transformer.context import ModelContext
+
+    mlps = []
+    for fused in (False, True):
+        config = preset("llama-1b", params_dtype="bfloat16", fp8="hybrid", fp8_recipe="delayed",
+                        fp8_first_layers_bf16=0, fp8_last_layers_bf16=0, fp8_fused_swiglu=fused)  # fmt: skip
+        spec = layer_spec(default_spec(), config, 0)
+        mlps.append(spec.mlp(config, ModelContext(Group.single("tp"), device="cuda"), spec, "mlp"))
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(2):
+        x = torch.randn(4096, 1, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+        dy = torch.randn(4096, 1, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+        outs = []
+        for mlp in mlps:
+            xi = x.clone().requires_grad_()
+            with fp8_step([mlp]):
+                y = mlp(xi)
+                y.backward(dy)
+            outs.append(
+                (y.float(), xi.grad.float(), mlp.linear_fc1.weight.grad.float(), mlp.linear_fc2.weight.grad.float())
+            )
+            mlp.zero_grad(set_to_none=True)
+        for name, a, b in zip(("y", "dx", "dW1", "dW2"), *outs, strict=True):
+            assert (a - b).norm() <= 1e-2 * b.norm(), f"step {step} {name}: {(a - b).norm() / b.norm():.2e}"
+    assert mlps[1].fp8_fused_calls == 1 and mlps[0].fp8_fused_calls == 0
