@@ -273,6 +273,45 @@ def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
     return tables
 
 
+CONTEXTS = "128,4096,16384"
+
+
+def serve_mamba(ctx: Context) -> list[dict[str, Any]]:
+    """mamba2-1.3b through the engine at 1 and 64 requests with float32 and bf16 SSM states, and one request after
+    prompts of 128 to 16k tokens beside llama-1b's (attention's KV cache grows, Mamba's state does not)."""
+    runs = {"mamba2-1.3b": ["--preset", "mamba2-1.3b", "--concurrency", "1,64", "--mamba-ssm-dtype", "float32,bfloat16"],
+            "llama-1b": ["--preset", "llama-1b", "--concurrency", "1"]}  # fmt: skip
+    data: dict[str, Any] = {}
+    steps = {}
+    for name, flags in runs.items():
+        out = ctx.path(f"serve-{name}.json")
+        steps[name] = ctx.run([PY, "bench/serve_bench.py", "--compile", *flags, "--repeats", "2", "--http-concurrency",
+                               "", "--context", "128" if ctx.quick else CONTEXTS, "--out", out], timeout=540, out=out)  # fmt: skip
+        data[name] = steps[name].data or {}
+    engine = []
+    for key, label in (("engine", "float32"), ("engine_mamba_ssm_bfloat16", "bfloat16")):
+        for r in data["mamba2-1.3b"].get(key, []) or [{}]:
+            engine.append(ctx.row(steps["mamba2-1.3b"], measured=bool(r), states=label, concurrency=r.get("concurrency"),
+                                  tok_s=r.get("output_tok_s"), ttft=r.get("ttft_ms_p50"), tpot=r.get("tpot_ms_p50")))  # fmt: skip
+    context = []
+    for name, key, label in (("mamba2-1.3b", "context", "mamba2-1.3b, float32 states"),
+                             ("mamba2-1.3b", "context_mamba_ssm_bfloat16", "mamba2-1.3b, bf16 states"),
+                             ("llama-1b", "context", "llama-1b (KV cache)")):  # fmt: skip
+        for r in data[name].get(key, []) or [{}]:
+            context.append(ctx.row(steps[name], measured=bool(r), model=label, context=r.get("context"),
+                                   tpot=r.get("tpot_ms_p50"), ttft=r.get("ttft_ms_p50")))  # fmt: skip
+    notes = ["random weights, bf16, 128 output tokens, greedy, compiled layers, CUDA graphs, the Triton decode step; "
+             "median of 2 runs"]  # fmt: skip
+    return [
+        table("serving mamba2-1.3b: SSM states in float32 and bf16", [
+            ("states", "SSM states", ""), ("concurrency", "requests", "d"), ("tok_s", "output tok/s", ",.0f"),
+            ("ttft", "TTFT p50 ms", ".1f"), ("tpot", "per token p50 ms", ".3f")], engine, notes),
+        table("one request after a prompt of N tokens: per-token time", [
+            ("model", "model", ""), ("context", "prompt tokens", ",d"), ("tpot", "per token p50 ms", ".3f"),
+            ("ttft", "TTFT ms", ".1f")], context, notes),
+    ]  # fmt: skip
+
+
 SYSTEM_SUITES = [
     Suite("serve", "llama-1b serving on one GPU: the engine at 1 to 256 concurrent requests, the HTTP server at 1, 64 "
           "and 256 in both process layouts, "
@@ -281,6 +320,9 @@ SYSTEM_SUITES = [
     Suite("serve-batch1", "llama-1b batch-1 decode under the candidate decode plans (fused MLP, norm inside the QKV "
           "GEMV) and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 8,
           1, serve_batch1),
+    Suite("serve-mamba", "mamba2-1.3b serving: 1 and 64 requests with float32 and bf16 SSM states; one request after "
+          "prompts of 128 to 16k tokens beside llama-1b", "llama-1b's per-token time at the same prompt lengths, same "
+          "call", 9, 1, serve_mamba),
     Suite("kernels", "attention backends, decode GEMVs, SwiGLU GEMM epilogues, the QKV/RoPE kernel, the matmul rate "
           "burst and sustained, NCCL collectives (with more than one GPU)",
           "cuBLAS, PyTorch's ops under torch.compile, the other SDPA backend, same process", 5, 1, kernels,
