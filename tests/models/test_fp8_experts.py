@@ -76,8 +76,8 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
     y.backward(g)
     assert x.grad is not None and w.grad is not None
     u = E4M3.unit_roundoff
-    xq, dx = _quantized(x.detach(), E4M3, True)
-    gq, dg = _quantized(g, E4M3, True)
+    _, dx = _quantized(x.detach(), E4M3, True)
+    _, dg = _quantized(g, E4M3, True)
     x64, g64 = x.detach().double(), g.double()
     start = 0
     for e, n in enumerate(COUNTS):
@@ -94,7 +94,6 @@ def test_the_fp8_grouped_linear_is_within_the_fp8_bound() -> None:
         _check(x.grad[rows], ge @ we, _bound(ge, we.t(), u, u, dg[rows], dwt), f"expert {e}: input gradient")
         wbound = _bound(ge.t(), xe.t(), 0.0, u, torch.zeros_like(ge.t()), dx[rows].t())
         _check(w.grad[e], ge.t() @ xe, wbound, f"expert {e}: weight gradient")
-    assert xq.shape == x.shape and gq.shape == g.shape
 
 
 def test_the_backend_line_says_where_the_experts_run() -> None:

@@ -42,7 +42,8 @@ __all__ = ["decode_step_triton", "ssm_rows_per_program"]
 
 _CONV_BLOCK = 128  # channels per program of the conv kernel
 _WARPS = 4
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The SSM state dtypes the decode step reads and writes (the math is float32 for each)."""
 _MIN_PROGRAMS = 512  # ssm_step programs wanted (about 4 per SM of an H200) before the row block stops shrinking
 
 
@@ -136,7 +137,7 @@ def _check(xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, conv_state:
             f"H % G == 0; got xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, slots {tuple(slots.shape)}, ssm_state "
             f"{tuple(ssm_state.shape)}, heads {heads}, groups {groups}"
         )
-    if conv_state.shape[:2] != (ssm_state.shape[0], channels) or ssm_state.dtype not in _STATE_DTYPES:
+    if conv_state.shape[:2] != (ssm_state.shape[0], channels) or ssm_state.dtype not in SSM_STATE_DTYPES:
         raise ValueError(f"decode_step_triton: conv_state [slots, {channels}, d_conv - 1] and a float32, bfloat16 or "
                          f"float16 ssm_state; got {tuple(conv_state.shape)} and {ssm_state.dtype}")  # fmt: skip
     on = xbc.device

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from mcore_models.ssm.decode_triton import SSM_STATE_DTYPES
 from mcore_models.ssm.ssd import _compute_dtype, _time_steps, ssd_scan
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class PrefillGroup:
     index: torch.Tensor
     count: int
     length: int
-    chunks: tuple[tuple[int, int, int], ...] = ()
+    chunks: tuple[tuple[int, int, int], ...]
     """The chunks' host ``(start, end, slot)``, longest first."""
 
 
@@ -182,17 +183,13 @@ def _mix_states(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, context
     if single is not None:
         rows, slots = single
         y[rows] = decode_step(mixer, xbc[rows], dt[rows], slots, conv_state, ssm_state)
-    if mixer.mamba.dt_limit[0] > 0:  # a padded step would not be the identity: one chunk at a time
-        for start, end, slot in step.segments:
-            if end - start > 1:
-                y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
-        return y
+    padded_ok = mixer.mamba.dt_limit[0] == 0  # above 0, a padded step would not be the identity
     for group in step.prefill_groups():
-        if group.count == 1:  # one chunk: no padding (and fewer kernels) on its own
-            start, end, slot = group.chunks[0]
-            y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
-        else:
+        if group.count > 1 and padded_ok:
             y[group.rows] = prefill_group(mixer, xbc, dt, group, conv_state, ssm_state)
+            continue
+        for start, end, slot in group.chunks:  # one chunk at a time (a group of one needs no padding)
+            y[start:end] = prefill_chunk(mixer, xbc[start:end], dt[start:end], slot, conv_state, ssm_state)
     return y
 
 
@@ -266,7 +263,6 @@ def prefill_group(
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def uses_decode_kernel(mixer: Mamba2Mixer, xbc: torch.Tensor, ssm_state: torch.Tensor) -> bool:
@@ -274,7 +270,7 @@ def uses_decode_kernel(mixer: Mamba2Mixer, xbc: torch.Tensor, ssm_state: torch.T
     CUDA with Triton installed; and the input is bf16, fp16 or fp32 with a float32 or 16-bit SSM state (a float64 model always
     takes the PyTorch ops). Traceable: it reads only dtypes, devices and constants."""
     choice = mixer.mamba.decode_kernel
-    if choice == "torch" or xbc.dtype not in _KERNEL_DTYPES or ssm_state.dtype not in _STATE_DTYPES:
+    if choice == "torch" or xbc.dtype not in _KERNEL_DTYPES or ssm_state.dtype not in SSM_STATE_DTYPES:
         return False
     return choice == "triton" or (xbc.is_cuda and _HAS_TRITON)
 

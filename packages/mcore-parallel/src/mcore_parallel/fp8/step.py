@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,6 @@ def fp8_linears(models: Iterable[nn.Module]) -> list[Fp8Linear]:
     return [m for model in models for m in model.modules() if isinstance(m, Fp8Linear) and m.runs_fp8]
 
 
-@runtime_checkable
 class WeightCastCache(Protocol):
     """A module that keeps FP8 casts of its weights for one optimizer step (the FP8 linears, an MoE layer's FP8
     experts): :func:`fp8_step` opens and closes its cache."""
@@ -71,9 +70,8 @@ def fp8_step(
     fp16 loss scale; mcore-train's context-parallel loss also times cp), so that gradient histories stay per unit loss (see
     :class:`~mcore_parallel.fp8.scaling.DelayedScaling`). Yields the FP8 linears. Nothing happens for models without
     FP8 layers."""
-    models = list(models)
-    layers = fp8_linears(models)
     caches = _caches(models)  # the FP8 linears and anything else that keeps weight casts (FP8 experts)
+    layers = [m for m in caches if isinstance(m, Fp8Linear) and m.runs_fp8]  # (fp8_linears, from the same scan)
     states = [m.fp8_scaling for m in layers if m.fp8_scaling is not None]
     for c in caches:
         c.begin_weight_cache()
