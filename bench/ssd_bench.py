@@ -75,12 +75,14 @@ def attention_case(b: int, s: int) -> dict[str, Any]:
 
 TUNE = ({"_ROWS": (32, 64, 128), "_WARPS": (4, 8)}, {"_BWD_ROWS": (16, 32, 64), "_BWD_WARPS": (4, 8)})
 """The forward's tile constants, then the backward's: each group swept with the other at its best so far."""
+STATE_BLOCKS = (256, 512, 1024, 2048)
+"""``ssd_triton._STATE_BLOCK`` (state elements per program of the pass over chunks), swept last."""
 
 
 def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
     """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
-    their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``: the
-    scan's forward + backward ms; all rows, fastest first (a combination that does not compile or run is reported
+    their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``, then
+    each of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does not compile or run is reported
     with its error)."""
     import itertools
 
@@ -104,6 +106,11 @@ def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
             best = min(timed, key=lambda r: r.get("ms", float("inf")))
             tiles.update({k: best[k] for k in group})
             rows.extend(timed)
+        block = ssd_triton._STATE_BLOCK
+        for bs in STATE_BLOCKS:  # the pass over chunks, with the chunk kernels at their fastest found
+            ssd_triton._STATE_BLOCK = bs
+            rows.append({"dots": d, **tiles, "_STATE_BLOCK": bs, **scan_case(b, seq, "triton")})
+        ssd_triton._STATE_BLOCK = block
         tiles.update(default)
     ssd_triton.LOW_PRECISION_DOTS = low
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
