@@ -10,7 +10,6 @@ causal half.
 
     python bench/ssd_bench.py --seq 4096 16384 65536 --json /tmp/ssd.json
     python bench/ssd_bench.py --seq 4096 --dots tf32 16bit   # the Triton kernels' product operands, A/B
-    python bench/ssd_bench.py --seq 4096 --shared-cb         # C·Bᵀ once per group (ssd_triton.SHARED_CB), A/B
 
 ``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
 ``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
@@ -123,8 +122,6 @@ def main() -> None:
     ap.add_argument("--impl", default="triton", choices=["triton", "torch"])
     ap.add_argument("--dots", nargs="+", default=["16bit"], choices=["tf32", "16bit"],
                     help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
-    ap.add_argument("--shared-cb", action="store_true",
-                    help="also time each --dots choice with ssd_triton.SHARED_CB on (rows scan*_shared_cb)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")
     args = ap.parse_args()
@@ -137,15 +134,12 @@ def main() -> None:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": tuned}, f, indent=1)
         return
     rows = []
-    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots]
-    names += [f"{n}_shared_cb" for n in names] if args.shared_cb else []
-    names.append("attention")
+    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots] + ["attention"]
     for s in args.seq:
         b = max(1, args.tokens // s)
         row: dict[str, Any] = {"batch": b, "seq": s}
         for name in names:
-            ssd_triton.LOW_PRECISION_DOTS = name.startswith("scan_16bit")
-            ssd_triton.SHARED_CB = name.endswith("_shared_cb")
+            ssd_triton.LOW_PRECISION_DOTS = name == "scan_16bit"
             try:
                 row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl)
             except torch.OutOfMemoryError:

@@ -111,12 +111,7 @@ CASES = [  # b, s, H, G, P, N, chunk, options
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"s{c[1]}-G{c[3]}-L{c[6]}-{'-'.join(c[7]) or 'plain'}")
-@pytest.mark.parametrize("shared_cb", [False, True], ids=["cb-per-head", "cb-shared"])
-def test_kernels_equal_the_float64_recurrence(
-    device: str, case: tuple, shared_cb: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each case with C·Bᵀ computed per head inside the chunk kernels and once per group (``SHARED_CB``)."""
-    monkeypatch.setattr(ssd_triton, "SHARED_CB", shared_cb)
+def test_kernels_equal_the_float64_recurrence(device: str, case: tuple) -> None:
     b, s, H, G, P, N, L, opts = case
     softplus, limit = opts.get("softplus", True), opts.get("dt_limit", (0.0, math.inf))
     flags = {k: opts.get(k, False) for k in ("D", "bias", "init")}
@@ -127,12 +122,8 @@ def test_kernels_equal_the_float64_recurrence(
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("shared_cb", [False, True], ids=["cb-per-head", "cb-shared"])
-def test_several_blocks_per_chunk(device: str, shared_cb: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 40 positions in blocks of 16: the row and column loops cross blocks, the last block partial (the
-    shared C·Bᵀ is written in blocks of 32 and read in blocks of 16)."""
-    monkeypatch.setattr(ssd_triton, "SHARED_CB", shared_cb)
-    monkeypatch.setattr(ssd_triton, "_CB_BLOCK", 32)
+def test_several_blocks_per_chunk(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 40 positions in blocks of 16: the row and column loops cross blocks, the last block partial."""
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_ROWS", 16)  # float32 inputs take the tf32 tiles
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_BWD_ROWS", 16)
     monkeypatch.setattr(ssd_triton, "_STATE_BLOCK", 16)  # the state pass over several tiles (P * N = 32)
@@ -237,13 +228,11 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("low", [False, True], ids=["tf32-dots", "16bit-dots"])
-@pytest.mark.parametrize("shared_cb", [False, True], ids=["cb-per-head", "cb-shared"])
-def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, shared_cb: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """b=2, H=32, P=64, G=1, N=128, chunks of 256, bf16: forward and every gradient against the float64 recurrence
     on 600 positions (two whole chunks and a partial one); the forward at s=2048 against the recurrence too; with
     the products on float32 (TF32) or bf16 operands."""
     monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
-    monkeypatch.setattr(ssd_triton, "SHARED_CB", shared_cb)
     t = make_inputs(2, 600, 32, 1, 64, 128, D=True, bias=True, init=True, seed=7)
     (y, fin), (y_ref, fin_ref), grads, ref_grads = run_both(t, chunk_size=256, device="cuda", dtype=torch.bfloat16)
     assert_close(y, y_ref, 2e-2, "y")

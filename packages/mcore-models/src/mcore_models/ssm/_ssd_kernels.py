@@ -39,28 +39,6 @@ def kernels() -> dict[str, Any]:
         tl.store(CUM + o, cum, mask=m)
 
     @triton.jit  # type: ignore[misc]
-    def chunk_cb(Bm, Cm, CB, s, nc, G: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr,  # type: ignore[no-untyped-def]
-                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
-        # CB[b, c, g, i, j] = C_i . B_j within each chunk, every block: computed once for the group's heads, which
-        # otherwise each compute it in chunk_out, bwd_cols and bwd_rows
-        blk, c, bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        nb = tl.cdiv(L, BM)
-        bi, bj = blk // nb, blk % nb
-        b, g = bg // G, bg % G
-        n = tl.arange(0, BN)
-        ri, rj = bi * BM + tl.arange(0, BM), bj * BM + tl.arange(0, BM)
-        ti, tj = c * L + ri, c * L + rj
-        mi, mj = (ri < L) & (ti < s), (rj < L) & (tj < s)
-        ci = tl.load(Cm + ((b * s + ti).to(tl.int64) * G + g)[:, None] * N + n[None, :],
-                     mask=mi[:, None] & (n < N)[None, :], other=0.0)  # fmt: skip
-        bv = tl.load(Bm + ((b * s + tj).to(tl.int64) * G + g)[:, None] * N + n[None, :],
-                     mask=mj[:, None] & (n < N)[None, :], other=0.0)  # fmt: skip
-        cb = tl.dot(ci.to(tl.float32).to(DOT).to(DOT2), tl.trans(bv.to(tl.float32)).to(DOT).to(DOT2),
-                    input_precision=PREC)  # fmt: skip
-        o = ((b * nc + c) * G + g).to(tl.int64) * (L * L) + ri[:, None] * L + rj[None, :]
-        tl.store(CB + o, cb, mask=(ri < L)[:, None] & (rj < L)[None, :])
-
-    @triton.jit  # type: ignore[misc]
     def chunk_state(X, Bm, DTP, CUM, OUT, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
                     N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     FROM_END: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
@@ -133,10 +111,10 @@ def kernels() -> dict[str, Any]:
         tl.store(FINAL + bh.to(tl.int64) * PN + e, st, mask=m)
 
     @triton.jit  # type: ignore[misc]
-    def chunk_out(X, Bm, Cm, CB, DTP, CUM, STATES, Dv, Y, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
-                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                  BN: tl.constexpr, HAS_D: tl.constexpr, HAS_CB: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                  DOT2: tl.constexpr):  # fmt: skip
+    def chunk_out(X, Bm, Cm, DTP, CUM, STATES, Dv, Y, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
+                  N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                  HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
@@ -155,23 +133,18 @@ def kernels() -> dict[str, Any]:
             tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC)
             * tl.exp(tl.where(mi, cui, float("-inf")))[:, None]
         )
-        cbo = ((b * nc + c) * G + g).to(tl.int64) * (L * L)
         for k in range(0, (blk + 1) * BM, BM):
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
             mj = (rj < L) & (tj < s)
             btj = (b * s + tj).to(tl.int64)
+            bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
             xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
             cuj = tl.load(CUM + bh.to(tl.int64) * s + tj, mask=mj, other=0.0)
             dtj = tl.load(DTP + bh.to(tl.int64) * s + tj, mask=mj, other=0.0)
             keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
             dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
-            if HAS_CB:
-                cb = tl.load(CB + cbo + ri[:, None] * L + rj[None, :], mask=keep, other=0.0)
-            else:
-                bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-                cb = tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC)
-            w = cb * dec * dtj[None, :]
+            w = tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
             acc += tl.dot(w.to(DOT).to(DOT2), xj.to(DOT).to(DOT2), input_precision=PREC)
         xo = (bti * H + h)[:, None] * P + p[None, :]
         om = mi[:, None] & pm[None, :]
@@ -180,10 +153,10 @@ def kernels() -> dict[str, Any]:
         tl.store(Y + xo, acc.to(Y.dtype.element_ty), mask=om)
 
     @triton.jit  # type: ignore[misc]
-    def bwd_cols(X, Bm, Cm, CB, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
+    def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HAS_D: tl.constexpr, HAS_CB: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                 DOT2: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
         # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -213,7 +186,6 @@ def kernels() -> dict[str, Any]:
         wj = dtj * tl.sum(xj * inner, axis=1)
         dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
         q = tl.zeros([BM], dtype=tl.float32)
-        cbo = ((b * nc + c) * G + g).to(tl.int64) * (L * L)
         for k in range(blk * BM, L, BM):
             ri = k + tl.arange(0, BM)
             ti = c * L + ri
@@ -226,11 +198,7 @@ def kernels() -> dict[str, Any]:
             cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
             keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
             dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
-            if HAS_CB:
-                cb = tl.load(CB + cbo + ri[:, None] * L + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0)
-                gt = tl.trans(cb) * dec
-            else:
-                gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
+            gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
             inner += tl.dot(gt.to(DOT).to(DOT2), dyi.to(DOT).to(DOT2), input_precision=PREC)
             xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
             dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
@@ -248,10 +216,10 @@ def kernels() -> dict[str, Any]:
         tl.store(aux + 3 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
 
     @triton.jit  # type: ignore[misc]
-    def bwd_rows(X, Bm, Cm, CB, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
+    def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HAS_CB: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                 DOT2: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    DOT2: tl.constexpr):  # fmt: skip
         # rows i of the chunk: dC_i (per head) and the plus part of d cum_i (AUX row 4)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
@@ -275,7 +243,6 @@ def kernels() -> dict[str, Any]:
         plus = (
             tl.sum(dyi * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC), axis=1) * ei
         )
-        cbo = ((b * nc + c) * G + g).to(tl.int64) * (L * L)
         for k in range(0, (blk + 1) * BM, BM):
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
@@ -290,11 +257,9 @@ def kernels() -> dict[str, Any]:
             dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
             mt = tl.dot(dyi.to(DOT).to(DOT2), tl.trans(xj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
             dci += tl.dot(mt.to(DOT).to(DOT2), bj.to(DOT).to(DOT2), input_precision=PREC)
-            if HAS_CB:
-                cb = tl.load(CB + cbo + ri[:, None] * L + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0)
-            else:
-                cb = tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC)
-            plus += tl.sum(mt * cb, axis=1)
+            plus += tl.sum(
+                mt * tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC), axis=1
+            )
         tl.store(DC + (bti * H + h)[:, None] * N + n[None, :], dci, mask=mi[:, None] & nm[None, :])
         tl.store(AUX + 4 * (tl.num_programs(2) * s) + row + ti, plus, mask=mi)
 
@@ -335,5 +300,5 @@ def kernels() -> dict[str, Any]:
         tl.store(PARTS + total + o, tl.sum(dz))
         tl.store(PARTS + 2 * total + o, tl.sum(tl.load(row + 3 * stride, mask=m, other=0.0)))
 
-    return {"dt_fwd": dt_fwd, "chunk_cb": chunk_cb, "chunk_state": chunk_state, "state_pass": state_pass, "chunk_out": chunk_out,
+    return {"dt_fwd": dt_fwd, "chunk_state": chunk_state, "state_pass": state_pass, "chunk_out": chunk_out,
             "bwd_cols": bwd_cols, "bwd_rows": bwd_rows, "dt_bwd": dt_bwd}  # fmt: skip

@@ -37,33 +37,11 @@ TILES: dict[str, dict[str, int]] = {
 same for the backward's column and row kernels. The fastest of ``bench/ssd_bench.py --tune`` on one H200 (batch 8,
 seq 4096, 32 heads of 64, state 128, chunk 256): 8.16 ms forward + backward with 16-bit products, 15.6 ms TF32."""
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
-_CB_BLOCK = 64  # positions per block side in chunk_cb
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
 accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
 float32 operands: 1.9x faster on one H200 (``bench/ssd_bench.py --dots tf32 16bit --tune``). ``False`` gives the
 TF32 products."""
-
-
-SHARED_CB = False
-"""Compute ``C_i . B_j`` of every chunk once per group (one ``chunk_cb`` kernel, float32 ``[b, nc, G, L, L]``, in
-the forward and again in the backward) for the chunk kernels to read, instead of once per head inside each of
-them (``chunk_out``, ``bwd_cols``, ``bwd_rows``): the same float32 values, a third to half of those kernels'
-products gone when heads share a group. Off until ``bench/ssd_bench.py --shared-cb`` times it."""
-
-
-def _chunk_cb(B: torch.Tensor, C: torch.Tensor, chunk_size: int, nc: int, cfg: dict[str, Any]) -> torch.Tensor:
-    """``CB[b, c, g, i, j] = C_i . B_j`` within each chunk (float32); a placeholder when :data:`SHARED_CB` is off."""
-    if not SHARED_CB:
-        return B
-    b, s, G, N = B.shape
-    cb = torch.empty(b, nc, G, chunk_size, chunk_size, device=B.device, dtype=torch.float32)
-    bm = max(16, min(_CB_BLOCK, _pow2(chunk_size)))
-    blocks = -(-chunk_size // bm)
-    _kernels()["chunk_cb"][(blocks * blocks, nc, b * G)](B, C, cb, s, nc, G=G, N=N, L=chunk_size, BM=bm,
-                                                          BN=cfg["BN"], PREC=cfg["PREC"], DOT=cfg["DOT"],
-                                                          DOT2=cfg["DOT2"], num_warps=4)  # fmt: skip
-    return cb
 
 
 def _tiles(x: torch.Tensor) -> dict[str, int]:
@@ -138,9 +116,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     y = torch.empty_like(x)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    cb = _chunk_cb(B, C, chunk_size, nc, cfg)
-    k["chunk_out"][grid](x, B, C, cb, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, HAS_CB=SHARED_CB,
-                         num_warps=warps, **cfg)  # fmt: skip
+    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, num_warps=warps, **cfg)
     return y, final, states, dtp, cum
 
 
@@ -187,11 +163,9 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    cb = _chunk_cb(B, C, chunk_size, nc, cfg)
-    k["bwd_cols"][grid](x, B, C, cb, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
-                        HAS_CB=SHARED_CB, num_warps=warps, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, cb, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, HAS_CB=SHARED_CB, num_warps=warps,
-                        **cfg)  # fmt: skip
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
+                        num_warps=warps, **cfg)  # fmt: skip
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=warps, **cfg)
     ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
