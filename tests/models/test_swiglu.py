@@ -33,6 +33,22 @@ def test_reference_backward_is_autograd() -> None:
     torch.testing.assert_close(sw.swiglu(x), F.silu(x[..., :7]) * x[..., 7:])
 
 
+@pytest.mark.parametrize("path", ["swiglu", "activation"])
+def test_the_forward_rounds_once(path: str) -> None:
+    """In 16 bits ``silu(gate) * up`` is computed in float32 and rounded once (as compiled layers and the FP8 SwiGLU
+    kernels round it), not after ``silu`` too as eager bf16 ops would; float64 stays float64."""
+    from mcore_models.transformer.mlp import activation_fn
+
+    fn = sw.swiglu if path == "swiglu" else activation_fn("swiglu")
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    once = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    assert torch.equal(fn(x), once)
+    assert not torch.equal(F.silu(gate) * up, once)  # the double rounding differs somewhere: the check can fail
+    x64 = x.double()
+    assert torch.equal(fn(x64), F.silu(x64[:, :256]) * x64[:, 256:])
+
+
 def test_model_with_the_option_trains_like_the_autograd_backward() -> None:
     assert llama().swiglu_backward == "triton"  # the default
     torch.manual_seed(1)

@@ -129,7 +129,7 @@ def swiglu_quantize(
         grid = (-(-rows // _BM), -(-ffn // _BN))
         _kernels()["swiglu_cast"][grid](h2, scale.reshape(1).to(torch.float32), q, q if qt is None else qt, amax, rows,
                                         ffn, h2.stride(0), float(fmt.max), TRANSPOSE=transpose, BM=_BM, BN=_BN,
-                                        num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype))  # fmt: skip
+                                        num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
     return q, qt
 
 
@@ -149,7 +149,7 @@ def swiglu_backward_quantize(
         grid = (-(-rows // _BM), -(-ffn // _BWD_BN))
         _kernels()["swiglu_bwd_cast"][grid](h2, g2, scale.reshape(1).to(torch.float32), q, qt, amax, rows, ffn,
                                             h2.stride(0), g2.stride(0), float(fmt.max), BM=_BM, BN=_BWD_BN,
-                                            num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype))  # fmt: skip
+                                            num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
     return q, qt
 
 

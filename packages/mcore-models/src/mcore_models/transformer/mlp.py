@@ -15,7 +15,7 @@ from torch import nn
 from mcore_models.config import TransformerConfig
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.fp8_swiglu import fp8_swiglu_mlp, fusion_problem
-from mcore_models.transformer.swiglu import swiglu
+from mcore_models.transformer.swiglu import silu_mul, swiglu
 from mcore_parallel.tensor import normal_init, scaled_normal_init
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def activation_fn(name: str) -> object:
 
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_mul(gate, up)
 
 
 class MLP(nn.Module):

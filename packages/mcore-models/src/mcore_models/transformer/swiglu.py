@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_reference"]
+__all__ = ["silu_mul", "swiglu", "swiglu_backward", "swiglu_backward_reference"]
 
 _KERNEL: Any = None
 
@@ -91,12 +91,20 @@ def _(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)  # contiguous, as both implementations return it
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in float32 (or wider) math, rounded once to the inputs' dtype: what compiled layers compute
+    (inductor keeps a fused kernel's intermediates in float32) and what the FP8 SwiGLU kernels round
+    (``mcore_models.transformer.fp8_swiglu``); eager 16-bit ops would round ``silu(gate)`` first."""
+    cdt = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(cdt)) * up.to(cdt)).to(gate.dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         ctx.save_for_backward(x)
-        return F.silu(gate) * up
+        return silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
