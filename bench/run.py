@@ -38,11 +38,17 @@ SUITES = {s.name: s for s in [*TRAIN_SUITES, *LONG_SUITES, *FP8_SUITES, *SYSTEM_
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
-import json, platform, torch
+import importlib, json, platform, torch
 cuda = torch.cuda.is_available()
+missing = []
+for module in ("mcore_train", "mcore_infer", "mcore_export"):  # each imports the packages below it
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing.append(e.name)
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                   "gpus": torch.cuda.device_count() if cuda else 0,
-                  "gpu": torch.cuda.get_device_name(0) if cuda else None}))
+                  "gpu": torch.cuda.get_device_name(0) if cuda else None, "missing": sorted(set(missing))}))
 """
 
 
@@ -70,6 +76,11 @@ def probe(env: dict[str, str]) -> dict[str, Any]:
     if out.returncode != 0:
         raise SystemExit(f"could not import torch with this Python ({sys.executable}):\n{out.stderr[-2000:]}")
     info: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    missing = info.pop("missing", [])
+    if missing:
+        raise SystemExit(f"the mcore packages do not import with this Python ({sys.executable}): no module "
+                         f"{', '.join(missing)}; "
+                         "install it, or carry its wheels (and their dependencies) and pass --wheels DIR")  # fmt: skip
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
