@@ -78,15 +78,26 @@ STATE_BLOCKS = (256, 512, 1024, 2048)
 """``ssd_triton._STATE_BLOCK`` (state elements per program of the pass over chunks), swept last."""
 
 
+def _timed(row: dict[str, Any], b: int, seq: int) -> dict[str, Any]:
+    """``row`` (the constants in force) with the scan's time, or with the error of a combination that does not
+    compile or run (a tile too large for the GPU's shared memory, for one)."""
+    try:
+        row.update(scan_case(b, seq, "triton"))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    torch.cuda.empty_cache()
+    return row
+
+
 def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
     """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
     their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``, then
-    each of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does not compile or run is reported
-    with its error)."""
+    each of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does
+    not compile or run is reported with its error)."""
     import itertools
 
     b = max(1, tokens // seq)
-    low, rows = ssd_triton.LOW_PRECISION_DOTS, []
+    low, block, rows = ssd_triton.LOW_PRECISION_DOTS, ssd_triton._STATE_BLOCK, []
     for d in dots:
         ssd_triton.LOW_PRECISION_DOTS = d == "16bit"
         tiles = ssd_triton.TILES[d]
@@ -95,20 +106,13 @@ def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
             timed = []
             for values in itertools.product(*group.values()):
                 tiles.update(zip(group, values, strict=True))
-                row: dict[str, Any] = {"dots": d, **tiles}
-                try:
-                    row.update(scan_case(b, seq, "triton"))
-                except Exception as e:  # a tile too large for the GPU's shared memory, for one
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                timed.append(row)
-                torch.cuda.empty_cache()
+                timed.append(_timed({"dots": d, **tiles}, b, seq))
             best = min(timed, key=lambda r: r.get("ms", float("inf")))
             tiles.update({k: best[k] for k in group})
             rows.extend(timed)
-        block = ssd_triton._STATE_BLOCK
         for bs in STATE_BLOCKS:  # the pass over chunks, with the chunk kernels at their fastest found
             ssd_triton._STATE_BLOCK = bs
-            rows.append({"dots": d, **tiles, "_STATE_BLOCK": bs, **scan_case(b, seq, "triton")})
+            rows.append(_timed({"dots": d, **tiles, "_STATE_BLOCK": bs}, b, seq))
         ssd_triton._STATE_BLOCK = block
         tiles.update(default)
     ssd_triton.LOW_PRECISION_DOTS = low

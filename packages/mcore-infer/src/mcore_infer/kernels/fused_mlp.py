@@ -7,11 +7,11 @@ projection then :func:`~mcore_infer.kernels.small_gemv.swiglu_down`, it is two k
 them (cuBLAS is not launched as a programmatic dependent). Here program ``p`` owns the intermediate features
 ``[p * BLOCK_F, (p + 1) * BLOCK_F)``: it computes their gate and up rows over all of ``H`` (products accumulated
 elementwise in registers, as the one-row GEMV does), rounds each to the input dtype as the unfused ops do, applies
-``silu(gate) * up`` (each product rounded too, as eager 16-bit PyTorch ops round them), and multiplies the result by the same features' columns of ``fc2``,
-writing the float32 partial sums ``[programs, M, H]`` of the down projection: no program needs another's output, so
-the whole MLP streams its ~100 MB (``llama-1b``) in one launch. :func:`sum_partials` adds the partials in a fixed
-order (the result does not depend on scheduling) to one float32 ``[1, M, H]``, which the next residual add reads as
-any split-K partial sum (:func:`~mcore_infer.kernels.small_gemv.add_deferred`,
+``silu(gate) * up`` (each product rounded too, as eager 16-bit PyTorch ops round them), and multiplies the result by the
+same features' columns of ``fc2``, writing the float32 partial sums ``[programs, M, H]`` of the down projection: no
+program needs another's output, so the whole MLP streams its ~100 MB (``llama-1b``) in one launch. :func:`sum_partials`
+adds the partials in a fixed order (the result does not depend on scheduling) to one float32 ``[1, M, H]``, which the
+next residual add reads as any split-K partial sum (:func:`~mcore_infer.kernels.small_gemv.add_deferred`,
 :func:`~mcore_infer.kernels.add_norm.add_rms_norm`).
 
 Both launch as programmatic dependents where the GPU has them (:func:`~mcore_infer.kernels.norm_linear.gdc_launch`):

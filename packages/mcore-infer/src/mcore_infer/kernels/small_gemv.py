@@ -5,13 +5,13 @@ bandwidth the kernel reaches. A 2048-wide output in blocks of 32 features is 64 
 kernel here also splits K: program ``(i, s)`` computes output features ``[i * BLOCK_N, ...)`` over the K range of
 split ``s`` and writes float32 partial sums ``[splits, M, N]`` (one split writes the result in the output dtype).
 
-:func:`swiglu_down` is the MLP's down projection of a gated MLP with its activation inside: it reads the up
-projection's ``[gate | up]`` output and computes ``silu(gate) * up`` (each rounded to the input dtype, as eager 16-bit
-PyTorch ops round them; the model's own SwiGLU rounds once) as it loads it, so the activation is not a kernel of its own. :func:`linear_partials` and
-:func:`swiglu_down_partials` leave the float32 partial sums for a consumer that adds them where it reads them
-(:func:`add_deferred`); :func:`row_linear` returns the summed product. Each is a custom op (``mcore_infer::...``: a
-compiled layer keeps it in its graph); without Triton, or on the CPU outside ``TRITON_INTERPRET=1``, it computes the
-same with PyTorch ops.
+:func:`swiglu_down` is the MLP's down projection of a gated MLP with its activation inside: it reads the up projection's
+``[gate | up]`` output and computes ``silu(gate) * up`` (each rounded to the input dtype, as eager 16-bit PyTorch ops
+round them; the model's own SwiGLU rounds once) as it loads it, so the activation is not a kernel of its own.
+:func:`linear_partials` and :func:`swiglu_down_partials` leave the float32 partial sums for a consumer that adds them
+where it reads them (:func:`add_deferred`); :func:`row_linear` returns the summed product. Each is a custom op
+(``mcore_infer::...``: a compiled layer keeps it in its graph); without Triton, or on the CPU outside
+``TRITON_INTERPRET=1``, it computes the same with PyTorch ops.
 
 Each entry point takes ``launch`` (a :class:`Launch`: ``SPLITS``, ``BLOCK_N``, ``BLOCK_K``, ``WARPS``;
 ``Launch.parse("8,16,256,4")`` reads the form a benchmark sweep prints); None is :func:`heuristic_launch` (one split
