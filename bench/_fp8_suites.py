@@ -12,7 +12,11 @@ from _train_suites import _MFU_NOTE, _TRAIN, case_row, run_cases
 VARIANTS = {
     "fp8 hybrid, tensorwise": ["model.fp8=hybrid"],
     "fp8 e4m3, tensorwise": ["model.fp8=e4m3"],
-    "fp8 hybrid, delayed": ["model.fp8=hybrid", "model.fp8_recipe=delayed"],
+    "fp8 hybrid, delayed, unfused SwiGLU": [
+        "model.fp8=hybrid",
+        "model.fp8_recipe=delayed",
+        "model.fp8_fused_swiglu=false",
+    ],
     "fp8 hybrid, delayed, fused SwiGLU casts": [
         "model.fp8=hybrid",
         "model.fp8_recipe=delayed",

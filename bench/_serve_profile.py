@@ -19,6 +19,66 @@ def _table(prof: Any, f: Any) -> None:
     f.write(ka.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
 
 
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_timeline(events: list[dict[str, Any]], per_token: int) -> dict[str, Any]:
+    """Where the GPU's wall time goes, from a chrome trace's GPU events (kernels of graph replays included).
+
+    Events in start order; each one's time is split into the gap before it (the GPU idle since every earlier event
+    ended) and its exposed part (the part of it that no earlier event covers; with programmatic dependent launches
+    kernels overlap, so self times add up to more than the wall). Gaps and exposed time add up to the span. Per
+    event name: calls, mean duration, and exposed and gap time per ``per_token`` (the number of decode steps)."""
+    evs = sorted((e for e in events if e.get("cat") in _GPU_CATS and "dur" in e), key=lambda e: float(e["ts"]))
+    if not evs:
+        return {}
+    cur_end = float(evs[0]["ts"])
+    by: dict[str, dict[str, float]] = {}
+    for e in evs:
+        start, dur = float(e["ts"]), float(e["dur"])
+        row = by.setdefault(str(e["name"])[:90], {"calls": 0, "dur_us": 0.0, "exposed_us": 0.0, "gap_us": 0.0})
+        row["calls"] += 1
+        row["dur_us"] += dur
+        row["gap_us"] += max(0.0, start - cur_end)
+        row["exposed_us"] += max(0.0, start + dur - max(start, cur_end))
+        cur_end = max(cur_end, start + dur)
+    span = cur_end - float(evs[0]["ts"])
+    n = max(1, per_token)
+    rows = {
+        k: {"calls": v["calls"], "mean_us": v["dur_us"] / v["calls"], "exposed_us_per_token": v["exposed_us"] / n,
+            "gap_us_per_token": v["gap_us"] / n}
+        for k, v in sorted(by.items(), key=lambda kv: -(kv[1]["exposed_us"] + kv[1]["gap_us"]))
+    }  # fmt: skip
+    return {
+        "span_us_per_token": span / n,
+        "idle_us_per_token": sum(v["gap_us"] for v in by.values()) / n,
+        "by_name": rows,
+    }
+
+
+def _write_timeline(prof: Any, f: Any, tokens: int) -> None:
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp) as t:
+            events = json.load(t).get("traceEvents", [])
+    finally:
+        os.unlink(tmp)
+    tl = gpu_timeline(events, tokens)
+    if not tl:
+        return
+    f.write(f"GPU span {tl['span_us_per_token']:.1f} us per token, idle {tl['idle_us_per_token']:.1f} us\n\n")
+    f.write("| kernel | calls | mean us | exposed us/token | idle before us/token |\n|---|---|---|---|---|\n")
+    for name, r in list(tl["by_name"].items())[:40]:
+        f.write(f"| {name} | {r['calls']} | {r['mean_us']:.2f} | {r['exposed_us_per_token']:.2f} | "
+                f"{r['gap_us_per_token']:.2f} |\n")  # fmt: skip
+    f.write("\n")
+
+
 def profile_run(llm: Any, path: str, engine_run: Callable[[Any, int, int], dict[str, Any]]) -> None:
     """Where the time of batch-1 decoding goes: kernel time against wall time, hottest GPU and host ops."""
     from torch.profiler import ProfilerActivity, profile
@@ -30,6 +90,8 @@ def profile_run(llm: Any, path: str, engine_run: Callable[[Any, int, int], dict[
     with open(path, "w") as f:
         f.write(json.dumps(r) + "\n")
         f.write(f"total self device time {gpu_us / 1e3:.2f} ms over wall {r['wall_s'] * 1e3:.2f} ms\n\n")
+        if torch.cuda.is_available():
+            _write_timeline(prof, f, int(r.get("output_tokens", 128)))
         _table(prof, f)
     print(f"profile written to {path}", flush=True)
 

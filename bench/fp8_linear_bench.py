@@ -73,7 +73,7 @@ def measure(name: str, tokens: int, micro: int, iters: int) -> dict[str, Any]:
     return row
 
 
-MLP_CASES = {"bf16": {}, "hybrid-delayed": {"fp8": "hybrid", "fp8_recipe": "delayed"},
+MLP_CASES = {"bf16": {}, "hybrid-delayed": {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_fused_swiglu": False},
              "hybrid-delayed-fused": {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_fused_swiglu": True}}  # fmt: skip
 """``--mlp``: llama-1b's MLP in bf16, with FP8 linears (delayed scaling), and with the SwiGLU casts fused."""
 

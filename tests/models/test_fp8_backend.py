@@ -238,3 +238,23 @@ def test_fp8_fused_swiglu_is_refused_where_it_cannot_run(kw: dict, needs: str) -
     with pytest.raises(ConfigError, match=f"fp8_fused_swiglu=true needs {needs}"):
         llama(**{"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 4,
                  "ffn_hidden_size": 128, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_fused_swiglu": True, **kw})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw,fused",
+    [
+        (dict(), True),  # delayed scaling, SwiGLU, fc1 and fc2 in FP8: the fused SwiGLU where unset
+        (dict(fp8_fused_swiglu=False), False),
+        (dict(fp8_recipe="tensorwise"), False),  # cannot run: off, not an error, when unset
+        (dict(activation="gelu"), False),
+        (dict(fp8_modules=("qkv", "proj")), False),
+        (dict(fp8=None, backend="torch", fp8_recipe="tensorwise"), False),
+    ],
+)
+def test_fp8_fused_swiglu_is_on_wherever_it_can_run_unless_turned_off(kw: dict, fused: bool) -> None:
+    cfg = llama(**{"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 4,
+                   "ffn_hidden_size": 128, "fp8": "hybrid", "fp8_recipe": "delayed", **kw})  # fmt: skip
+    assert cfg.fp8_fused_swiglu is kw.get("fp8_fused_swiglu") and cfg.fp8_swiglu_fused is fused
+    model = GPTModel(cfg)
+    assert model.decoder.layers["1"].mlp.fp8_fused is fused  # the FP8 layer's MLP takes the fused path
+    assert model.decoder.layers["0"].mlp.fp8_fused is False  # the first layer stays bf16

@@ -159,7 +159,8 @@ def backend_problems(config: TransformerConfig) -> list[str]:
         if not isinstance(value, int) or value < 0:
             p.append(f"{key}={value!r} must be a non-negative integer")
     if config.fp8_fused_swiglu:
-        p.extend(_fused_swiglu_problems(config))
+        p.extend(f"fp8_fused_swiglu=true needs {what}; set it or set fp8_fused_swiglu=false (or leave it unset: on "
+                 "wherever it can run)" for what in fused_swiglu_problems(config))  # fmt: skip
     if p or config.fp8 is None:
         return p
     if config.hidden_size % GEMM_MULTIPLE:
@@ -177,7 +178,8 @@ def backend_problems(config: TransformerConfig) -> list[str]:
     return p
 
 
-def _fused_swiglu_problems(config: TransformerConfig) -> list[str]:
+def fused_swiglu_problems(config: TransformerConfig) -> list[str]:
+    """What keeps the fused FP8 SwiGLU (``fp8_fused_swiglu``) from running with ``config``; empty: it can."""
     needs = [
         (config.fp8 is not None, "fp8=e4m3 or hybrid"),
         (config.fp8_recipe == "delayed", f"fp8_recipe=delayed (not {config.fp8_recipe!r}: the SwiGLU kernels cast "
@@ -188,7 +190,7 @@ def _fused_swiglu_problems(config: TransformerConfig) -> list[str]:
         (config.fp8_wgrad, "fp8_wgrad=true"),
         (not config.fp8_allgather, "fp8_allgather=false"),
     ]  # fmt: skip
-    return [f"fp8_fused_swiglu=true needs {what}; set it or set fp8_fused_swiglu=false" for ok, what in needs if not ok]
+    return [what for ok, what in needs if not ok]
 
 
 def check_backend_device(config: TransformerConfig, device: Any) -> None:
@@ -213,7 +215,7 @@ def describe_backend(config: TransformerConfig) -> str:
     layers = fp8_layers(config)
     experts = config.moe is not None and "experts" in config.fp8_modules
     routed = "; routed experts: E4M3 rowwise grouped GEMMs, weight gradient bf16" if experts else ""
-    if config.fp8_fused_swiglu:
+    if config.fp8_swiglu_fused:
         routed += "; the MLP's SwiGLU kernels write FP8 (fp8_fused_swiglu)"
     bf16_experts = "shared experts" if experts else "MoE experts"
     return (f"backend fp8: {fp8_recipe(config).describe()}; layers {layers.start}-{layers.stop - 1} of "

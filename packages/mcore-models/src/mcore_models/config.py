@@ -159,10 +159,12 @@ class TransformerConfig:
     the wire) instead of after a bf16 all-gather."""
     fp8_wgrad: bool = True
     """Weight gradients as FP8 GEMMs (tensorwise and delayed scaling; rowwise keeps them bf16); false: bf16."""
-    fp8_fused_swiglu: bool = False
+    fp8_fused_swiglu: bool | None = None
     """The FP8 MLP's SwiGLU writes fc2's FP8 input, and its backward fc1's FP8 output gradient, directly: two bf16
-    tensors and their cast passes fewer per layer (:mod:`mcore_models.transformer.fp8_swiglu`). Needs fp8_recipe=delayed,
-    activation=swiglu, fc1 and fc2 in fp8_modules, add_bias_linear=false, fp8_wgrad=true, fp8_allgather=false."""
+    tensors and their cast passes fewer per layer (:mod:`mcore_models.transformer.fp8_swiglu`). It needs
+    fp8_recipe=delayed, activation=swiglu, fc1 and fc2 in fp8_modules, add_bias_linear=false, fp8_wgrad=true,
+    fp8_allgather=false. None (the default): on wherever those hold (:attr:`fp8_swiglu_fused`); true: required (a
+    configuration where it cannot run is refused); false: off."""
     moe: MoEConfig | None = None
     """Mixture of experts (:class:`~mcore_models.moe.MoEConfig`): which layers get routed experts, and how; None =
     every layer has a dense MLP."""
@@ -276,6 +278,16 @@ class TransformerConfig:
         if self.backend == "auto":
             return "torch" if self.fp8 is None else "fp8"
         return self.backend
+
+    @property
+    def fp8_swiglu_fused(self) -> bool:
+        """``fp8_fused_swiglu`` resolved: None is on wherever the fused FP8 SwiGLU can run (an FP8 model with the
+        delayed recipe, SwiGLU, fc1 and fc2 in FP8, ...), off elsewhere."""
+        if self.fp8_fused_swiglu is not None:
+            return self.fp8_fused_swiglu
+        from mcore_models.backends import fused_swiglu_problems
+
+        return not fused_swiglu_problems(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready fields (the form stored in checkpoint metadata under ``"model"``)."""

@@ -83,7 +83,7 @@ class MLP(nn.Module):
         and both linears in FP8)."""
         self.fp8_fused_calls = 0
         """How many forwards took the fused path (diagnostics, tests)."""
-        if config.fp8_fused_swiglu:
+        if config.fp8_swiglu_fused:
             self.fp8_fused = fusion_problem(self.linear_fc1, self.linear_fc2) is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
