@@ -35,9 +35,12 @@ def test_preset_names_and_plan_validation() -> None:
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
     assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True) == ROW
-    with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, fused_mlp\)"):
+    with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, row_fc1, "):
         replace(ATTENTION, pdl=True)
-    for kernel in ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp"):
+    assert replace(ATTENTION, row_fc1=True, pdl=True).pdl  # the up projection alone is a row kernel
+    with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, row_fc1 only its up projection"):
+        replace(ROW, swiglu_down=False, fused_mlp=True, row_fc1=True)
+    for kernel in ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp", "row_fc1"):
         with pytest.raises(ValueError, match=rf"norm_linear is exclusive with {kernel}"):
             DecodePlan(norm_linear=True, **{kernel: True})
     with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, swiglu_down only its down projection"):
@@ -81,6 +84,10 @@ def test_plans_round_trip_through_json_data() -> None:
     data = {"preset": "row", "swiglu_down": False, "fused_mlp": True, "launches": {"fused_mlp": "32,64,64,4"}}
     mlp = replace(ROW, swiglu_down=False, fused_mlp=True, launches=DecodeLaunches(fused_mlp=MlpLaunch(32, 64, 64, 4)))
     assert DecodePlan.from_dict(data) == mlp and DecodePlan.from_dict(mlp.to_dict()) == mlp
+    fc1 = replace(ROW, row_fc1=True, combine_in_attention=True, launches=DecodeLaunches(row_fc1=GemvLaunch(1, 16)))
+    assert DecodePlan.from_dict({"preset": "row", "row_fc1": True, "combine_in_attention": True,
+                                 "launches": {"row_fc1": [1, 16]}}) == fc1  # fmt: skip
+    assert DecodePlan.from_dict(fc1.to_dict()) == fc1
     with pytest.raises(ValueError, match="unknown fields.*'fuse_rope'"):
         DecodePlan.from_dict({"fuse_rope": True})
     with pytest.raises(ValueError, match="launches for unknown kernels.*'qkv'"):

@@ -121,6 +121,35 @@ def test_row_gemv_projections_give_the_same_tokens(
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
 
 
+ROW_FC1_PLANS = {
+    "eager": (False, DecodePlan(row_fc1=True)),  # the up projection's output through the MLP's activation and fc2
+    "compiled-row": (True, replace(DECODE_PRESETS["row"], row_fc1=True)),  # into swiglu_down
+}
+
+
+@pytest.mark.parametrize("case", list(ROW_FC1_PLANS))
+def test_row_gemv_up_projection_gives_the_same_tokens(
+    case: str, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``row_fc1``: steps of at most 4 tokens run each MLP's up projection through the row_linear op (longer steps
+    through cuBLAS); greedy tokens unchanged, with and without the other row kernels."""
+    from mcore_infer import decode_layers
+
+    compiled, plan = ROW_FC1_PLANS[case]
+    ffn2 = 2 * tiny_model(num_layers=3).config.ffn_size  # the gated up projection's outputs
+    widths: list[tuple[int, int]] = []
+    real = decode_layers.row_linear
+
+    def spy(x, weight, *a, **k):  # type: ignore[no-untyped-def]
+        widths.append((x.numel() // x.shape[-1], weight.shape[0]))
+        return real(x, weight, *a, **k)
+
+    monkeypatch.setattr(decode_layers, "row_linear", spy)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
+    fc1 = [rows for rows, n in widths if n == ffn2]
+    assert fc1 and max(fc1) <= 4 and 1 in fc1 and len(fc1) % 3 == 0  # one per layer, decode steps only
+
+
 FUSED_MLP_PLANS = {
     "eager": (False, DecodePlan(fused_mlp=True)),
     "eager-deferred": (False, DecodePlan(fused_mlp=True, defer_residual=True)),

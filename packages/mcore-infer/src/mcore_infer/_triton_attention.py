@@ -57,7 +57,31 @@ def _kernel() -> Any:
         sign = tl.where(d < half, -1.0, 1.0)
         return (x.to(tl.float32) * cos + sign * x_p * sin).to(x.dtype)
 
+    @triton.jit  # type: ignore[misc]
+    def _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+                       HEADS: tl.constexpr, HPG_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+        """The outputs of one group's ``heads`` from their splits' partial softmax states (``combine``'s formula,
+        the splits' outputs added in split order), read from L2 (``.cg``: other programs wrote them)."""
+        sp = tl.arange(0, SPLITS)
+        rows = (t * HEADS + heads)[:, None] * SPLITS + sp[None, :]  # [heads, splits]
+        m = tl.load(PM + rows, mask=hmask[:, None], other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PL + rows, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padded graph row attends to nothing
+        w = tl.exp(m - m_max[:, None])
+        den = tl.sum(l_s * w, 1)
+        num = tl.zeros([HPG_PAD, D], tl.float32)
+        for s in tl.static_range(SPLITS):
+            w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
+            part = tl.load(PACC + ((t * HEADS + heads) * SPLITS + s)[:, None] * D + d[None, :], mask=hmask[:, None],
+                           other=0.0, cache_modifier=".cg")  # fmt: skip
+            num += part * w_s[:, None]
+        out = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+        tl.store(Out + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=hmask[:, None])  # fmt: skip
+
     globals()["_rotate"] = _rotate  # Triton resolves a kernel's callees among its module's globals
+    globals()["_combine_group"] = _combine_group
 
     @triton.jit  # type: ignore[misc]
     def attend(  # type: ignore[no-untyped-def]
@@ -76,6 +100,7 @@ def _kernel() -> Any:
         KIN,
         VIN,
         SLOTS,
+        CNT,
         scale,
         stride_qt,
         stride_qg,
@@ -101,6 +126,7 @@ def _kernel() -> Any:
         ROT: tl.constexpr,
         NEW_KV: tl.constexpr,
         GDC: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -178,6 +204,13 @@ def _kernel() -> Any:
             tl.store(PM + row, m_i, mask=hmask)
             tl.store(PL + row, l_i, mask=hmask)
             tl.store(PACC + row[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+            if FOLD:  # the last of the group's splits to finish combines them (no second kernel)
+                tl.debug_barrier()  # every thread's partial stored before the counter is released
+                counter = CNT + t * tl.num_programs(1) + g
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                    _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh, HEADS, HPG_PAD, D,
+                                   SPLITS)  # fmt: skip
+                    tl.atomic_xchg(counter, 0)  # ready for the next call (a CUDA graph replays the same counters)
 
     @triton.jit  # type: ignore[misc]
     def combine(  # type: ignore[no-untyped-def]
@@ -306,6 +339,7 @@ def paged_attention_triton(
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
+    fold: bool = False,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -321,7 +355,12 @@ def paged_attention_triton(
     the cache by the same kernel, instead of a :func:`store_kv_triton` call first.
 
     ``pdl``: both kernels launched as programmatic dependents on Hopper and later (each starts while the kernel
-    before it finishes, and reads that kernel's output after waiting for it)."""
+    before it finishes, and reads that kernel's output after waiting for it).
+
+    ``fold``: with splits, the last split of each (token, group) to finish combines the group's partial states
+    (a per-(token, group) counter taken with an atomic add, reset by that program), so no second kernel runs; the
+    counters are zeroed once per device and kept (:func:`_split_counters`). Inside a CUDA-graph capture that finds
+    no counters large enough, the combine kernel runs instead."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -341,10 +380,11 @@ def paged_attention_triton(
         k_in = v_in = slots = out  # unused
     attend, combine, _ = _kernel()
     pm, pl, pacc = _split_scratch(out, splits)
+    counters = _split_counters(q.device, t * groups) if fold and splits > 1 else None
     # fmt: off
     attend[(t, groups, splits)](
         q, k_cache, v_cache, out, pm, pl, pacc, block_tables, token_seq, token_ctx, cos, sin, k_in, v_in, slots,
-        scale, q.stride(0), stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0),
+        counters if counters is not None else slots, scale, q.stride(0), stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0),
         v_in.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEADS=heads,
@@ -356,10 +396,11 @@ def paged_attention_triton(
         IEEE=k_cache.dtype == torch.float32,
         ROT=rot,
         NEW_KV=new_kv is not None,
+        FOLD=counters is not None,
         **gdc_launch(q, pdl),
     )
     # fmt: on
-    if splits > 1:
+    if splits > 1 and counters is None:
         combine[(t, heads)](out, pm, pl, pacc, out.stride(0), out.stride(1), HEADS=heads, D=d, SPLITS=splits,
                             **gdc_launch(q, pdl))  # fmt: skip
     return out
@@ -401,6 +442,22 @@ def store_kv_triton(
         D=d,
         ROT=rot,
     )
+
+
+_COUNTERS: dict[str, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least ``n`` int32 zeros on ``device`` for :func:`paged_attention_triton`'s ``fold`` (each call leaves them
+    zero again), or None inside a CUDA-graph capture when none are large enough yet. Every buffer made is kept:
+    a captured graph holds its address."""
+    kept = _COUNTERS.setdefault(str(device), [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    kept.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 _SMS: dict[str, int] = {}

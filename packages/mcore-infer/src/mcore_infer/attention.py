@@ -51,6 +51,7 @@ class PagedAttentionContext:
         fuse_rotary: bool = False,
         fuse_kv_write: bool = False,
         pdl: bool = False,
+        fold_combine: bool = False,
         kv_layers: list[int] | None = None,
         mamba: Any = None,
     ) -> None:
@@ -77,6 +78,8 @@ class PagedAttentionContext:
         self.fuse_kv_write = fuse_kv_write and backend == "triton"
         # small decode steps: the attention kernels launched as programmatic dependents (DecodePlan.pdl)
         self.pdl = pdl and backend == "triton"
+        # split attention combined by the last split to finish, not a second kernel (DecodePlan.combine_in_attention)
+        self.fold_combine = fold_combine and backend == "triton"
 
     @torch.compiler.disable
     def attention(
@@ -106,7 +109,7 @@ class PagedAttentionContext:
                 store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
             out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
                                          self.token_ctx, scale, rotary=rotary, new_kv=new_kv,
-                                         pdl=self.pdl and t <= FMA_MAX_ROWS)  # fmt: skip
+                                         pdl=self.pdl and t <= FMA_MAX_ROWS, fold=self.fold_combine)  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

@@ -19,6 +19,10 @@ number of kernels per layer, and serving removes some with fusions the training 
 - ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection), with the
   residual add and RMSNorm before it, as one weight-streaming kernel and a small one that adds its partial sums
   (:mod:`mcore_infer.kernels.fused_mlp`), instead of the norm, cuBLAS's up projection and ``swiglu_down``;
+- ``combine_in_attention``: where the paged-attention kernel splits a token's blocks among programs (small decode
+  batches), the last of them to finish combines their partial softmax states, instead of a second kernel;
+- ``row_fc1``: steps of at most 4 tokens run the MLP's up projection through the one-row Triton GEMV (a
+  programmatic dependent with ``pdl``) instead of cuBLAS;
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
   starts while the kernel before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
@@ -80,13 +84,14 @@ log = logging.getLogger(__name__)
 DecodeKernels = Literal["auto", "none", "attention", "row", "norm_linear"]
 """A preset name: ``auto`` (:func:`requested_plan`) or a key of :data:`DECODE_PRESETS`."""
 
-ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp")
+ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv", "row_fc1", "fused_mlp")
 
 _EXCLUDED_BY_NORM_LINEAR = {
     "swiglu_down": "norm_linear layers bypass the MLP's down-projection kernel",
     "proj_partials": "the fused norm after attention reads the output projection's summed output",
     "row_gemv": "both replace the QKV projection",
     "fused_mlp": "both replace the MLP's up projection",
+    "row_fc1": "both replace the MLP's up projection",
 }
 
 
@@ -102,6 +107,8 @@ class DecodeLaunches:
     """The attention output projection's partial sums."""
     row_gemv: GemvLaunch | None = None
     """The QKV projection."""
+    row_fc1: GemvLaunch | None = None
+    """The MLP's up projection (``row_fc1``)."""
     fused_mlp: MlpLaunch | None = None
     """The fused MLP kernel."""
 
@@ -138,6 +145,12 @@ class DecodePlan:
     """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection; with an RMSNorm before it,
     the residual add and the norm too) as one Triton kernel plus the sum of its partials (SwiGLU, bias-free, tp=1);
     excludes ``swiglu_down``, which replaces only the down projection."""
+    combine_in_attention: bool = False
+    """The paged-attention kernel's split-K partial states combined by the last split to finish (Triton attention
+    backend), instead of a second kernel."""
+    row_fc1: bool = False
+    """Steps of at most 4 tokens: the MLP's up projection with the one-row Triton GEMV (bias-free, tp=1) instead of
+    cuBLAS, launched as a programmatic dependent with ``pdl``."""
     pdl: bool = False
     """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
     RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`) launched as programmatic dependents, so each
@@ -158,6 +171,8 @@ class DecodePlan:
         if self.norm_gemv and self.launches.row_gemv is not None and self.launches.row_gemv.splits != 1:
             raise ValueError(f"DecodePlan: norm_gemv writes the QKV projection summed: launches.row_gemv="
                              f"{self.launches.row_gemv} needs SPLITS=1")  # fmt: skip
+        if self.fused_mlp and self.row_fc1:
+            raise ValueError("DecodePlan: fused_mlp runs the whole MLP, row_fc1 only its up projection; turn one off")
         if self.fused_mlp and self.swiglu_down:
             raise ValueError(
                 "DecodePlan: fused_mlp runs the whole MLP, swiglu_down only its down projection; turn one of them off"
@@ -272,9 +287,9 @@ def requested_plan(
         plan, strict = DECODE_PRESETS["row" if fast else "attention"], False
     else:
         plan, strict = DECODE_PRESETS[kernels], True
-    if backend != "triton" and (plan.rope_in_attention or plan.kv_write_in_attention):
+    if backend != "triton" and (plan.rope_in_attention or plan.kv_write_in_attention or plan.combine_in_attention):
         log.info("attention backend %r: RoPE and the KV write run as kernels of their own", backend)
-        plan = replace(plan, rope_in_attention=False, kv_write_in_attention=False)
+        plan = replace(plan, rope_in_attention=False, kv_write_in_attention=False, combine_in_attention=False)
     return plan, strict
 
 

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
 
 LAYER_FUSIONS = (
-    "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "norm_gemv", "fused_mlp", "pdl",
+    "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "norm_gemv", "fused_mlp", "row_fc1",
+    "pdl",
 )  # fmt: skip
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
@@ -78,7 +79,8 @@ def skipped_fusions(layer: nn.Module) -> dict[str, str]:
         why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
         skipped.update(dict.fromkeys(("row_gemv", "norm_gemv", "proj_partials", "norm_linear"), why))
     if not mlp_ok:
-        skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp"), f"mlp is a {type(layer.mlp).__name__}, not an MLP"))
+        skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp", "row_fc1"),
+                                     f"mlp is a {type(layer.mlp).__name__}, not an MLP"))  # fmt: skip
     return skipped
 
 
@@ -108,6 +110,9 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
             swiglu + _plain_linear(mlp.linear_fc2, "linear_fc2") + sharded("the down projection's all-reduce")
         )
         missing["fused_mlp"] = missing["swiglu_down"] + _plain_linear(mlp.linear_fc1, "linear_fc1", column=True)
+        missing["row_fc1"] = _plain_linear(mlp.linear_fc1, "linear_fc1", column=True) + sharded(
+            "tensor-parallel shards"
+        )
     if attn_ok:  # norm_linear: the first norm into the QKV projection, and with the standard MLP the second into fc1
         norms = [("input_layernorm", layer.input_layernorm)] + ([("pre_mlp_layernorm", layer.pre_mlp_layernorm)]
                                                                  if mlp_ok else [])  # fmt: skip
@@ -171,6 +176,7 @@ class FusedDecodeLayer(nn.Module):
         )
         self.norm_gemv = fusions["norm_gemv"]  # (with row_gemv: the plan checks it)
         self.fused_mlp = fusions["fused_mlp"]
+        self.row_fc1 = fusions["row_fc1"]
         self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
         self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
@@ -186,7 +192,8 @@ class FusedDecodeLayer(nn.Module):
             return self._norm_linear_forward(x, rotary, inference_context, residual)
         # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs;
         # norm_gemv comes with row_gemv)
-        fused_any = self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.pdl
+        fused_any = (self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.row_fc1
+                     or self.pdl)  # fmt: skip
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         # the previous layer's output may be partial sums (swiglu_down, fused_mlp)
         proj, x = self._attention_half(x, rotary, inference_context, residual, small)
@@ -234,9 +241,13 @@ class FusedDecodeLayer(nn.Module):
             h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
             if self.fused_mlp and small:  # the whole MLP: its float32 sum
                 out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)
-            elif self.swiglu_down and small:  # with the deferred add: partial sums
-                fused = swiglu_down_partials if self.defer else swiglu_down
-                out = fused(mlp.linear_fc1(h), mlp.linear_fc2.weight, launches.swiglu_down, pdl)
+            elif (self.swiglu_down or self.row_fc1) and small:
+                up = row_linear(h, mlp.linear_fc1.weight, launches.row_fc1, pdl) if self.row_fc1 else mlp.linear_fc1(h)
+                if self.swiglu_down:  # with the deferred add: partial sums
+                    fused = swiglu_down_partials if self.defer else swiglu_down
+                    out = fused(up, mlp.linear_fc2.weight, launches.swiglu_down, pdl)
+                else:
+                    out = mlp.linear_fc2(mlp.act(up))
             else:
                 out = mlp(h)
         # partial sums are added where the next layer adds the residual, or here (in float32, rounded once)

@@ -112,6 +112,7 @@ def _context(runner: ModelRunner, st: dict[str, torch.Tensor], t: int, rows: int
         fuse_rotary=runner.plan.rope_in_attention,
         fuse_kv_write=decode and runner.plan.kv_write_in_attention,  # decode: one new token per request
         pdl=runner.plan.pdl,
+        fold_combine=runner.plan.combine_in_attention,
         kv_layers=runner.kv_layers,
         mamba=None if runner.mamba is None or state_slots is None else MambaStepView(runner.mamba, state_slots),
     )

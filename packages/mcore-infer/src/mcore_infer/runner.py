@@ -346,6 +346,7 @@ class ModelRunner:
             fuse_rotary=self.plan.rope_in_attention,
             fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
             pdl=self.plan.pdl,
+            fold_combine=self.plan.combine_in_attention,
             kv_layers=self.kv_layers,
             mamba=self._mamba_step(batch, state_slots),
         )
