@@ -62,6 +62,7 @@ from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.norm_linear import Launch as NormLinearLaunch
 from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, add_deferred
 from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
+from mcore_infer.rope_table import RotaryTable
 from mcore_models import GPTModel
 from mcore_models.transformer.attention import InferenceContext
 from mcore_models.transformer.layer import TransformerLayer
@@ -310,9 +311,11 @@ class DecodeModel(nn.Module):
         plan: DecodePlan,
         norm_linear_head: bool,
         norm_gemv_head: bool = False,
+        rotary_table: RotaryTable | None = None,
     ) -> None:
         super().__init__()
         self.model = model
+        self.rotary_table = rotary_table  # the rotary tables of every position, gathered per step
         self.layers = nn.ModuleDict(layers)
         self.plan = plan
         self.norm_linear_head = norm_linear_head
@@ -336,7 +339,7 @@ class DecodeModel(nn.Module):
     ) -> torch.Tensor:
         model = self.model
         ctx = inference_context
-        hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input)
+        hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=self.rotary_table)
         pending: torch.Tensor | None = None  # the last layer's residual, not added yet
         for key, layer in self.layers.items():
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
@@ -373,6 +376,7 @@ def prepare_for_decode(
     device_type: str | None = None,
     backend: str = "plain",
     compiled: bool = False,
+    max_positions: int | None = None,
 ) -> DecodeModel:
     """A :class:`DecodeModel` running ``model`` (whole, in eval mode) with ``plan`` (resolved by
     :func:`requested_plan` for ``device_type``, default the model's, the attention ``backend`` and whether the caller
@@ -380,7 +384,9 @@ def prepare_for_decode(
     concern a layer (the part it rewrites is of another type than the standard one, e.g. an MoE layer's ``mlp``:
     :func:`~mcore_infer.decode_layers.skipped_fusions`) stays off for it under any plan; with a strict plan
     (anything but ``auto``) a standard part that cannot take one raises a ValueError naming the layer and what it
-    lacks. Nothing is set on ``model`` or its modules."""
+    lacks. Nothing is set on ``model`` or its modules. ``max_positions``: the decode model gathers each step's
+    rotary tables from a :class:`~mcore_infer.rope_table.RotaryTable` of that many positions (the same values the
+    model's RoPE computes), for positions below it only."""
     if model.training:
         raise ValueError("prepare_for_decode needs a model in eval mode: call model.eval() first")
     if not (model.pre_process and model.post_process):
@@ -405,7 +411,10 @@ def prepare_for_decode(
     head = resolved.norm_linear and _norm_linear_head(model)
     gemv_head = resolved.norm_gemv and _norm_linear_head(model)
     log.info("decode plan: %s", {k: v for k, v in resolved.to_dict().items() if v})
-    return DecodeModel(model, wrappers, resolved, head, gemv_head)
+    table = None
+    if max_positions and model.rotary is not None:
+        table = RotaryTable(model.rotary, max_positions, model.embedding.word_embeddings.weight.dtype)
+    return DecodeModel(model, wrappers, resolved, head, gemv_head, table)
 
 
 def _layer_fusions(

@@ -155,8 +155,9 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and triton_available() else "plain"
         self.backend = backend
+        max_len = config.max_model_len or model.config.max_position_embeddings
         self.decode = prepare_for_decode(model, config.decode_kernels, device_type=self.device.type, backend=backend,
-                                         compiled=config.compile)  # fmt: skip
+                                         compiled=config.compile, max_positions=max_len)  # fmt: skip
         self.plan = self.decode.plan
         if config.compile:
             self.decode.compile_layers()  # compiled on the first steps (and the CUDA-graph warm-up)

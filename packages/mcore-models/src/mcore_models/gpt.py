@@ -217,10 +217,12 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         decoder_input: torch.Tensor | None = None,
+        rotary: nn.Module | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The first layer's input ``[s (/ tp), b, hidden]`` (``decoder_input`` when given, else the embedding on the
         first stage, else the tensor of :meth:`set_input_tensor`) and the rotary tables ``(cos, sin)`` of the
-        positions (None without RoPE)."""
+        positions (None without RoPE), from ``rotary`` when given (called as the model's ``RotaryEmbedding`` is:
+        a serving engine's precomputed table), else from the model's."""
         if decoder_input is not None:
             hidden = decoder_input
             s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
@@ -237,8 +239,9 @@ class GPTModel(nn.Module):
             hidden = self.input_tensor
             s = hidden.shape[0] * (self.ctx.tp.size if self.ctx.sequence_parallel else 1)
             pos = self._positions(position_ids, s, hidden.device)
-        rotary = self.rotary(pos, hidden.dtype) if self.rotary is not None else None
-        return hidden, rotary
+        if self.rotary is None:
+            return hidden, None
+        return hidden, (rotary if rotary is not None else self.rotary)(pos, hidden.dtype)
 
     @property
     def output_weight(self) -> torch.Tensor:
