@@ -12,6 +12,7 @@ import torch
 from mcore_infer import _triton_attention
 from mcore_infer._triton_attention import paged_attention_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
+from mcore_infer.kernels._counters import zeroed_counters
 from mcore_models.transformer.rope import RotaryEmbedding
 from tests.infer._kernels import KERNEL_DEVICES as DEVICES
 
@@ -46,8 +47,8 @@ def test_folded_combine_equals_the_combine_kernel_and_the_reference(device: str,
         folded = paged_attention_triton(q, kc, vc, bt, tseq, tctx, 0.125, splits=splits, rotary=rotary, fold=True)
         torch.testing.assert_close(folded, two, atol=1e-5, rtol=1e-5)
         assert torch.equal(folded[-1], torch.zeros_like(folded[-1]))  # context 0: zeros, not NaN
-    counters = _triton_attention._COUNTERS[str(torch.device(device))][-1]
-    assert int(counters.abs().sum()) == 0
+    counters = zeroed_counters(torch.device(device), 1, "attention")
+    assert counters is not None and int(counters.abs().sum()) == 0
     if rot == 0:
         ref = plain_paged_attention(q[:-1], kc, vc, segs, tables)
         torch.testing.assert_close(folded[:-1], ref, atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mcore_infer.errors import MissingDependencyError
+from mcore_infer.kernels._counters import zeroed_counters
 from mcore_infer.kernels.norm_linear import gdc_launch
 
 __all__ = ["num_splits", "paged_attention_triton", "store_kv_triton", "triton_available"]
@@ -359,8 +360,8 @@ def paged_attention_triton(
 
     ``fold``: with splits, the last split of each (token, group) to finish combines the group's partial states
     (a per-(token, group) counter taken with an atomic add, reset by that program), so no second kernel runs; the
-    counters are zeroed once per device and kept (:func:`_split_counters`). Inside a CUDA-graph capture that finds
-    no counters large enough, the combine kernel runs instead."""
+    counters are zeroed once per device and kept (:func:`~mcore_infer.kernels._counters.zeroed_counters`). Inside
+    a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -380,12 +381,13 @@ def paged_attention_triton(
         k_in = v_in = slots = out  # unused
     attend, combine, _ = _kernel()
     pm, pl, pacc = _split_scratch(out, splits)
-    counters = _split_counters(q.device, t * groups) if fold and splits > 1 else None
+    counters = zeroed_counters(q.device, t * groups, "attention") if fold and splits > 1 else None
     # fmt: off
     attend[(t, groups, splits)](
         q, k_cache, v_cache, out, pm, pl, pacc, block_tables, token_seq, token_ctx, cos, sin, k_in, v_in, slots,
-        counters if counters is not None else slots, scale, q.stride(0), stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0),
-        v_in.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        counters if counters is not None else slots, scale, q.stride(0), stride_qg, stride_qh, stride_ct,
+        k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEADS=heads,
         HPG=hpg,
@@ -442,22 +444,6 @@ def store_kv_triton(
         D=d,
         ROT=rot,
     )
-
-
-_COUNTERS: dict[str, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` int32 zeros on ``device`` for :func:`paged_attention_triton`'s ``fold`` (each call leaves them
-    zero again), or None inside a CUDA-graph capture when none are large enough yet. Every buffer made is kept:
-    a captured graph holds its address."""
-    kept = _COUNTERS.setdefault(str(device), [])
-    if kept and kept[-1].numel() >= n:
-        return kept[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    kept.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 _SMS: dict[str, int] = {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcore_infer.errors import InvalidRequestError
+from mcore_infer.kernels.argmax import row_argmax
 
 __all__ = ["SamplingParams", "Sampler", "SampleResult", "TEMPERATURE_FLOOR", "PENALTY_RANGE"]
 
@@ -215,7 +216,7 @@ class Sampler:
         assert logits.shape[0] == n
         fast = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in rows)
         if fast and not any(r.banned for r in rows):
-            return Drawn(logits.argmax(-1), rows, None)
+            return Drawn(row_argmax(logits), rows, None)  # (one Triton kernel on the GPU: torch's argmax exactly)
         x = logits.float().clone()
         self._penalise(x, rows)
         x = _finite(x)

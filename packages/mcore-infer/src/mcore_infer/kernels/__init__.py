@@ -5,6 +5,7 @@
 - :mod:`~mcore_infer.kernels.small_gemv`: the split-K weight-streaming GEMV of at most
   :data:`~mcore_infer.kernels.small_gemv.FMA_MAX_ROWS` rows (SwiGLU folded into the down projection's loads, the
   output projection as partial sums, the QKV projection summed) and ``add_deferred``, which sums partials;
+- :mod:`~mcore_infer.kernels.argmax`: the greedy draw's argmax of each row as one kernel;
 - :mod:`~mcore_infer.kernels.fused_mlp`: a gated MLP of at most ``FMA_MAX_ROWS`` rows (up projection, SwiGLU, down
   projection) as one kernel, and the fixed-order sum of its partials.
 

@@ -1,0 +1,64 @@
+"""The greedy draw's argmax kernel (:func:`mcore_infer.kernels.argmax.row_argmax`) equals ``torch.argmax(-1)``
+index for index: ties to the first index, NaN first, rows of -inf, a vocabulary not a multiple of the chunk; call
+after call (its counters return to zero). Runs on GPUs, or on the CPU under ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_infer.kernels import argmax as argmax_module
+from mcore_infer.kernels.argmax import BLOCK, row_argmax
+from tests.infer._kernels import KERNEL_DEVICES as DEVICES
+
+
+def _cases(device: str, dtype: torch.dtype, v: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(7, v, generator=g).to(dtype)
+    x[1, :] = x[1].max() + 1  # ties everywhere: index 0
+    x[2, v // 3] = x[2, -1] = float(x[2].max()) + 2  # a tie across chunks: the lower index
+    x[3, :] = float("-inf")  # nothing finite: index 0
+    x[4, v - 1] = float("nan")  # a NaN wins over any value
+    x[4, 5] = float("inf")
+    x[5, min(v - 1, BLOCK + 3)] = float("nan")
+    x[5, min(v - 1, 2 * BLOCK + 7)] = float("nan")  # the first NaN
+    x[6, -1] = float("inf")
+    return x.to(device)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("v", [1000, 3 * BLOCK + 17, 32768])
+def test_row_argmax_equals_torch(device: str, dtype: torch.dtype, v: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _cases(device, dtype, v)
+    want = x.cpu().argmax(-1)
+    calls = []
+    real = argmax_module._kernel
+    monkeypatch.setattr(argmax_module, "_kernel", lambda: calls.append(1) or real())
+    for _ in range(2):  # the counters are zero again after a call
+        assert torch.equal(row_argmax(x).cpu(), want)
+        assert torch.equal(row_argmax(x[3:4]).cpu(), want[3:4])
+    assert len(calls) == 4  # the kernel ran (not torch's argmax)
+
+
+def test_other_inputs_take_torch_argmax() -> None:
+    x = torch.randn(3, 50, dtype=torch.float64)
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(torch.empty(0, 5)).shape == (0,)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+def test_the_greedy_draw_takes_the_kernel(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of only greedy rows (no penalties, logprobs or banned tokens) draws through the kernel."""
+    from mcore_infer import SamplingParams
+    from mcore_infer.sampling import Sampler, SampleRow
+
+    calls = []
+    real = argmax_module._kernel
+    monkeypatch.setattr(argmax_module, "_kernel", lambda: calls.append(1) or real())
+    x = _cases(device, torch.float32, 5000)
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1, 2], [], None, []) for _ in range(x.shape[0])]
+    got = Sampler(device).draw(x, rows).result()
+    assert got.tokens == x.cpu().argmax(-1).tolist() and calls
