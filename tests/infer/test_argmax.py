@@ -39,7 +39,7 @@ def test_row_argmax_equals_torch(device: str, dtype: torch.dtype, v: int, monkey
     for _ in range(2):  # the counters are zero again after a call
         assert torch.equal(row_argmax(x).cpu(), want)
         assert torch.equal(row_argmax(x[3:4]).cpu(), want[3:4])
-    assert len(calls) == 4  # the kernel ran (not torch's argmax)
+    assert len(calls) == 4 and argmax_module._FAILED is None  # the kernel ran (not torch's argmax)
 
 
 def test_other_inputs_take_torch_argmax() -> None:
@@ -61,4 +61,24 @@ def test_the_greedy_draw_takes_the_kernel(device: str, monkeypatch: pytest.Monke
     x = _cases(device, torch.float32, 5000)
     rows = [SampleRow(SamplingParams(temperature=0.0), [1, 2], [], None, []) for _ in range(x.shape[0])]
     got = Sampler(device).draw(x, rows).result()
-    assert got.tokens == x.cpu().argmax(-1).tolist() and calls
+    assert got.tokens == x.cpu().argmax(-1).tolist() and calls and argmax_module._FAILED is None
+
+
+def test_a_kernel_that_cannot_run_falls_back_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Triton that cannot compile the kernel: a warning naming why, then torch's argmax for every later call."""
+
+    class Broken:
+        def __getitem__(self, grid: object) -> object:
+            raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(argmax_module, "_use_triton", lambda x: True)
+    monkeypatch.setattr(argmax_module, "_kernel", lambda: Broken())
+    monkeypatch.setattr(argmax_module, "_FAILED", None)
+    x = torch.randn(3, 5000)
+    assert torch.equal(row_argmax(x), x.argmax(-1)) and torch.equal(row_argmax(x), x.argmax(-1))
+    assert argmax_module._FAILED == "RuntimeError: no such instruction"
+    assert [r.getMessage() for r in caplog.records].count(
+        "the argmax kernel failed (RuntimeError: no such instruction); greedy draws use torch.argmax"
+    ) == 1

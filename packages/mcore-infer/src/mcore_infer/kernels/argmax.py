@@ -10,6 +10,7 @@ and resets the counter. On the CPU outside ``TRITON_INTERPRET=1``, and for float
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ __all__ = ["row_argmax"]
 
 BLOCK = 2048
 _KERNEL: Any = None
+_FAILED: str | None = None
+"""Why the kernel could not run (it is then never tried again), else None."""
+log = logging.getLogger(__name__)
 
 
 def _kernel() -> Any:
@@ -79,6 +83,14 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     pi = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     pn = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     out = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    _kernel()[(rows, chunks)](logits, pv, pi, pn, counters, out, v, chunks, logits.stride(0), BLOCK=BLOCK,
-                              CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)  # fmt: skip
+    global _FAILED
+    if _FAILED is not None:
+        return logits.argmax(-1)
+    try:
+        _kernel()[(rows, chunks)](logits, pv, pi, pn, counters, out, v, chunks, logits.stride(0), BLOCK=BLOCK,
+                                  CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)  # fmt: skip
+    except Exception as e:  # a Triton that cannot compile it: torch's argmax from now on, said once
+        _FAILED = f"{type(e).__name__}: {e}"
+        log.warning("the argmax kernel failed (%s); greedy draws use torch.argmax", _FAILED)
+        return logits.argmax(-1)
     return out
