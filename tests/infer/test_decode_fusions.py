@@ -247,11 +247,13 @@ def test_pdl_norms_give_the_same_tokens(
     compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``pdl``: steps of at most 4 tokens run both norms of each layer as add_rms_norm (the first layer's without a
-    residual, the others' with the previous layer's partial sums), longer steps the layer's norms; greedy tokens
-    unchanged."""
-    from mcore_infer import decode_layers
+    residual, the others' with the previous layer's partial sums), and the last add with the final norm before the
+    output layer; longer steps the layer's norms and the model's head; greedy tokens unchanged."""
+    from mcore_infer import decode, decode_layers
 
     rows = _spy_rows(monkeypatch, decode_layers, "add_rms_norm")
+    head = _spy_rows(monkeypatch, decode, "add_rms_norm")
     assert DECODE_PRESETS["row"].pdl  # (the default on CUDA with compiled layers)
     _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels="row")
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 6 == 0  # two norms in each of 3 layers
+    assert head and max(head) <= 4 and 1 in head and len(head) == len(rows) // 6  # the final norm of each step

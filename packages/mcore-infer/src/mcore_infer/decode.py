@@ -23,7 +23,8 @@ number of kernels per layer, and serving removes some with fusions the training 
   batches), the last of them to finish combines their partial softmax states, instead of a second kernel;
 - ``row_fc1``: steps of at most 4 tokens run the MLP's up projection through the one-row Triton GEMV (a
   programmatic dependent with ``pdl``) instead of cuBLAS;
-- ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm are one Triton kernel, and it,
+- ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm (the final one before the
+  output layer too) are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
   starts while the kernel before it finishes; what it reads of that kernel's output it reads after ``gdc_wait``).
 
@@ -56,6 +57,7 @@ from mcore_infer.decode_layers import (
     missing_for_fusions,
     skipped_fusions,
 )
+from mcore_infer.kernels.add_norm import add_rms_norm
 from mcore_infer.kernels.fused_mlp import MlpLaunch
 from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
@@ -154,8 +156,9 @@ class DecodePlan:
     cuBLAS, launched as a programmatic dependent with ``pdl``."""
     pdl: bool = False
     """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
-    RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`) launched as programmatic dependents, so each
-    starts, and loads its first weight tile, while the kernel before it finishes."""
+    RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`; the last add and the final norm too) launched
+    as programmatic dependents, so each starts, and loads its first weight tile, while the kernel before it
+    finishes."""
     launches: DecodeLaunches = field(default_factory=DecodeLaunches)
     """Launch overrides of the kernels."""
 
@@ -348,9 +351,11 @@ class DecodeModel(nn.Module):
         norm: Any = model.decoder.final_layernorm
         rows = (pending if pending is not None else hidden).numel() // hidden.shape[-1]
         gemv_head = self.norm_gemv_head and rows <= FMA_MAX_ROWS
-        if gemv_head or (self.norm_linear_head and rows <= MAX_ROWS):
-            # the last residual add, the final norm and the output layer in one kernel (rows are independent: the
-            # logits rows are selected first; the layer's output may be partial sums [splits, *residual.shape])
+        pdl_head = self.plan.pdl and isinstance(norm, RMSNorm) and rows <= FMA_MAX_ROWS
+        if gemv_head or pdl_head or (self.norm_linear_head and rows <= MAX_ROWS):
+            # the last residual add, the final norm and the output layer in one kernel, or (pdl) the add and the norm
+            # in one (rows are independent: the logits rows are selected first; the layer's output may be partial
+            # sums [splits, *residual.shape])
             if index is not None:
                 parts = pending is not None and hidden.dim() == pending.dim() + 1
                 hidden = hidden.index_select(1 if parts else 0, index)
@@ -358,6 +363,10 @@ class DecodeModel(nn.Module):
             w = model.output_weight
             if gemv_head:
                 logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, w, None, self.plan.pdl)
+            elif pdl_head:  # the last add and the final norm as the layers' norms run with pdl: one kernel
+                hidden, _ = add_rms_norm(hidden, pending, norm.weight, norm.eps, pdl=True)
+                tied = model.output_layer.weight is None
+                logits = model.output_layer(hidden, weight=model.embedding.word_embeddings.weight if tied else None)
             else:
                 launch = self.plan.launches.norm_linear
                 logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w, launch=launch)
