@@ -179,6 +179,8 @@ def test_fused_mlp_gives_the_same_tokens(
 NORM_GEMV_PLANS = {
     "eager": (False, DecodePlan(row_gemv=True, norm_gemv=True)),
     "compiled-row-fused-mlp": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, norm_gemv=True)),
+    "compiled-row-fc1": (True, replace(DECODE_PRESETS["row"], norm_gemv=True, row_fc1=True)),  # the MLP's norm too
+    "eager-fc1-no-swiglu-down": (False, DecodePlan(row_gemv=True, norm_gemv=True, row_fc1=True)),
 }
 
 
@@ -188,8 +190,9 @@ def test_norms_inside_the_row_gemvs_give_the_same_tokens(
 ) -> None:
     """``norm_gemv``: in steps of at most 4 tokens every layer runs its residual add (the first and, without the
     deferred add, every layer: none) and input norm inside the QKV row GEMV, and the model its last add and final
-    norm inside the output layer's; longer prefill chunks run the norms and cuBLAS. Greedy tokens unchanged, also
-    with every other small-step fusion of the candidate plan."""
+    norm inside the output layer's (with ``row_fc1`` each MLP's add and norm inside its up projection's); longer
+    prefill chunks run the norms and cuBLAS. Greedy tokens unchanged, also with every other small-step fusion of the
+    candidate plans."""
     from mcore_infer import decode, decode_layers
 
     compiled, plan = NORM_GEMV_PLANS[case]
@@ -197,7 +200,8 @@ def test_norms_inside_the_row_gemvs_give_the_same_tokens(
     plain = _spy_rows(monkeypatch, decode_layers, "row_linear")
     head = _spy_rows(monkeypatch, decode, "norm_row_linear")
     _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=plan)
-    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0 and not plain
+    per_layer = 2 if plan.row_fc1 else 1  # the QKV projection's (and the up projection's)
+    assert rows and max(rows) <= 4 and 1 in rows and len(rows) % (3 * per_layer) == 0 and not plain
     assert head and max(head) <= 4 and 1 in head  # (eager, not compiled: every decode step)
 
 

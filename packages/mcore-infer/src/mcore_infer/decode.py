@@ -14,7 +14,8 @@ number of kernels per layer, and serving removes some with fusions the training 
   the output projection as split-K partial sums, and the QKV projection through the one-row Triton GEMV
   (:mod:`mcore_infer.kernels`);
 - ``norm_gemv``: with ``row_gemv``, in steps of at most 4 tokens the residual add and RMSNorm before each attention
-  run inside the QKV row GEMV, and the last residual add and the final norm inside the output layer's
+  run inside the QKV row GEMV (with ``row_fc1``, those before each MLP inside the up projection's), and the last
+  residual add and the final norm inside the output layer's
   (:mod:`mcore_infer.kernels.norm_gemv`: no norm kernels);
 - ``fused_mlp``: steps of at most 4 tokens run each gated MLP (up projection, SwiGLU, down projection), with the
   residual add and RMSNorm before it, as one weight-streaming kernel and a small one that adds its partial sums
@@ -143,7 +144,8 @@ class DecodePlan:
     """Steps of at most 4 tokens: the QKV projection with the one-row Triton GEMV (bias-free, tp=1)."""
     norm_gemv: bool = False
     """With ``row_gemv``, steps of at most 4 tokens: the residual add and RMSNorm before each attention inside the
-    QKV row GEMV, and the final ones inside the output layer's (RMSNorm; a bias-free output layer)."""
+    QKV row GEMV, and the final ones inside the output layer's (RMSNorm; a bias-free output layer); with ``row_fc1``
+    too, those before each MLP inside the up projection's."""
     fused_mlp: bool = False
     """Steps of at most 4 tokens: the whole MLP (up projection, SwiGLU, down projection; with an RMSNorm before it,
     the residual add and the norm too) as one Triton kernel plus the sum of its partials (SwiGLU, bias-free, tp=1);
@@ -172,9 +174,11 @@ class DecodePlan:
             raise ValueError(f"DecodePlan: norm_linear is exclusive with {', '.join(clashes)}; turn one of them off")
         if self.norm_gemv and not self.row_gemv:
             raise ValueError("DecodePlan: norm_gemv runs inside the QKV row GEMV: turn row_gemv on or norm_gemv off")
-        if self.norm_gemv and self.launches.row_gemv is not None and self.launches.row_gemv.splits != 1:
-            raise ValueError(f"DecodePlan: norm_gemv writes the QKV projection summed: launches.row_gemv="
-                             f"{self.launches.row_gemv} needs SPLITS=1")  # fmt: skip
+        for kernel in ("row_gemv", "row_fc1"):
+            launch = getattr(self.launches, kernel)
+            if self.norm_gemv and launch is not None and launch.splits != 1:
+                raise ValueError(f"DecodePlan: norm_gemv writes the {kernel} projection summed: launches.{kernel}="
+                                 f"{launch} needs SPLITS=1")  # fmt: skip
         if self.fused_mlp and self.row_fc1:
             raise ValueError("DecodePlan: fused_mlp runs the whole MLP, row_fc1 only its up projection; turn one off")
         if self.fused_mlp and self.swiglu_down:

@@ -177,6 +177,8 @@ class FusedDecodeLayer(nn.Module):
         self.norm_gemv = fusions["norm_gemv"]  # (with row_gemv: the plan checks it)
         self.fused_mlp = fusions["fused_mlp"]
         self.row_fc1 = fusions["row_fc1"]
+        # with norm_gemv and row_fc1: the add and the norm before the MLP inside the up projection's row GEMV
+        self.norm_gemv_mlp = self.norm_gemv and self.row_fc1 and isinstance(layer.pre_mlp_layernorm, RMSNorm)
         self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
         self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
@@ -237,21 +239,30 @@ class FusedDecodeLayer(nn.Module):
             ln2 = layer.pre_mlp_layernorm
             w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
             out, x = norm_mlp_partials(proj, x, ln2.weight, ln2.eps, w1, w2, launches.fused_mlp, pdl)
+        elif self.norm_gemv_mlp and small:  # the residual add and the norm inside the up projection's row GEMV
+            ln2 = layer.pre_mlp_layernorm
+            up, x = norm_row_linear(proj, x, ln2.weight, ln2.eps, mlp.linear_fc1.weight, launches.row_fc1, pdl)
+            out = self._down(up, pdl)
         else:
             h, x = _add_norm(layer.pre_mlp_layernorm, proj, x, self.pdl_norms_mlp and small)
             if self.fused_mlp and small:  # the whole MLP: its float32 sum
                 out = fused_mlp_partials(h, mlp.linear_fc1.weight, mlp.linear_fc2.weight, launches.fused_mlp, pdl)
             elif (self.swiglu_down or self.row_fc1) and small:
                 up = row_linear(h, mlp.linear_fc1.weight, launches.row_fc1, pdl) if self.row_fc1 else mlp.linear_fc1(h)
-                if self.swiglu_down:  # with the deferred add: partial sums
-                    fused = swiglu_down_partials if self.defer else swiglu_down
-                    out = fused(up, mlp.linear_fc2.weight, launches.swiglu_down, pdl)
-                else:
-                    out = mlp.linear_fc2(mlp.act(up))
+                out = self._down(up, pdl)
             else:
                 out = mlp(h)
         # partial sums are added where the next layer adds the residual, or here (in float32, rounded once)
         return (out, x) if self.defer else (add_deferred(out, x), None)
+
+    def _down(self, up: torch.Tensor, pdl: bool) -> torch.Tensor:
+        """The MLP after its up projection in a small step: SwiGLU inside the down projection (with the deferred add:
+        its partial sums), else the activation and the down projection."""
+        mlp: Any = self.layer.mlp
+        if self.swiglu_down:
+            fused = swiglu_down_partials if self.defer else swiglu_down
+            return fused(up, mlp.linear_fc2.weight, self.launches.swiglu_down, pdl)  # type: ignore[no-any-return]
+        return mlp.linear_fc2(mlp.act(up))  # type: ignore[no-any-return]
 
     def _norm_linear_forward(
         self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext, residual: torch.Tensor | None
