@@ -79,8 +79,9 @@ def _write_timeline(prof: Any, f: Any, tokens: int) -> None:
     f.write("\n")
 
 
-def profile_run(llm: Any, path: str, engine_run: Callable[[Any, int, int], dict[str, Any]]) -> None:
-    """Where the time of batch-1 decoding goes: kernel time against wall time, hottest GPU and host ops."""
+def profile_run(llm: Any, path: str, engine_run: Callable[[Any, int, int], dict[str, Any]], tokens: int) -> None:
+    """Where the time of batch-1 decoding goes (a request of ``tokens`` output tokens): kernel time against wall
+    time, the GPU timeline per token, hottest GPU and host ops."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -91,7 +92,7 @@ def profile_run(llm: Any, path: str, engine_run: Callable[[Any, int, int], dict[
         f.write(json.dumps(r) + "\n")
         f.write(f"total self device time {gpu_us / 1e3:.2f} ms over wall {r['wall_s'] * 1e3:.2f} ms\n\n")
         if torch.cuda.is_available():
-            _write_timeline(prof, f, int(r.get("output_tokens", 128)))
+            _write_timeline(prof, f, tokens)
         _table(prof, f)
     print(f"profile written to {path}", flush=True)
 

@@ -446,7 +446,7 @@ def main() -> None:
         results["context"] = context_results(llm, args.context, args.repeats)
         _dump(results, args.out)
     if args.profile:
-        profile_run(llm, args.profile, engine_run)
+        profile_run(llm, args.profile, engine_run, GEN)
         prefill_profile(llm, args.profile + ".prefill")
     if "inprocess" in paths:
         http_inprocess(llm, args, results)

@@ -369,8 +369,7 @@ class DecodeModel(nn.Module):
                 logits, _ = norm_row_linear(hidden, pending, norm.weight, norm.eps, w, None, self.plan.pdl)
             elif pdl_head:  # the last add and the final norm as the layers' norms run with pdl: one kernel
                 hidden, _ = add_rms_norm(hidden, pending, norm.weight, norm.eps, pdl=True)
-                tied = model.output_layer.weight is None
-                logits = model.output_layer(hidden, weight=model.embedding.word_embeddings.weight if tied else None)
+                logits = model.output_layer(hidden, weight=w)
             else:
                 launch = self.plan.launches.norm_linear
                 logits, _ = norm_linear(hidden, pending, norm.weight, norm.eps, w, launch=launch)

@@ -72,7 +72,8 @@ def _kernel() -> Any:
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[rows, vocab]`` logits (int64 ``[rows]``): the first index of each row's largest
     value, or of its first NaN."""
-    if logits.dim() != 2 or not _use_triton(logits) or logits.shape[0] == 0 or logits.shape[1] == 0:
+    global _FAILED
+    if _FAILED is not None or logits.dim() != 2 or not _use_triton(logits) or 0 in logits.shape:
         return logits.argmax(-1)
     rows, v = logits.shape
     counters = zeroed_counters(logits.device, rows, "argmax")
@@ -83,9 +84,6 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     pi = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     pn = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     out = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    global _FAILED
-    if _FAILED is not None:
-        return logits.argmax(-1)
     try:
         _kernel()[(rows, chunks)](logits, pv, pi, pn, counters, out, v, chunks, logits.stride(0), BLOCK=BLOCK,
                                   CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)  # fmt: skip

@@ -113,8 +113,7 @@ def kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def chunk_out(X, Bm, Cm, DTP, CUM, STATES, Dv, Y, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
                   N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                  HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                    DOT2: tl.constexpr):  # fmt: skip
+                  HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
@@ -156,7 +155,7 @@ def kernels() -> dict[str, Any]:
     def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
                  BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                    DOT2: tl.constexpr):  # fmt: skip
+                 DOT2: tl.constexpr):  # fmt: skip
         # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
         # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -218,8 +217,7 @@ def kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
                  P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                    DOT2: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
         # rows i of the chunk: dC_i (per head) and the plus part of d cum_i (AUX row 4)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
