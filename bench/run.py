@@ -30,10 +30,11 @@ from typing import Any
 from _fp8_suites import FP8_SUITES
 from _harness import Context
 from _long_suites import LONG_SUITES
+from _mamba_suites import MAMBA_SUITES
 from _system_suites import SYSTEM_SUITES
 from _train_suites import TRAIN_SUITES
 
-SUITES = {s.name: s for s in [*TRAIN_SUITES, *LONG_SUITES, *FP8_SUITES, *SYSTEM_SUITES]}
+SUITES = {s.name: s for s in [*TRAIN_SUITES, *LONG_SUITES, *MAMBA_SUITES, *FP8_SUITES, *SYSTEM_SUITES]}
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,10 @@ causal half.
 
     python bench/ssd_bench.py --seq 4096 16384 65536 --json /tmp/ssd.json
     python bench/ssd_bench.py --seq 4096 --dots tf32 16bit   # the Triton kernels' product operands, A/B
+    python bench/ssd_bench.py --seq 4096 16384 --chunk 64 128 256   # the chunk length, A/B/C
+
+``--chunk``: the chunk lengths to time the scan at (``MambaConfig.chunk_size``; the same function for any chunk, up
+to rounding), one row per sequence and chunk; attention is timed once per sequence, in its first row.
 
 ``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
 ``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
@@ -78,18 +82,18 @@ STATE_BLOCKS = (256, 512, 1024, 2048)
 """``ssd_triton._STATE_BLOCK`` (state elements per program of the pass over chunks), swept last."""
 
 
-def _timed(row: dict[str, Any], b: int, seq: int) -> dict[str, Any]:
+def _timed(row: dict[str, Any], b: int, seq: int, chunk: int) -> dict[str, Any]:
     """``row`` (the constants in force) with the scan's time, or with the error of a combination that does not
     compile or run (a tile too large for the GPU's shared memory, for one)."""
     try:
-        row.update(scan_case(b, seq, "triton"))
+        row.update(scan_case(b, seq, "triton", chunk))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     torch.cuda.empty_cache()
     return row
 
 
-def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
+def tune(seq: int, tokens: int, dots: list[str], chunk: int = 256) -> list[dict[str, Any]]:
     """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
     their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``, then
     each of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does
@@ -106,13 +110,13 @@ def tune(seq: int, tokens: int, dots: list[str]) -> list[dict[str, Any]]:
             timed = []
             for values in itertools.product(*group.values()):
                 tiles.update(zip(group, values, strict=True))
-                timed.append(_timed({"dots": d, **tiles}, b, seq))
+                timed.append(_timed({"dots": d, "chunk": chunk, **tiles}, b, seq, chunk))
             best = min(timed, key=lambda r: r.get("ms", float("inf")))
             tiles.update({k: best[k] for k in group})
             rows.extend(timed)
         for bs in STATE_BLOCKS:  # the pass over chunks, with the chunk kernels at their fastest found
             ssd_triton._STATE_BLOCK = bs
-            rows.append(_timed({"dots": d, **tiles, "_STATE_BLOCK": bs}, b, seq))
+            rows.append(_timed({"dots": d, "chunk": chunk, **tiles, "_STATE_BLOCK": bs}, b, seq, chunk))
         ssd_triton._STATE_BLOCK = block
         tiles.update(default)
     ssd_triton.LOW_PRECISION_DOTS = low
@@ -126,11 +130,13 @@ def main() -> None:
     ap.add_argument("--impl", default="triton", choices=["triton", "torch"])
     ap.add_argument("--dots", nargs="+", default=["16bit"], choices=["tf32", "16bit"],
                     help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
+    ap.add_argument("--chunk", type=int, nargs="+", default=[256],
+                    help="chunk lengths (MambaConfig.chunk_size): a row per sequence and chunk; --tune: the first")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")
     args = ap.parse_args()
     if args.tune:
-        tuned = tune(args.seq[0], args.tokens, args.dots)
+        tuned = tune(args.seq[0], args.tokens, args.dots, args.chunk[0])
         for r in tuned:
             print(json.dumps(r), flush=True)
         if args.json:
@@ -138,19 +144,20 @@ def main() -> None:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": tuned}, f, indent=1)
         return
     rows = []
-    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots] + ["attention"]
+    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots]
     for s in args.seq:
         b = max(1, args.tokens // s)
-        row: dict[str, Any] = {"batch": b, "seq": s}
-        for name in names:
-            ssd_triton.LOW_PRECISION_DOTS = name == "scan_16bit"
-            try:
-                row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl)
-            except torch.OutOfMemoryError:
-                row[name] = {"error": "out of memory"}
-            torch.cuda.empty_cache()
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for i, chunk in enumerate(args.chunk):
+            row: dict[str, Any] = {"batch": b, "seq": s, "chunk": chunk}
+            for name in names + ["attention"] * (i == 0):
+                ssd_triton.LOW_PRECISION_DOTS = name == "scan_16bit"
+                try:
+                    row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl, chunk)
+                except torch.OutOfMemoryError:
+                    row[name] = {"error": "out of memory"}
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "impl": args.impl, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,100 @@
+"""The Mamba-2 training suite of ``bench/run.py``: the SSD scan against attention of the same width, and
+``mamba2-1.3b`` and ``hybrid-1b`` through the real training loop beside ``llama-1b``, each at the scan's chunk
+lengths (``model.mamba.chunk_size``: the same function, computed in chunks of another length), in one call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _harness import PY, Context, Suite, table
+from _train_suites import _MFU_NOTE, _TRAIN, case_row, run_cases
+
+CHUNKS = ("256", "128")
+"""The chunk lengths compared: the presets' (Hugging Face's ``Mamba2Config`` default) first, then Megatron-LM's."""
+_SCAN_COLS = [("seq", "batch x seq", ""), ("chunk", "chunk", "d"), ("scan_ms", "scan ms", ".2f"),
+              ("scan_tflops", "scan TFLOP/s", ".0f"), ("attention_ms", "attention ms", ".2f"),
+              ("vs_chunk", "vs the first chunk", ".2f")]  # fmt: skip
+_LOOP_COLS = [*[c for c in _TRAIN if c[0] not in ("gpus", "vs_1gpu")], ("seq", "sequence", ",d"),
+              ("vs_llama", "vs llama-1b, same sequence", ".2f")]  # fmt: skip
+_LOOP_CASES = ("mamba2-1.3b/mb4", "hybrid-1b/16k", "llama-1b/16k")
+_CONV_COLS = [("impl", "causal conv + SiLU", ""), ("ms", "forward + backward ms", ".2f"), ("gb_s", "GB/s", ".0f"),
+              ("vs_torch", "vs F.conv1d", ".2f")]  # fmt: skip
+
+
+def _scan_rows(ctx: Context) -> list[dict[str, Any]]:
+    out = ctx.path("ssd.json")
+    seqs = ["4096"] if ctx.quick else ["4096", "16384"]
+    step = ctx.run([PY, "bench/ssd_bench.py", "--seq", *seqs, "--chunk", *CHUNKS, "--json", out], timeout=300, out=out)
+    rows, first = [], {}
+    for r in (step.data or {}).get("rows", []) or [{}]:
+        scan, attn = r.get("scan_16bit", {}), r.get("attention") or {}
+        row = ctx.row(step, measured=bool(scan.get("ms")), seq=f"{r.get('batch')} x {r.get('seq')}",
+                      chunk=r.get("chunk"), scan_ms=scan.get("ms"), scan_tflops=scan.get("tflops"),
+                      attention_ms=attn.get("ms"))  # fmt: skip
+        base = first.setdefault(r.get("seq"), scan.get("ms"))
+        if base and scan.get("ms"):
+            row["vs_chunk"] = base / scan["ms"]
+        rows.append(row)
+    return rows
+
+
+def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
+    out = ctx.path("conv.json")
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--json", out], timeout=180,
+                   out=out)  # fmt: skip
+    found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
+    rows = []
+    for impl, label in (("torch", "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
+                        ("triton", "Triton kernels (mamba.conv_kernel=auto on CUDA)")):  # fmt: skip
+        r = found.get(impl, {})
+        rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
+    base = found.get("torch", {}).get("ms")
+    for row in rows:
+        if base and row.get("ms"):
+            row["vs_torch"] = base / row["ms"]
+    return rows
+
+
+def train_mamba(ctx: Context) -> list[dict[str, Any]]:
+    """The scan at each chunk length; mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at each chunk
+    length, llama-1b at 16k beside them."""
+    scan, conv = _scan_rows(ctx), _conv_rows(ctx)
+    cases = list(_LOOP_CASES[1:] if ctx.quick else _LOOP_CASES)
+    variants = [x for c in CHUNKS[1:] for x in ("--variant", f"model.mamba.chunk_size={c}")]
+    step, results = run_cases(ctx, [c for c in cases if not c.startswith("llama")], *variants, case_timeout=240)
+    anchor, more = run_cases(ctx, [c for c in cases if c.startswith("llama")], case_timeout=240)
+    results.update(more)
+    rows = []
+    for case in cases:
+        keys = (
+            [case] if case.startswith("llama") else [case] + [f"{case}+model.mamba.chunk_size={c}" for c in CHUNKS[1:]]
+        )
+        for key in keys:
+            r = results.get(key)
+            rows.append(case_row(ctx, anchor if key in more else step, key, r, seq=(r or {}).get("seq")))
+    llama = {r["seq"]: r.get("tokens_s_gpu") for r in rows if r["name"].startswith("llama") and r.get("seq")}
+    for r in rows:
+        if llama.get(r.get("seq")) and r.get("tokens_s_gpu"):
+            r["vs_llama"] = r["tokens_s_gpu"] / llama[r["seq"]]
+    scan_notes = ["ssd_scan (Triton, 16-bit products) forward + backward for a d_model of 2048 (64 heads of 64, state "
+                  "128, one group), 32k tokens per batch; causal cuDNN attention of the same width (32 heads of 64, "
+                  "8 groups) in the same process; the scan's TFLOP/s count its products as each chunk length "
+                  "performs them (the longer chunk does more)"]  # fmt: skip
+    loop_notes = [_MFU_NOTE, "compiled layers, weight-gradient fusion, bf16 with fp32 master weights, mock data; "
+                  "mamba2-1.3b: micro-batch 4, global batch 16; hybrid-1b and llama-1b: micro-batch 1, global batch 8; "
+                  "Mamba layers' FLOPs as Megatron-LM counts them (mcore_models.flops)"]  # fmt: skip
+    conv_notes = ["mamba2-1.3b's convolution (4,352 channels, kernel 4) on the in-projection's layout (a view of its "
+                  "8,512-wide output, whose gradient the slice's backward fills: both rows pay it), bf16, 32k tokens "
+                  "(--quick: 8k)"]  # fmt: skip
+    return [
+        table("the SSD scan by chunk length", _SCAN_COLS, scan, scan_notes),
+        table("the mixer's causal convolution", _CONV_COLS, conv, conv_notes),
+        table("Mamba-2 and hybrid training through the loop, one GPU", _LOOP_COLS, rows, loop_notes),
+    ]
+
+
+MAMBA_SUITES = [
+    Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at the SSD scan's chunk "
+          "lengths 256 and 128, the scan alone at each, the mixer's convolution", "llama-1b at 16k through the loop, and causal cuDNN "
+          "attention of the same width, F.conv1d, same call", 9, 1, train_mamba),
+]  # fmt: skip
