@@ -4,9 +4,10 @@ lengths (``model.mamba.chunk_size``: the same function, computed in chunks of an
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from _harness import PY, Context, Suite, table
+from _harness import PY, Context, Step, Suite, table
 from _train_suites import _MFU_NOTE, _TRAIN, case_row, run_cases
 
 CHUNKS = ("256", "128")
@@ -93,8 +94,58 @@ def train_mamba(ctx: Context) -> list[dict[str, Any]]:
     ]
 
 
+_TUNE_COLS = [("what", "kernels", ""), ("rank", "rank", "d"), ("tiles", "constants", ""), ("ms", "ms", ".3f"),
+              ("vs_default", "vs the defaults", ".3f")]  # fmt: skip
+_TOP = 5
+
+
+def _tune_rows(ctx: Context, what: str, step: Step) -> list[dict[str, Any]]:
+    """The fastest :data:`_TOP` rows of a ``--tune`` and the defaults' row (the constants its JSON names as the
+    defaults; a row without one of them, which the sweep held at its default, matches), each against the defaults'."""
+    defaults = (step.data or {}).get("defaults", {})
+    tuned = [r for r in (step.data or {}).get("tune", []) if r.get("ms")]
+    flat = [{**r, **r.get("tiles", {})} for r in tuned]
+    default = next((r for r, f in zip(tuned, flat, strict=True)
+                    if all(f[k] == v for k, v in defaults.items() if k in f)), None)  # fmt: skip
+    picked = tuned[:_TOP] + ([default] if default is not None and default not in tuned[:_TOP] else [])
+    rows = []
+    for r in picked or [{}]:
+        consts = r.get("tiles") or {k: v for k, v in r.items() if k.startswith("_") or k in ("dots", "chunk")}
+        row = ctx.row(step, measured=bool(r), what=what, rank=tuned.index(r) + 1 if r else None,
+                      tiles=json.dumps(consts, separators=(",", ":")) + (" (defaults)" if r is default else ""),
+                      ms=r.get("ms"))  # fmt: skip
+        if default is not None and r.get("ms"):
+            row["vs_default"] = default["ms"] / r["ms"]
+        rows.append(row)
+    return rows
+
+
+def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
+    """``ssd_bench.py --tune`` at chunk 256 and 128 and ``mamba_conv_bench.py --tune``: the fastest constants
+    beside the defaults."""
+    rows = []
+    for chunk in CHUNKS:
+        out = ctx.path(f"ssd-tune-{chunk}.json")
+        step = ctx.run([PY, "bench/ssd_bench.py", "--seq", "4096", "--chunk", chunk, "--tune", "--json", out],
+                       timeout=420, out=out)  # fmt: skip
+        rows += _tune_rows(ctx, f"SSD scan, chunk {chunk}", step)
+    out = ctx.path("conv-tune.json")
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--json", out], timeout=300, out=out)
+    rows += _tune_rows(ctx, "causal conv", step)
+    notes = ["SSD: forward + backward at batch 8 x 4096, bf16, 16-bit products; the forward's rows and warps swept "
+             "with the others at their defaults, then the forward's stages, the backward's rows and warps and its "
+             "stages, each with the others at the best so far, then the state pass's block (ssd_bench.TUNE); the "
+             "defaults: ssd_triton.TILES",
+             "causal conv: forward + backward of mamba2-1.3b's layer at batch 2 x 4096; each kernel's (positions, "
+             "channels, warps) in turn (mamba_conv_bench.TUNE)"]  # fmt: skip
+    return [table("Mamba-2 kernels' constants, fastest first", _TUNE_COLS, rows, notes)]
+
+
 MAMBA_SUITES = [
     Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at the SSD scan's chunk "
           "lengths 256 and 128, the scan alone at each, the mixer's convolution", "llama-1b at 16k through the loop, and causal cuDNN "
           "attention of the same width, F.conv1d, same call", 9, 1, train_mamba),
+    Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
+          "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "
+          "same call", 9, 1, tune_mamba),
 ]  # fmt: skip

@@ -1,16 +1,25 @@
-"""Registers and spills of the Mamba-2 Triton kernels compiled for Hopper, on any machine: no GPU needed (not a test).
+"""Registers, spills and occupancy of mcore's Triton kernels compiled for Hopper, on any machine: no GPU needed (not a
+test).
 
 Triton compiles each kernel for ``sm_90a`` (the H100/H200) and the ``ptxas`` that comes with Triton reports what each
 thread of a program uses: registers (255 at most) and bytes spilled to local memory, whose loads and stores are slow
-global-memory traffic inside the loops. For the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``) at
-``mamba2-1.3b``'s head shapes (P 64, N 128, chunk 256) and the causal conv (``mcore_models.ssm.conv_triton``), over
-positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
-(``ssd_triton.LOW_PRECISION_DOTS``); and the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, with
-its rounding in float32 arithmetic or by the conversion instruction, ``NATIVE_ROUNDING``), with its SASS instructions
-per element, and the FP8 MLP's SwiGLU kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``); and the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per
-step) and the QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per
-step) at one and four rows. A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then
-time::
+global-memory traffic inside the loops; with the shared memory a program takes, they give how many programs an SM
+holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
+
+- the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``) at ``mamba2-1.3b``'s head shapes (P 64, N 128,
+  chunk 256), over positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
+  (``ssd_triton.LOW_PRECISION_DOTS``), the bf16 ones also over pipeline stages (``num_stages``: how deep the loops'
+  loads are buffered in shared memory);
+- the Mamba mixer's causal conv (``mcore_models.ssm.conv_triton``: the forward, the backward's ``dpre`` and its
+  anticausal ``dx``), positions x channels per program;
+- the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, its rounding in float32 arithmetic or by the
+  conversion instruction, ``NATIVE_ROUNDING``) with its SASS instructions per element, and the FP8 MLP's SwiGLU
+  kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``);
+- the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per step) and the
+  QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per step) at one
+  and four rows.
+
+A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then time::
 
     python bench/kernel_registers.py            # every kernel, every tile
     python bench/kernel_registers.py --json /tmp/regs.json
@@ -30,6 +39,7 @@ from typing import Any
 
 SSD = {"chunk_state": ("BK", (32, 64, 128), {"FROM_END": True}), "chunk_out": ("BM", (32, 64, 128), {"HAS_D": True}),
        "bwd_cols": ("BM", (16, 32, 64), {"HAS_D": True}), "bwd_rows": ("BM", (16, 32, 64), {})}  # fmt: skip
+STAGES = (1, 2, 3)  # num_stages of the chunk kernels' software pipeline (Triton's default on Hopper: 3)
 SHAPE = {"H": 64, "G": 1, "P": 64, "N": 128, "L": 256, "BP": 64, "BN": 128, "PREC": "tf32"}
 POINTERS_16 = {"X", "Bm", "Cm", "DY", "Y", "DX", "W", "BIAS", "OUT"}  # bf16 tensors; the others float32
 SCALARS = {"C"}  # capitalised integer arguments (every other capitalised argument is a pointer)
@@ -52,9 +62,15 @@ def _signature(fn: Any, consts: dict[str, Any], types: dict[str, str] | None = N
     return sig
 
 
-def usage(fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | None = None) -> dict[str, Any]:
-    """Registers and spilled bytes per thread, shared memory and SASS instructions of ``fn`` compiled for sm_90a with
-    ``consts`` and ``warps`` (``types``: argument types other than the defaults), or an error."""
+SM_SHARED, SM_REGISTERS, SM_THREADS, SM_PROGRAMS = 228 * 1024, 64 * 1024, 2048, 32  # an SM of Hopper holds at most
+
+
+def usage(
+    fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | None = None, stages: int = 3
+) -> dict[str, Any]:
+    """Registers and spilled bytes per thread, shared memory, SASS instructions and the programs an SM holds at once
+    (by its shared memory and registers) of ``fn`` compiled for sm_90a with ``consts``, ``warps`` and ``stages``
+    (``num_stages``; ``types``: argument types other than the defaults), or an error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,7 +81,7 @@ def usage(fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | N
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"}
     try:
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})  # fmt: skip
     except Exception as e:  # a tile this kernel cannot take
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -82,8 +98,11 @@ def usage(fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | N
     regs, spill = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
     if r.returncode or regs is None:
         return {"error": text[-300:]}
-    return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) if spill else 0,
-            "shared_bytes": out.metadata.shared, "instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/\s", sass))}  # fmt: skip
+    registers, shared = int(regs.group(1)), out.metadata.shared
+    resident = min(SM_SHARED // max(shared, 1), SM_REGISTERS // (registers * warps * 32), SM_THREADS // (warps * 32),
+                   SM_PROGRAMS)  # fmt: skip
+    return {"registers": registers, "spill_bytes": int(spill.group(1)) if spill else 0, "shared_bytes": shared,
+            "programs_per_sm": resident, "instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/\s", sass))}  # fmt: skip
 
 
 def _ssm_rows() -> list[dict[str, Any]]:
@@ -97,17 +116,17 @@ def _ssm_rows() -> list[dict[str, Any]]:
     rows = []
     for (name, (key, sizes, extra)), dot in itertools.product(SSD.items(), ("tf32", "bf16")):
         dt = tl.float32 if dot == "tf32" else tl.bfloat16
-        for size, warps in itertools.product(sizes, (4, 8)):
+        for size, warps, stages in itertools.product(sizes, (4, 8), STAGES if dot == "bf16" else (3,)):
             consts = {**SHAPE, key: size, **extra, "DOT": dt, "DOT2": dt}
-            rows.append({"kernel": name, "products": dot, "positions": size, "warps": warps,
-                         **usage(ssd[name], consts, warps)})  # fmt: skip
-    conv = conv_kernels()["conv"]
-    for backward, (bs, bc), warps in itertools.product(
-        (False, True), ((16, 128), (32, 128), (64, 128), (32, 64)), (4, 8)
+            rows.append({"kernel": name, "products": dot, "positions": size, "warps": warps, "stages": stages,
+                         **usage(ssd[name], consts, warps, stages=stages)})  # fmt: skip
+    conv = conv_kernels()
+    for name, (bs, bc), warps in itertools.product(
+        ("conv", "conv_dx", "dpre"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
     ):
-        consts = {"K": 4, "HAS_BIAS": True, "BACKWARD": backward, "SHIFTS": 4 if backward else 1, "BS": bs, "BC": bc}
-        rows.append({"kernel": "conv_bwd" if backward else "conv_fwd", "products": "-", "positions": bs,
-                     "channels": bc, "warps": warps, **usage(conv, consts, warps)})  # fmt: skip
+        consts = {"K": 4, "HAS_BIAS": name != "conv_dx", "ANTICAUSAL": name == "conv_dx", "BS": bs, "BC": bc}
+        rows.append({"kernel": f"causal_{name}", "products": "-", "positions": bs, "channels": bc, "warps": warps,
+                     **usage(conv["dpre" if name == "dpre" else "conv"], consts, warps)})  # fmt: skip
     return rows
 
 
@@ -182,17 +201,20 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     rows = [*_ssm_rows(), *_fp8_rows(), *_decode_rows()]
-    print("| kernel | products | tile | warps | registers | spill bytes | shared bytes | instructions per element |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kernel | products | tile | warps | stages | registers | spill bytes | shared bytes | programs per SM | "
+          "instructions per element |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         where = f"{r['positions']}" + (f" x {r['channels']}" if "channels" in r else "")
         cells = [
             r.get("registers", r.get("error", "")),
             r.get("spill_bytes", ""),
             r.get("shared_bytes", ""),
+            r.get("programs_per_sm", ""),
             r.get("per_element", ""),
         ]
-        print(f"| {r['kernel']} | {r['products']} | {where} | {r['warps']} | " + " | ".join(map(str, cells)) + " |")
+        print(f"| {r['kernel']} | {r['products']} | {where} | {r['warps']} | {r.get('stages', 3)} | "
+              + " | ".join(map(str, cells)) + " |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": "sm_90a", "shape": SHAPE, "rows": rows}, f, indent=1)

@@ -6,6 +6,11 @@ output) in bf16. Reports ms and the effective memory bandwidth (the bytes of ``x
 and ``dx`` backward).
 
     python bench/mamba_conv_bench.py --seq 4096 --batch 8 --json /tmp/conv.json
+    python bench/mamba_conv_bench.py --batch 2 --tune        # the kernels' tiles (conv_triton.TILES)
+
+``--tune`` times the Triton path's forward + backward over each kernel's (positions, channels, warps) in turn (the
+forward, the backward's ``dpre``, its ``dx``), the others at the fastest found so far, and prints every row fastest
+first; a tile that does not compile or run is reported with its error.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from _timing import cuda_seconds
 
+from mcore_models.ssm import conv_triton
 from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
+
+TUNE = {"positions": (16, 32, 64), "channels": (64, 128, 256), "warps": (4, 8)}
+"""The values swept for each kernel's entry of ``conv_triton.TILES``."""
 
 
 def _torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -44,6 +53,29 @@ def case(impl: str, batch: int, seq: int, channels: int, width: int, k: int) -> 
     return {"impl": impl, "ms": sec * 1e3, "gb_s": moved / sec / 1e9}
 
 
+def tune(batch: int, seq: int, channels: int, width: int, k: int) -> list[dict[str, Any]]:
+    """Each kernel's tile in turn over :data:`TUNE`, the others at the fastest so far: every row, fastest first (the
+    tiles are left at the defaults)."""
+    import itertools
+
+    default, rows = dict(conv_triton.TILES), []
+    for kernel in conv_triton.TILES:
+        timed = []
+        for tile in itertools.product(*TUNE.values()):
+            conv_triton.TILES[kernel] = tile
+            row: dict[str, Any] = {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()}}
+            try:
+                row.update(case("triton", batch, seq, channels, width, k))
+            except Exception as e:  # a tile this kernel cannot take
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            timed.append(row)
+        best = min(timed, key=lambda r: r.get("ms", float("inf")))
+        conv_triton.TILES[kernel] = tuple(best["tiles"][kernel])
+        rows.extend(timed)
+    conv_triton.TILES.update(default)
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
@@ -52,7 +84,18 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8512, help="the in-projection's output width")
     ap.add_argument("--kernel", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tune", action="store_true", help="time the Triton kernels' tiles (see above)")
     args = ap.parse_args()
+    if args.tune:
+        tuned = tune(args.batch, args.seq, args.channels, args.width, args.kernel)
+        for r in tuned:
+            print(json.dumps(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+                           "defaults": {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()}},
+                           "tune": tuned}, f, indent=1)  # fmt: skip
+        return
     rows = [case(impl, args.batch, args.seq, args.channels, args.width, args.kernel) for impl in ("torch", "triton")]
     for r in rows:
         print(json.dumps(r), flush=True)

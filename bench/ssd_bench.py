@@ -17,10 +17,11 @@ to rounding), one row per sequence and chunk; attention is timed once per sequen
 
 ``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
 ``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
-``--tune`` times the Triton kernels' tile constants instead (positions per block forward and backward, warps) for
-each ``--dots`` choice at the first ``--seq`` and prints them fastest first::
+``--tune`` times the Triton kernels' tile constants instead (positions per block forward and backward, warps,
+pipeline stages) for each ``--dots`` choice at the first ``--seq`` and ``--chunk`` and prints them fastest first::
 
     python bench/ssd_bench.py --seq 4096 --dots tf32 16bit --tune --json /tmp/ssd-tune.json
+    python bench/ssd_bench.py --seq 4096 --chunk 128 --tune
 """
 
 from __future__ import annotations
@@ -76,8 +77,14 @@ def attention_case(b: int, s: int) -> dict[str, Any]:
     return {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
 
 
-TUNE = ({"_ROWS": (32, 64, 128), "_WARPS": (4, 8)}, {"_BWD_ROWS": (16, 32, 64), "_BWD_WARPS": (4, 8)})
-"""The forward's tile constants, then the backward's: each group swept with the other at its best so far."""
+TUNE = (
+    {"_ROWS": (32, 64, 128), "_WARPS": (4, 8)},
+    {"_STAGES": (1, 2, 3)},
+    {"_BWD_ROWS": (16, 32, 64), "_BWD_WARPS": (4, 8)},
+    {"_BWD_STAGES": (1, 2, 3)},
+)
+"""The forward's tile constants, then the backward's, in groups: each group swept with the others at their best so
+far (the stages: Triton's ``num_stages``, the shared memory a program takes and so the programs an SM holds)."""
 STATE_BLOCKS = (256, 512, 1024, 2048)
 """``ssd_triton._STATE_BLOCK`` (state elements per program of the pass over chunks), swept last."""
 
@@ -94,10 +101,10 @@ def _timed(row: dict[str, Any], b: int, seq: int, chunk: int) -> dict[str, Any]:
 
 
 def tune(seq: int, tokens: int, dots: list[str], chunk: int = 256) -> list[dict[str, Any]]:
-    """For each product choice, every combination of the forward's constants of :data:`TUNE` (the backward's at
-    their defaults), then of the backward's (the forward's at the fastest found), in ``ssd_triton.TILES[dots]``, then
-    each of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does
-    not compile or run is reported with its error)."""
+    """For each product choice, every combination of each group of :data:`TUNE` in turn (the constants of
+    ``ssd_triton.TILES[dots]`` outside the group at their fastest found so far, at first their defaults), then each
+    of :data:`STATE_BLOCKS`: the scan's forward + backward ms; all rows, fastest first (a combination that does not
+    compile or run is reported with its error)."""
     import itertools
 
     b = max(1, tokens // seq)
@@ -141,7 +148,10 @@ def main() -> None:
             print(json.dumps(r), flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": tuned}, f, indent=1)
+                d = args.dots[0]  # the defaults of the first choice (their row is in the sweep)
+                defaults = {"dots": d, **ssd_triton.TILES[d], "_STATE_BLOCK": ssd_triton._STATE_BLOCK}
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "chunk": args.chunk[0],
+                           "defaults": defaults, "tune": tuned}, f, indent=1)  # fmt: skip
         return
     rows = []
     names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots]

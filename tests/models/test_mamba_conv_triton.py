@@ -59,8 +59,10 @@ def _compare(t: dict[str, torch.Tensor], device: str, dtype: torch.dtype, tol: f
                          ids=["s37-k4-bias", "s16-k2", "s3-shorter-than-the-kernel"])  # fmt: skip
 def test_kernels_equal_conv1d_and_silu(device: str, s: int, c: int, k: int, bias: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setattr(conv_triton, "_FWD_TILE", (16, 16))  # several position blocks (the last one partial)
-    monkeypatch.setattr(conv_triton, "_BWD_TILE", (16, 32))  # and several channel blocks, each way
+    # several position blocks (the last one partial) and several channel blocks, each kernel its own tile
+    monkeypatch.setitem(conv_triton.TILES, "fwd", (16, 16, 4))
+    monkeypatch.setitem(conv_triton.TILES, "dpre", (16, 32, 4))
+    monkeypatch.setitem(conv_triton.TILES, "dx", (32, 16, 2))
     _compare(_inputs(s, c, k, bias, seed=s), device, torch.float32, 2e-6)
 
 

@@ -31,11 +31,13 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-# (positions, channels) per program and warps, the fastest of a sweep on one H200 (mamba2-1.3b's 4352 channels of
-# the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us
-_FWD_TILE = (16, 256)
-_BWD_TILE = (64, 128)
-_WARPS = 4
+TILES: dict[str, tuple[int, int, int]] = {"fwd": (16, 256, 4), "dpre": (64, 128, 4), "dx": (64, 128, 4)}
+"""(positions, channels, warps) per program of each kernel: the forward, the backward's ``dpre`` and its anticausal
+``dx``. The fastest of a sweep on one H200 with one tile for the backward's two kernels (mamba2-1.3b's 4352 channels
+of the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us.
+At (64, 128) and 4 warps an SM holds two programs of either backward kernel (255 and 192 registers a thread,
+``bench/kernel_registers.py``), at (16, 128) six and eight; ``bench/mamba_conv_bench.py --tune`` times each kernel's
+entry in turn."""
 
 
 @functools.cache
@@ -120,10 +122,10 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     b, s, c = x.shape
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
-    bs, bc = _FWD_TILE
-    _kernels()["conv"][_grid(x, _FWD_TILE)](x, w, bias_arg, y, s, c, x.stride(0), x.stride(1), K=w.shape[1],
-                                            HAS_BIAS=bias is not None, ANTICAUSAL=False, BS=bs, BC=bc,
-                                            num_warps=_WARPS)  # fmt: skip
+    bs, bc, warps = TILES["fwd"]
+    _kernels()["conv"][_grid(x, (bs, bc))](x, w, bias_arg, y, s, c, x.stride(0), x.stride(1), K=w.shape[1],
+                                           HAS_BIAS=bias is not None, ANTICAUSAL=False, BS=bs, BC=bc,
+                                           num_warps=warps)  # fmt: skip
     return y
 
 
@@ -141,16 +143,18 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     w = weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape
     k = w.shape[1]
-    grid, (bs, bc) = _grid(x, _BWD_TILE), _BWD_TILE
+    bs, bc, warps = TILES["dpre"]
+    grid = _grid(x, (bs, bc))
     g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     kernels = _kernels()
     kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=_WARPS)  # fmt: skip
+                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
     dx = torch.empty_like(g)
-    kernels["conv"][grid](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False, ANTICAUSAL=True, BS=bs,
-                          BC=bc, num_warps=_WARPS)  # fmt: skip
+    bs, bc, warps = TILES["dx"]
+    kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
+                                        ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     # a contiguous copy (a new tensor: outputs may not alias each other), the strides the fake kernel declares
     dw = sums[:k].t().contiguous().view(weight.shape).to(weight.dtype)

@@ -28,14 +28,18 @@ import torch
 __all__ = ["ssd_scan_triton"]
 
 TILES: dict[str, dict[str, int]] = {
-    "16bit": {"_ROWS": 64, "_WARPS": 4, "_BWD_ROWS": 64, "_BWD_WARPS": 4},
-    "tf32": {"_ROWS": 32, "_WARPS": 4, "_BWD_ROWS": 32, "_BWD_WARPS": 4},
+    "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 3},
+    "tf32": {"_ROWS": 32, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 32, "_BWD_WARPS": 4, "_BWD_STAGES": 3},
 }
 """The chunk kernels' tiles by product operands (``16bit``: :data:`LOW_PRECISION_DOTS` with 16-bit inputs;
 ``tf32`` otherwise, float32 inputs' IEEE products included): ``_ROWS`` positions per row/column block inside a chunk
-(at most; at least 16, ``tl.dot``'s smallest tile) and ``_WARPS`` warps per program in the forward, ``_BWD_*`` the
-same for the backward's column and row kernels. The fastest of ``bench/ssd_bench.py --tune`` on one H200 (batch 8,
-seq 4096, 32 heads of 64, state 128, chunk 256): 8.16 ms forward + backward with 16-bit products, 15.6 ms TF32."""
+(at most; at least 16, ``tl.dot``'s smallest tile), ``_WARPS`` warps per program and ``_STAGES`` Triton's software
+pipeline depth (``num_stages``: the loop's loads buffered that many iterations deep in shared memory) in the
+forward, ``_BWD_*`` the same for the backward's column and row kernels. Rows and warps are the fastest of
+``bench/ssd_bench.py --tune`` on one H200 (batch 8, seq 4096, 32 heads of 64, state 128, chunk 256): 8.16 ms forward
++ backward with 16-bit products, 15.6 ms TF32; the stages are Triton's default for Hopper, under which the
+backward's kernels take 123 and 132 KB of shared memory at 64 positions, one program per SM
+(``bench/kernel_registers.py``; two stages: 99 and 107 KB, two programs), and ``--tune`` sweeps them."""
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
@@ -104,9 +108,9 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                              HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus)  # fmt: skip
     tiles = _tiles(x)
     cfg = _blocks(x, B, chunk_size, tiles["_ROWS"])
-    bm, warps = cfg.pop("BM"), tiles["_WARPS"]
+    bm, launch = cfg.pop("BM"), {"num_warps": tiles["_WARPS"], "num_stages": tiles["_STAGES"]}
     states = torch.empty(b, nc, H, P, N, **f32)
-    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, num_warps=warps, **cfg)
+    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, **launch, **cfg)
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
     bs = min(_STATE_BLOCK, _pow2(P * N))
@@ -116,7 +120,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     y = torch.empty_like(x)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, num_warps=warps, **cfg)
+    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, **launch, **cfg)
     return y, final, states, dtp, cum
 
 
@@ -148,10 +152,10 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
     tiles = _tiles(x)
     cfg = _blocks(x, B, chunk_size, tiles["_BWD_ROWS"])
-    bm, warps = cfg.pop("BM"), tiles["_BWD_WARPS"]
+    bm, launch = cfg.pop("BM"), {"num_warps": tiles["_BWD_WARPS"], "num_stages": tiles["_BWD_STAGES"]}
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
     k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, num_warps=tiles["_WARPS"],
-                                  **cfg)  # fmt: skip
+                                  num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
     bs = min(_STATE_BLOCK, _pow2(P * N))
     nt = -(-P * N // bs)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
@@ -163,9 +167,9 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None,
-                        num_warps=warps, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, num_warps=warps, **cfg)
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None, **launch,
+                        **cfg)  # fmt: skip
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, **launch, **cfg)
     ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
