@@ -28,18 +28,19 @@ import torch
 __all__ = ["ssd_scan_triton"]
 
 TILES: dict[str, dict[str, int]] = {
-    "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 3},
+    "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 1, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 1},
     "tf32": {"_ROWS": 32, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 32, "_BWD_WARPS": 4, "_BWD_STAGES": 3},
 }
 """The chunk kernels' tiles by product operands (``16bit``: :data:`LOW_PRECISION_DOTS` with 16-bit inputs;
 ``tf32`` otherwise, float32 inputs' IEEE products included): ``_ROWS`` positions per row/column block inside a chunk
 (at most; at least 16, ``tl.dot``'s smallest tile), ``_WARPS`` warps per program and ``_STAGES`` Triton's software
 pipeline depth (``num_stages``: the loop's loads buffered that many iterations deep in shared memory) in the
-forward, ``_BWD_*`` the same for the backward's column and row kernels. Rows and warps are the fastest of
-``bench/ssd_bench.py --tune`` on one H200 (batch 8, seq 4096, 32 heads of 64, state 128, chunk 256): 8.16 ms forward
-+ backward with 16-bit products, 15.6 ms TF32; the stages are Triton's default for Hopper, under which the
-backward's kernels take 123 and 132 KB of shared memory at 64 positions, one program per SM
-(``bench/kernel_registers.py``; two stages: 99 and 107 KB, two programs), and ``--tune`` sweeps them."""
+forward, ``_BWD_*`` the same for the backward's column and row kernels. The fastest of ``bench/ssd_bench.py --tune``
+(batch 8, seq 4096, 64 heads of 64, state 128, chunk 256): rows and warps on one H200, 8.16 ms forward + backward
+with 16-bit products, 15.6 ms TF32; the stages on one H100, where one stage each way took the 16-bit scan from 8.10
+to 6.07 ms (two stages backward 6.31; ``bench/results/ssm/h100-scan-tune-stages.json``). At Triton's default of 3
+the backward's kernels take 123 and 132 KB of shared memory and an SM holds one program; at one, 66 and 49 KB, and
+it holds two (``bench/kernel_registers.py``). The TF32 tiles keep Triton's default stages (not measured)."""
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
