@@ -143,9 +143,10 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
 
 MAMBA_SUITES = [
     Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at the SSD scan's chunk "
-          "lengths 256 and 128, the scan alone at each, the mixer's convolution", "llama-1b at 16k through the loop, and causal cuDNN "
-          "attention of the same width, F.conv1d, same call", 9, 1, train_mamba),
+          "lengths 256 and 128, the scan alone at each, the mixer's convolution",
+          "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, same call", 9, 1,
+          train_mamba),
     Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
           "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "
-          "same call", 9, 1, tune_mamba),
+          "same call", 3, 1, tune_mamba),
 ]  # fmt: skip

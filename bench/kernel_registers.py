@@ -69,8 +69,9 @@ def usage(
     fn: Any, consts: dict[str, Any], warps: int, types: dict[str, str] | None = None, stages: int = 3
 ) -> dict[str, Any]:
     """Registers and spilled bytes per thread, shared memory, SASS instructions and the programs an SM holds at once
-    (by its shared memory and registers) of ``fn`` compiled for sm_90a with ``consts``, ``warps`` and ``stages``
-    (``num_stages``; ``types``: argument types other than the defaults), or an error."""
+    (the least its shared memory, registers, threads and program slots allow) of ``fn`` compiled for sm_90a with
+    ``consts``, ``warps`` and ``stages`` (``num_stages``; ``types``: argument types other than the defaults), or an
+    error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
