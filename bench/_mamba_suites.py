@@ -41,12 +41,13 @@ def _scan_rows(ctx: Context) -> list[dict[str, Any]]:
 
 def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
     out = ctx.path("conv.json")
-    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--json", out], timeout=180,
-                   out=out)  # fmt: skip
-    found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--backward", "two", "one",
+                    "--json", out], timeout=180, out=out)  # fmt: skip
+    found = {r["impl"] + r.get("backward", ""): r for r in (step.data or {}).get("rows", [])}
     rows = []
     for impl, label in (("torch", "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
-                        ("triton", "Triton kernels (mamba.conv_kernel=auto on CUDA)")):  # fmt: skip
+                        ("tritontwo", "Triton, backward as two kernels (conv_triton.BACKWARD=two)"),
+                        ("tritonone", "Triton, backward as one kernel (conv_triton.BACKWARD=one)")):  # fmt: skip
         r = found.get(impl, {})
         rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
     base = found.get("torch", {}).get("ms")
@@ -129,9 +130,11 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
         step = ctx.run([PY, "bench/ssd_bench.py", "--seq", "4096", "--chunk", chunk, "--tune", "--json", out],
                        timeout=420, out=out)  # fmt: skip
         rows += _tune_rows(ctx, f"SSD scan, chunk {chunk}", step)
-    out = ctx.path("conv-tune.json")
-    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--json", out], timeout=300, out=out)
-    rows += _tune_rows(ctx, "causal conv", step)
+    for backward in ("two", "one"):
+        out = ctx.path(f"conv-tune-{backward}.json")
+        step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--backward", backward, "--json",
+                        out], timeout=300, out=out)  # fmt: skip
+        rows += _tune_rows(ctx, f"causal conv, backward in {backward} kernel{'s' if backward == 'two' else ''}", step)
     notes = ["SSD: forward + backward at batch 8 x 4096, bf16, 16-bit products; the forward's rows and warps swept "
              "with the others at their defaults, then the forward's stages, the backward's rows and warps and its "
              "stages, each with the others at the best so far, then the state pass's block (ssd_bench.TUNE); the "

@@ -31,13 +31,20 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-TILES: dict[str, tuple[int, int, int]] = {"fwd": (16, 256, 4), "dpre": (64, 128, 4), "dx": (64, 128, 4)}
+TILES: dict[str, tuple[int, int, int]] = {"fwd": (16, 256, 4), "dpre": (64, 128, 4), "dx": (64, 128, 4),
+                                          "bwd": (64, 64, 8)}
 """(positions, channels, warps) per program of each kernel: the forward, the backward's ``dpre`` and its anticausal
 ``dx``. The fastest of a sweep on one H200 with one tile for the backward's two kernels (mamba2-1.3b's 4352 channels
 of the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us.
 At (64, 128) and 4 warps an SM holds two programs of either backward kernel (255 and 192 registers a thread,
 ``bench/kernel_registers.py``), at (16, 128) six and eight; ``bench/mamba_conv_bench.py --tune`` times each kernel's
-entry in turn."""
+entry in turn. ``bwd`` is the one-kernel backward's (:data:`BACKWARD`): its positions, at least twice the
+kernel's taps, overlap the next program's by ``K - 1``; at (64, 64) and 8 warps it takes 128 registers a thread
+without spilling (at (64, 128) and 4 warps it spills 816 bytes)."""
+BACKWARD = "two"
+"""``two``: the backward as two kernels, ``dpre`` (stored) then ``dx`` from it; ``one``: one kernel that keeps
+``dpre`` in registers and shifts it by each tap with ``tl.gather`` (no ``dpre`` round trip through memory; each
+program recomputes the ``K - 1`` positions it shares with the next)."""
 
 
 @functools.cache
@@ -104,7 +111,50 @@ def _kernels() -> dict[str, Any]:
             tl.store(part + k * C, tl.sum(g * xv.to(tl.float32), axis=0), mask=cm)
         tl.store(part + K * C, tl.sum(g, axis=0), mask=cm)
 
-    return {"conv": conv, "dpre": dpre}
+    @triton.jit  # type: ignore[misc]
+    def bwd(X, W, BIAS, DY, DX, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
+            HAS_BIAS: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        # dpre at BS positions from t0 = pt * (BS - (K - 1)), kept in registers; dx at the first BS - (K - 1) of
+        # them (dpre shifted by k positions through tl.gather), PART their partial dw and dbias
+        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i = tl.arange(0, BS)
+        t = pt * (BS - (K - 1)) + i
+        c = pc * BC + tl.arange(0, BC)
+        cm = c < C
+        x0 = b.to(tl.int64) * xs_b
+        pre = tl.zeros([BS, BC], dtype=tl.float32)
+        if HAS_BIAS:
+            pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        for k in tl.static_range(K):
+            src = t - (K - 1) + k
+            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+            pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
+        sig = tl.sigmoid(pre)
+        m = (t < s)[:, None] & cm[None, :]
+        dy = tl.load(DY + b.to(tl.int64) * dys_b + t.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m, other=0.0)
+        g = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
+        g16 = g.to(X.dtype.element_ty).to(tl.float32)  # dx from dpre rounded to x's dtype, as the unfused ops do
+        acc = tl.zeros([BS, BC], dtype=tl.float32)
+        for k in tl.static_range(K):
+            if k == 0:
+                gk = g16
+            else:
+                shift = tl.broadcast_to(tl.minimum(i + k, BS - 1)[:, None], (BS, BC))
+                gk = tl.gather(g16, shift, axis=0)
+            acc += tl.load(W + c * K + (K - 1 - k), mask=cm, other=0.0).to(tl.float32)[None, :] * gk
+        own = (i < BS - (K - 1))[:, None] & m
+        tl.store(DX + (b.to(tl.int64) * s + t)[:, None] * C + c[None, :], acc.to(DX.dtype.element_ty), mask=own)
+        go = tl.where(own, g, 0.0)
+        part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
+        for k in tl.static_range(K):
+            src = t - (K - 1) + k
+            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
+            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
+            tl.store(part + k * C, tl.sum(go * xv.to(tl.float32), axis=0), mask=cm)
+        tl.store(part + K * C, tl.sum(go, axis=0), mask=cm)
+
+    return {"conv": conv, "dpre": dpre, "bwd": bwd}
 
 
 def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:
@@ -143,18 +193,27 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     w = weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape
     k = w.shape[1]
-    bs, bc, warps = TILES["dpre"]
-    grid = _grid(x, (bs, bc))
-    g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
-    part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
     kernels = _kernels()
-    kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
-    dx = torch.empty_like(g)
-    bs, bc, warps = TILES["dx"]
-    kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
-                                        ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+    dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
+    if BACKWARD == "one":
+        bs, bc, warps = TILES["bwd"]
+        if bs < 2 * k:
+            raise ValueError(f"conv_triton.TILES['bwd']: {bs} positions for a kernel of {k} taps; give at least {2 * k}")
+        grid = -(-s // (bs - (k - 1))), -(-c // bc), b
+        part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
+        kernels["bwd"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
+                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+    else:
+        bs, bc, warps = TILES["dpre"]
+        grid = _grid(x, (bs, bc))
+        g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
+        part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
+        kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
+                              dy.stride(1), K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+        bs, bc, warps = TILES["dx"]
+        kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
+                                            ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     # a contiguous copy (a new tensor: outputs may not alias each other), the strides the fake kernel declares
     dw = sums[:k].t().contiguous().view(weight.shape).to(weight.dtype)
