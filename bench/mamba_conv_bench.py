@@ -89,8 +89,13 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the Triton kernels' tiles (see above)")
-    ap.add_argument("--backward", nargs="+", choices=["two", "one"], default=[conv_triton.BACKWARD],
-                    help="the Triton backward(s) timed (conv_triton.BACKWARD; the default: the module's)")
+    ap.add_argument(
+        "--backward",
+        nargs="+",
+        choices=["two", "one"],
+        default=[conv_triton.BACKWARD],
+        help="the Triton backward(s) timed (conv_triton.BACKWARD; the default: the module's)",
+    )
     args = ap.parse_args()
     conv_triton.BACKWARD = args.backward[0]
     if args.tune:

@@ -31,8 +31,12 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-TILES: dict[str, tuple[int, int, int]] = {"fwd": (16, 256, 4), "dpre": (64, 128, 4), "dx": (64, 128, 4),
-                                          "bwd": (64, 64, 8)}
+TILES: dict[str, tuple[int, int, int]] = {
+    "fwd": (16, 256, 4),
+    "dpre": (64, 128, 4),
+    "dx": (64, 128, 4),
+    "bwd": (64, 64, 8),
+}
 """(positions, channels, warps) per program of each kernel: the forward, the backward's ``dpre`` and its anticausal
 ``dx``. The fastest of a sweep on one H200 with one tile for the backward's two kernels (mamba2-1.3b's 4352 channels
 of the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us.
@@ -199,7 +203,9 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     if BACKWARD == "one":
         bs, bc, warps = TILES["bwd"]
         if bs < 2 * k:
-            raise ValueError(f"conv_triton.TILES['bwd']: {bs} positions for a kernel of {k} taps; give at least {2 * k}")
+            raise ValueError(
+                f"conv_triton.TILES['bwd']: {bs} positions for a kernel of {k} taps; give at least {2 * k}"
+            )
         grid = -(-s // (bs - (k - 1))), -(-c // bc), b
         part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
         kernels["bwd"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
