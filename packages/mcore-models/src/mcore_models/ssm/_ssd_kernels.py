@@ -124,7 +124,6 @@ def kernels() -> dict[str, Any]:
         mi = (ri < L) & (ti < s)
         bti = (b * s + ti).to(tl.int64)
         ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-        ci = ci.to(tl.float32)
         cui = tl.load(CUM + bh.to(tl.int64) * s + ti, mask=mi, other=0.0)
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
@@ -169,10 +168,9 @@ def kernels() -> dict[str, Any]:
         btj = (b * s + tj).to(tl.int64)
         xo = (btj * H + h)[:, None] * P + p[None, :]
         xm = mj[:, None] & pm[None, :]
-        xj = tl.load(X + xo, mask=xm, other=0.0).to(tl.float32)
-        dyj = tl.load(DY + xo, mask=xm, other=0.0).to(tl.float32)
+        # the input tiles stay in their dtype until used (exact: 16-bit to float32), so fewer registers hold them
+        xj = tl.load(X + xo, mask=xm, other=0.0)
         bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-        bj = bj.to(tl.float32)
         row = bh.to(tl.int64) * s
         cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
         dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
@@ -182,7 +180,7 @@ def kernels() -> dict[str, Any]:
         inner = (
             tl.dot(bj.to(DOT).to(DOT2), tl.trans(ds).to(DOT).to(DOT2), input_precision=PREC) * ej[:, None]
         )  # d S / d (dt_j x_j)
-        wj = dtj * tl.sum(xj * inner, axis=1)
+        wj = dtj * tl.sum(xj.to(tl.float32) * inner, axis=1)
         dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
         q = tl.zeros([BM], dtype=tl.float32)
         for k in range(blk * BM, L, BM):
@@ -191,9 +189,7 @@ def kernels() -> dict[str, Any]:
             mi = (ri < L) & (ti < s)
             bti = (b * s + ti).to(tl.int64)
             ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-            ci = ci.to(tl.float32)
             dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
-            dyi = dyi.to(tl.float32)
             cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
             keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
             dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
@@ -202,6 +198,8 @@ def kernels() -> dict[str, Any]:
             xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
             dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
             q += tl.sum(gt * xdy, axis=1)
+        dyj = tl.load(DY + xo, mask=xm, other=0.0).to(tl.float32)
+        xj = xj.to(tl.float32)
         dxj = inner * dtj[:, None]
         if HAS_D:
             dxj += tl.load(Dv + h).to(tl.float32) * dyj
@@ -229,17 +227,20 @@ def kernels() -> dict[str, Any]:
         mi = (ri < L) & (ti < s)
         bti = (b * s + ti).to(tl.int64)
         row = bh.to(tl.int64) * s
+        # the input tiles stay in their dtype until used (exact: 16-bit to float32), so fewer registers hold them
         ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-        ci = ci.to(tl.float32)
         dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
-        dyi = dyi.to(tl.float32)
         cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
         ei = tl.exp(tl.where(mi, cui, float("-inf")))
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
         dci = tl.dot(dyi.to(DOT).to(DOT2), st.to(DOT).to(DOT2), input_precision=PREC) * ei[:, None]
         plus = (
-            tl.sum(dyi * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC), axis=1) * ei
+            tl.sum(
+                dyi.to(tl.float32) * tl.dot(ci.to(DOT).to(DOT2), tl.trans(st).to(DOT).to(DOT2), input_precision=PREC),
+                axis=1,
+            )
+            * ei
         )
         for k in range(0, (blk + 1) * BM, BM):
             rj = k + tl.arange(0, BM)
@@ -247,7 +248,6 @@ def kernels() -> dict[str, Any]:
             mj = (rj < L) & (tj < s)
             btj = (b * s + tj).to(tl.int64)
             bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-            bj = bj.to(tl.float32)
             xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
             cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
             dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
