@@ -216,6 +216,94 @@ def test_bf16_inputs_with_either_product_precision(device: str, monkeypatch: pyt
     assert not torch.equal(ys[0], ys[1])
 
 
+def _mixer_layout(t: dict[str, torch.Tensor], device: str, pad: int = 3) -> dict[str, torch.Tensor]:
+    """``t``'s tensors in the mixer's layout (float32 on ``device``): ``x``, ``B``, ``C`` slices of one
+    ``[b, s, d + 2GN + pad]`` tensor (the convolution's output), ``dt`` a transposed slice of an ``[s, b, W']`` one
+    (the in-projection's), as views of leaves that need their gradients."""
+    (b, s, H, P), (G, N) = t["x"].shape, t["B"].shape[2:]
+    f = {k: v.to(device, torch.float32) for k, v in t.items()}
+    conv = torch.cat([f["x"].flatten(2), f["B"].flatten(2), f["C"].flatten(2), f["x"].new_zeros(b, s, pad)], -1)
+    proj = torch.cat([f["x"].new_zeros(s, b, pad), f["dt"].transpose(0, 1), f["x"].new_zeros(s, b, pad)], -1)
+    conv, proj = conv.requires_grad_(), proj.requires_grad_()
+    d, gn = H * P, G * N
+    views = {"x": conv[..., :d].view(b, s, H, P), "B": conv[..., d : d + gn].view(b, s, G, N),
+             "C": conv[..., d + gn : d + 2 * gn].view(b, s, G, N), "dt": proj[..., pad : pad + H].transpose(0, 1)}  # fmt: skip
+    return {**{k: v.requires_grad_() for k, v in f.items() if k not in views}, **views}
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dy_layout", ["transposed", "every-other"])
+def test_strided_inputs_are_read_in_place(device: str, dy_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixer's views (:func:`_mixer_layout`) and a ``dy`` that is an ``[s, b, H, P]`` tensor transposed reach
+    the kernels as they are (the launches get the views' own storage; a ``dy`` whose last dimension is not dense,
+    every other element of a wider one, is copied), and the outputs and every gradient equal, bit for bit, those of
+    the same scan on contiguous copies. Chunks of 16 in blocks of 8: the row and column loops cross blocks."""
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_ROWS", 8)  # float32 inputs take the tf32 tiles
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_BWD_ROWS", 8)
+    b, s, H, P = 2, 37, 4, 8
+    t = make_inputs(b, s, H, 2, P, 4, D=True, bias=True, init=True, seed=17)
+    views = _mixer_layout(t, device)
+    g = torch.Generator().manual_seed(2)
+    dy_sb = torch.randn(s, b, H, 2 * P if dy_layout == "every-other" else P, generator=g).to(device)
+    dy = dy_sb.transpose(0, 1)[..., ::2] if dy_layout == "every-other" else dy_sb.transpose(0, 1)
+    dfin = torch.randn(b, H, P, 4, generator=g).to(device)
+    assert not any(views[k].is_contiguous() or not ssd_triton._in_place(views[k]) for k in ("x", "B", "C", "dt"))
+    assert ssd_triton._in_place(dy) == (dy_layout == "transposed") and not dy.is_contiguous()
+    launches: list[tuple[str, set[int]]] = []
+    kernels = ssd_triton._kernels()
+
+    class Recorded:  # a kernel whose launches record the storage of their tensor arguments
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> Any:
+                launches.append((self.name, {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}))
+                return kernels[self.name][grid](*args, **kw)
+
+            return launch
+
+    recorded, results = {name: Recorded(name) for name in kernels}, []
+    for strided in (True, False):
+        ins = views if strided else {k: v.detach().contiguous().requires_grad_() for k, v in views.items()}
+        monkeypatch.setattr(ssd_triton, "_kernels", (lambda: recorded) if strided else (lambda: kernels))
+        y, fin = ssd_scan_triton(**ins, chunk_size=16, return_final_states=True)
+        grads = torch.autograd.grad([y, fin], list(ins.values()), [dy if strided else dy.contiguous(), dfin])
+        results.append([y, fin, *grads])
+    for name, a, want in zip(("y", "final_states", *(f"d {k}" for k in views)), *results, strict=True):
+        assert want.is_contiguous() and a.stride() == want.stride() and torch.equal(a, want), name
+    tiles = ["chunk_state", "chunk_out", "bwd_cols", "bwd_rows"]  # the launches that read x, in order
+    reads = {"x": tiles, "B": tiles, "C": ["chunk_out", "chunk_state", *tiles[2:]], "dt": ["dt_fwd", "dt_bwd"]}
+    for k, names in {**reads, "dy": ["chunk_state", *tiles[2:]] if dy_layout == "transposed" else []}.items():
+        t_in = dy if k == "dy" else views[k]
+        assert [n for n, ptrs in launches if t_in.data_ptr() in ptrs] == names, k
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fake_kernels_match_the_real_outputs(device: str) -> None:
+    """``opcheck`` compares each op's fake (meta) outputs with its real ones, shapes and strides, on the mixer's
+    views and on an ``x`` and ``dy`` that are dense ``[s, b, H, P]`` tensors transposed (read in place: the outputs
+    are contiguous all the same, not laid out like them)."""
+    t = make_inputs(2, 12, 4, 2, 4, 4, D=True, bias=True, init=True, seed=19)
+    f = {k: v.detach() for k, v in _mixer_layout(t, device).items()}
+    swapped = f["x"].transpose(0, 1).contiguous().transpose(0, 1)
+    fwd, bwd = torch.ops.mcore_models.ssd_scan_fwd, torch.ops.mcore_models.ssd_scan_bwd
+    tests = ["test_schema", "test_faketensor"]
+    for x in (f["x"], swapped):
+        assert ssd_triton._in_place(x) and not x.is_contiguous()
+        args = (x, f["dt"], f["A"], f["B"], f["C"], f["D"], f["dt_bias"], f["initial_states"], 8, True, 0.0, math.inf)
+        torch.library.opcheck(fwd, args, test_utils=tests)
+        y, _, states, dtp, cum = fwd(*args)
+        assert y.is_contiguous()
+        dy = torch.randn_like(x.transpose(0, 1)).transpose(0, 1)
+        bargs = (dy, None, x, f["dt"], f["A"], f["B"], f["C"], f["D"], f["dt_bias"], states, dtp, cum, 8, True, 0.0,
+                 math.inf)  # fmt: skip
+        torch.library.opcheck(bwd, bargs, test_utils=tests)
+        assert all(g.is_contiguous() for g in bwd(*bargs))
+
+
 def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = make_inputs(1, 4, 2, 1, 2, 2)

@@ -19,13 +19,14 @@ def kernels() -> dict[str, Any]:
         raise ImportError("ssd_scan_triton needs Triton (pip install mcore-models[gpu]); use impl='torch'") from e
 
     @triton.jit  # type: ignore[misc]
-    def dt_fwd(DT, BIAS, A, DTP, CUM, s, lo, hi, H: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,  # type: ignore[no-untyped-def]
-               HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):  # fmt: skip
+    def dt_fwd(DT, BIAS, A, DTP, CUM, s, dts_b, dts_t, lo, hi, H: tl.constexpr, L: tl.constexpr,  # type: ignore[no-untyped-def]
+               BL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):  # fmt: skip
         c, bh = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, BL)
         t = c * L + r
         m = (r < L) & (t < s)
-        z = tl.load(DT + ((bh // H) * s + t).to(tl.int64) * H + bh % H, mask=m, other=0.0).to(tl.float32)
+        di = (bh // H).to(tl.int64) * dts_b + t.to(tl.int64) * dts_t + bh % H
+        z = tl.load(DT + di, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(BIAS + bh % H).to(tl.float32)
         if SOFTPLUS:  # max(z, 0) + log1p(exp(-|z|)), log1p(u) = u log(1 + u) / ((1 + u) - 1) where 1 + u != 1
@@ -39,24 +40,26 @@ def kernels() -> dict[str, Any]:
         tl.store(CUM + o, cum, mask=m)
 
     @triton.jit  # type: ignore[misc]
-    def chunk_state(X, Bm, DTP, CUM, OUT, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
-                    N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                    FROM_END: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+    def chunk_state(X, Bm, DTP, CUM, OUT, s, nc, xs_b, xs_t, bs_b, bs_t, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
+                    P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                    BN: tl.constexpr, FROM_END: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
                     DOT2: tl.constexpr):  # fmt: skip
         # OUT[c] = sum_t w_t X_t^T Bm_t: w = exp(cum_last - cum_t) dt_t (chunk states), else exp(cum_t) (backward)
         c, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
+        X += b.to(tl.int64) * xs_b + h * P  # the inputs through their batch and position strides
+        Bm += b.to(tl.int64) * bs_b + g * N
         cum_last = tl.load(CUM + bh.to(tl.int64) * s + tl.minimum(c * L + L, s) - 1)
         acc = tl.zeros([BP, BN], dtype=tl.float32)
         for k in range(0, L, BK):
             r = k + tl.arange(0, BK)
             t = c * L + r
             m = (r < L) & (t < s)
-            bt = (b * s + t).to(tl.int64)
-            xv = tl.load(X + (bt * H + h)[:, None] * P + p[None, :], mask=m[:, None] & (p < P)[None, :], other=0.0)
-            bv = tl.load(Bm + (bt * G + g)[:, None] * N + n[None, :], mask=m[:, None] & (n < N)[None, :], other=0.0)
+            t64 = t.to(tl.int64)
+            xv = tl.load(X + (t64 * xs_t)[:, None] + p[None, :], mask=m[:, None] & (p < P)[None, :], other=0.0)
+            bv = tl.load(Bm + (t64 * bs_t)[:, None] + n[None, :], mask=m[:, None] & (n < N)[None, :], other=0.0)
             cu = tl.load(CUM + bh.to(tl.int64) * s + t, mask=m, other=0.0)
             if FROM_END:
                 w = tl.exp(tl.where(m, cum_last - cu, float("-inf")))
@@ -111,19 +114,23 @@ def kernels() -> dict[str, Any]:
         tl.store(FINAL + bh.to(tl.int64) * PN + e, st, mask=m)
 
     @triton.jit  # type: ignore[misc]
-    def chunk_out(X, Bm, Cm, DTP, CUM, STATES, Dv, Y, s, nc, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,  # type: ignore[no-untyped-def]
-                  N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                  HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
+    def chunk_out(X, Bm, Cm, DTP, CUM, STATES, Dv, Y, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t,  # type: ignore[no-untyped-def]
+                  H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, L: tl.constexpr,
+                  BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+                  DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
         pm, nm = p < P, n < N
+        X += b.to(tl.int64) * xs_b + h * P  # the inputs through their batch and position strides
+        Bm += b.to(tl.int64) * bs_b + g * N
+        Cm += b.to(tl.int64) * cs_b + g * N
         ri = blk * BM + tl.arange(0, BM)
         ti = c * L + ri
         mi = (ri < L) & (ti < s)
-        bti = (b * s + ti).to(tl.int64)
-        ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+        ti64 = ti.to(tl.int64)
+        ci = tl.load(Cm + (ti64 * cs_t)[:, None] + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
         cui = tl.load(CUM + bh.to(tl.int64) * s + ti, mask=mi, other=0.0)
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
         st = tl.load(STATES + so, mask=pm[:, None] & nm[None, :], other=0.0)
@@ -135,26 +142,27 @@ def kernels() -> dict[str, Any]:
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
             mj = (rj < L) & (tj < s)
-            btj = (b * s + tj).to(tl.int64)
-            bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-            xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
+            tj64 = tj.to(tl.int64)
+            bj = tl.load(Bm + (tj64 * bs_t)[:, None] + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+            xj = tl.load(X + (tj64 * xs_t)[:, None] + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
             cuj = tl.load(CUM + bh.to(tl.int64) * s + tj, mask=mj, other=0.0)
             dtj = tl.load(DTP + bh.to(tl.int64) * s + tj, mask=mj, other=0.0)
             keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
             dec = tl.exp(tl.where(keep, cui[:, None] - cuj[None, :], float("-inf")))
             w = tl.dot(ci.to(DOT).to(DOT2), tl.trans(bj).to(DOT).to(DOT2), input_precision=PREC) * dec * dtj[None, :]
             acc += tl.dot(w.to(DOT).to(DOT2), xj.to(DOT).to(DOT2), input_precision=PREC)
-        xo = (bti * H + h)[:, None] * P + p[None, :]
         om = mi[:, None] & pm[None, :]
         if HAS_D:
-            acc += tl.load(Dv + h).to(tl.float32) * tl.load(X + xo, mask=om, other=0.0).to(tl.float32)
-        tl.store(Y + xo, acc.to(Y.dtype.element_ty), mask=om)
+            xi = tl.load(X + (ti64 * xs_t)[:, None] + p[None, :], mask=om, other=0.0)
+            acc += tl.load(Dv + h).to(tl.float32) * xi.to(tl.float32)
+        yo = (((b * s + ti).to(tl.int64)) * H + h)[:, None] * P + p[None, :]  # y: contiguous
+        tl.store(Y + yo, acc.to(Y.dtype.element_ty), mask=om)
 
     @triton.jit  # type: ignore[misc]
-    def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
-                 P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                 DOT2: tl.constexpr):  # fmt: skip
+    def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, ys_b,  # type: ignore[no-untyped-def]
+                 ys_t, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, L: tl.constexpr,
+                 BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+                 DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
         # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
         # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -162,15 +170,19 @@ def kernels() -> dict[str, Any]:
         g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
         pm, nm = p < P, n < N
+        X += b.to(tl.int64) * xs_b + h * P  # the inputs through their batch and position strides
+        DY += b.to(tl.int64) * ys_b + h * P
+        Bm += b.to(tl.int64) * bs_b + g * N
+        Cm += b.to(tl.int64) * cs_b + g * N
         rj = blk * BM + tl.arange(0, BM)
         tj = c * L + rj
         mj = (rj < L) & (tj < s)
         btj = (b * s + tj).to(tl.int64)
-        xo = (btj * H + h)[:, None] * P + p[None, :]
+        tj64 = tj.to(tl.int64)
         xm = mj[:, None] & pm[None, :]
         # the input tiles stay in their dtype until used (exact: 16-bit to float32), so fewer registers hold them
-        xj = tl.load(X + xo, mask=xm, other=0.0)
-        bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+        xj = tl.load(X + (tj64 * xs_t)[:, None] + p[None, :], mask=xm, other=0.0)
+        bj = tl.load(Bm + (tj64 * bs_t)[:, None] + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
         row = bh.to(tl.int64) * s
         cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
         dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
@@ -187,9 +199,9 @@ def kernels() -> dict[str, Any]:
             ri = k + tl.arange(0, BM)
             ti = c * L + ri
             mi = (ri < L) & (ti < s)
-            bti = (b * s + ti).to(tl.int64)
-            ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-            dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
+            ti64 = ti.to(tl.int64)
+            ci = tl.load(Cm + (ti64 * cs_t)[:, None] + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+            dyi = tl.load(DY + (ti64 * ys_t)[:, None] + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
             cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
             keep = (ri[None, :] >= rj[:, None]) & mi[None, :] & mj[:, None]
             dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
@@ -198,12 +210,12 @@ def kernels() -> dict[str, Any]:
             xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
             dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
             q += tl.sum(gt * xdy, axis=1)
-        dyj = tl.load(DY + xo, mask=xm, other=0.0).to(tl.float32)
+        dyj = tl.load(DY + (tj64 * ys_t)[:, None] + p[None, :], mask=xm, other=0.0).to(tl.float32)
         xj = xj.to(tl.float32)
         dxj = inner * dtj[:, None]
         if HAS_D:
             dxj += tl.load(Dv + h).to(tl.float32) * dyj
-        tl.store(DX + xo, dxj.to(DX.dtype.element_ty), mask=xm)
+        tl.store(DX + (btj * H + h)[:, None] * P + p[None, :], dxj.to(DX.dtype.element_ty), mask=xm)  # dx: contiguous
         tl.store(DB + (btj * H + h)[:, None] * N + n[None, :], dbj, mask=mj[:, None] & nm[None, :])
         aux = AUX + row + tj
         stride = tl.num_programs(2) * s  # one AUX row: b * H * s
@@ -213,23 +225,29 @@ def kernels() -> dict[str, Any]:
         tl.store(aux + 3 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
 
     @triton.jit  # type: ignore[misc]
-    def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, H: tl.constexpr, G: tl.constexpr,  # type: ignore[no-untyped-def]
-                 P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
+    def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, ys_b, ys_t,  # type: ignore[no-untyped-def]
+                 H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, L: tl.constexpr,
+                 BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                 DOT2: tl.constexpr):  # fmt: skip
         # rows i of the chunk: dC_i (per head) and the plus part of d cum_i (AUX row 4)
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
         p, n = tl.arange(0, BP), tl.arange(0, BN)
         pm, nm = p < P, n < N
+        X += b.to(tl.int64) * xs_b + h * P  # the inputs through their batch and position strides
+        DY += b.to(tl.int64) * ys_b + h * P
+        Bm += b.to(tl.int64) * bs_b + g * N
+        Cm += b.to(tl.int64) * cs_b + g * N
         ri = blk * BM + tl.arange(0, BM)
         ti = c * L + ri
         mi = (ri < L) & (ti < s)
         bti = (b * s + ti).to(tl.int64)
+        ti64 = ti.to(tl.int64)
         row = bh.to(tl.int64) * s
         # the input tiles stay in their dtype until used (exact: 16-bit to float32), so fewer registers hold them
-        ci = tl.load(Cm + (bti * G + g)[:, None] * N + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
-        dyi = tl.load(DY + (bti * H + h)[:, None] * P + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
+        ci = tl.load(Cm + (ti64 * cs_t)[:, None] + n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+        dyi = tl.load(DY + (ti64 * ys_t)[:, None] + p[None, :], mask=mi[:, None] & pm[None, :], other=0.0)
         cui = tl.load(CUM + row + ti, mask=mi, other=0.0)
         ei = tl.exp(tl.where(mi, cui, float("-inf")))
         so = ((b * nc + c) * H + h).to(tl.int64) * (P * N) + p[:, None] * N + n[None, :]
@@ -246,9 +264,9 @@ def kernels() -> dict[str, Any]:
             rj = k + tl.arange(0, BM)
             tj = c * L + rj
             mj = (rj < L) & (tj < s)
-            btj = (b * s + tj).to(tl.int64)
-            bj = tl.load(Bm + (btj * G + g)[:, None] * N + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-            xj = tl.load(X + (btj * H + h)[:, None] * P + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
+            tj64 = tj.to(tl.int64)
+            bj = tl.load(Bm + (tj64 * bs_t)[:, None] + n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+            xj = tl.load(X + (tj64 * xs_t)[:, None] + p[None, :], mask=mj[:, None] & pm[None, :], other=0.0)
             cuj = tl.load(CUM + row + tj, mask=mj, other=0.0)
             dtj = tl.load(DTP + row + tj, mask=mj, other=0.0)
             keep = (ri[:, None] >= rj[None, :]) & mi[:, None] & mj[None, :]
@@ -262,8 +280,9 @@ def kernels() -> dict[str, Any]:
         tl.store(AUX + 4 * (tl.num_programs(2) * s) + row + ti, plus, mask=mi)
 
     @triton.jit  # type: ignore[misc]
-    def dt_bwd(DT, BIAS, A, DTP, AUX, TPART, DDT, PARTS, s, nc, nt, lo, hi, H: tl.constexpr, L: tl.constexpr,  # type: ignore[no-untyped-def]
-               BL: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):  # fmt: skip
+    def dt_bwd(DT, BIAS, A, DTP, AUX, TPART, DDT, PARTS, s, nc, nt, dts_b, dts_t, lo, hi, H: tl.constexpr,  # type: ignore[no-untyped-def]
+               L: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SOFTPLUS: tl.constexpr):  # fmt: skip
         # d cum -> d (dt A) (a reverse cumulative sum) -> d dt, d A; then through the clamp and softplus to d dt_raw
         c, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
@@ -279,8 +298,7 @@ def kernels() -> dict[str, Any]:
         da = tl.where(m, tl.sum(dcum) - tl.cumsum(dcum, axis=0) + dcum + last, 0.0)
         d = tl.load(DTP + bh.to(tl.int64) * s + t, mask=m, other=0.0)
         ddt += tl.load(A + h).to(tl.float32) * da
-        di = ((b * s + t).to(tl.int64)) * H + h
-        z = tl.load(DT + di, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(DT + b.to(tl.int64) * dts_b + t.to(tl.int64) * dts_t + h, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(BIAS + h).to(tl.float32)
         v = z
@@ -291,7 +309,7 @@ def kernels() -> dict[str, Any]:
             v = tl.maximum(z, 0.0) + tl.where(w == 1.0, u, u * tl.log(w) / (w - 1.0))
             gate = tl.sigmoid(z)
         dz = tl.where(m & (v >= lo) & (v <= hi), ddt * gate, 0.0)
-        tl.store(DDT + di, dz.to(DDT.dtype.element_ty), mask=m)
+        tl.store(DDT + ((b * s + t).to(tl.int64)) * H + h, dz.to(DDT.dtype.element_ty), mask=m)  # d dt: contiguous
         o = ((b * nc + c) * H + h).to(tl.int64)
         total = tl.num_programs(0) * tl.num_programs(1)
         tl.store(PARTS + o, tl.sum(d * da))

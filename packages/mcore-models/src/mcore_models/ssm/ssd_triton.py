@@ -12,6 +12,12 @@ that turns the gradient of ``cum`` into those of ``dt``, ``A``, ``dt_bias`` and 
 products in TF32 for 16-bit inputs, or on 16-bit operands with :data:`LOW_PRECISION_DOTS`; IEEE float32 for float32
 inputs); ``y`` comes back in ``x``'s dtype, the final states in float32.
 
+The kernels read ``x``, ``dy`` ``[b, s, H, P]``, ``B``, ``C`` ``[b, s, G, N]`` and ``dt`` ``[b, s, H]`` through
+their batch and position strides, so the mixer's views (``x``, ``B`` and ``C`` slices of the convolution's output,
+``dt`` a transposed slice of the in-projection's) are read in place, not copied; only the last dimensions must be
+dense (strides ``(P, 1)``, ``(N, 1)``, ``1``: :func:`_in_place`), or that input is copied contiguous. The outputs
+(``y`` and the gradients) are contiguous.
+
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
 ``torch.autograd.Function``. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
 the PyTorch path is ``mcore_models.ssm.ssd.ssd_scan(impl="torch")``.
@@ -91,6 +97,19 @@ def _dims(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> tuple[int, int, 
     return b, s, H, P, B.shape[3], -(-s // chunk_size)
 
 
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels read ``t`` (``[b, s, H, P]``, ``[b, s, G, N]`` or ``[b, s, H]``) through its batch and
+    position strides as it is: its last dimensions dense (strides ``(P, 1)``; ``dt``'s last stride 1)."""
+    return t.stride()[2:] == ((t.shape[3], 1) if t.dim() == 4 else (1,))
+
+
+def _strided(*ts: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The inputs as the kernels read them (each itself, or a contiguous copy where :func:`_in_place` is false) and
+    their batch and position strides, in order."""
+    ts = tuple(t if _in_place(t) else t.contiguous() for t in ts)
+    return ts, tuple(d for t in ts for d in t.stride()[:2])
+
+
 Fwd = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -101,27 +120,30 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     """``(y, final_states, state_in per chunk, processed dt, cum)``: the last three are kept for the backward."""
     k = _kernels()
     b, s, H, P, N, nc = _dims(x, B, chunk_size)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    (x, B, C, dt), (xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, dts_b, dts_t) = _strided(x, B, C, dt)
+    A = A.contiguous()
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
     dtp, cum = torch.empty(b, H, s, **f32), torch.empty(b, H, s, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
-    k["dt_fwd"][(nc, b * H)](dt, bias, A, dtp, cum, s, dt_lo, dt_hi, H=H, L=chunk_size, BL=_pow2(chunk_size),
-                             HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus)  # fmt: skip
+    k["dt_fwd"][(nc, b * H)](dt, bias, A, dtp, cum, s, dts_b, dts_t, dt_lo, dt_hi, H=H, L=chunk_size,
+                             BL=_pow2(chunk_size), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus)  # fmt: skip
     tiles = _tiles(x)
     cfg = _blocks(x, B, chunk_size, tiles["_ROWS"])
     bm, launch = cfg.pop("BM"), {"num_warps": tiles["_WARPS"], "num_stages": tiles["_STAGES"]}
     states = torch.empty(b, nc, H, P, N, **f32)
-    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, BK=bm, FROM_END=True, **launch, **cfg)
+    k["chunk_state"][(nc, b * H)](x, B, dtp, cum, states, s, nc, xs_b, xs_t, bs_b, bs_t, BK=bm, FROM_END=True,
+                                  **launch, **cfg)  # fmt: skip
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
     bs = min(_STATE_BLOCK, _pow2(P * N))
     k["state_pass"][(b * H, -(-P * N // bs))](states, init, final, cum, states, final, s, nc, H=H, PN=P * N,
                                               L=chunk_size, BS=bs, HAS_INIT=initial_states is not None,
                                               REVERSE=False)  # fmt: skip
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, BM=bm, HAS_D=D is not None, **launch, **cfg)
+    k["chunk_out"][grid](x, B, C, dtp, cum, states, d, y, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, BM=bm,
+                         HAS_D=D is not None, **launch, **cfg)  # fmt: skip
     return y, final, states, dtp, cum
 
 
@@ -149,32 +171,33 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     ``d initial_states`` float32."""
     k = _kernels()
     b, s, H, P, N, nc = _dims(x, B, chunk_size)
-    dy, x, dt, A, B, C = (t.contiguous() for t in (dy, x, dt, A, B, C))
+    (x, B, C, dy, dt), strides = _strided(x, B, C, dy, dt)  # batch and position strides: x, B, C, dy, dt
+    A = A.contiguous()
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
     tiles = _tiles(x)
     cfg = _blocks(x, B, chunk_size, tiles["_BWD_ROWS"])
     bm, launch = cfg.pop("BM"), {"num_warps": tiles["_BWD_WARPS"], "num_stages": tiles["_BWD_STAGES"]}
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
-    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, BK=bm, FROM_END=False, num_warps=tiles["_WARPS"],
-                                  num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
+    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, *strides[6:8], *strides[4:6], BK=bm, FROM_END=False,
+                                  num_warps=tiles["_WARPS"], num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
     bs = min(_STATE_BLOCK, _pow2(P * N))
     nt = -(-P * N // bs)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
     dfin = dfinal.contiguous().float() if dfinal is not None else dinit
     k["state_pass"][(b * H, nt)](ds, dfin, dinit, cum, states, tpart, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
                                  HAS_INIT=dfinal is not None, REVERSE=True)  # fmt: skip
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     db, dc = torch.empty(b, s, H, N, **f32), torch.empty(b, s, H, N, **f32)  # per head: summed over groups below
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, BM=bm, HAS_D=D is not None, **launch,
-                        **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, BM=bm, **launch, **cfg)
-    ddt, parts = torch.empty_like(dt), torch.empty(3, b, nc, H, **f32)
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, *strides[:8], BM=bm, HAS_D=D is not None,
+                        **launch, **cfg)  # fmt: skip
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, *strides[:8], BM=bm, **launch, **cfg)
+    ddt, parts = torch.empty_like(dt, memory_format=torch.contiguous_format), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
-    k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dt_lo, dt_hi, H=H, L=chunk_size,
-                             BL=_pow2(chunk_size), BT=_pow2(nt), HAS_BIAS=dt_bias is not None,
+    k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, *strides[8:], dt_lo, dt_hi, H=H,
+                             L=chunk_size, BL=_pow2(chunk_size), BT=_pow2(nt), HAS_BIAS=dt_bias is not None,
                              SOFTPLUS=dt_softplus)  # fmt: skip
     G = B.shape[2]
     dB = db.view(b, s, G, H // G, N).sum(3).to(B.dtype)
