@@ -1,5 +1,5 @@
 """The Mamba-2 training suite of ``bench/run.py``: the SSD scan against attention of the same width, and
-``mamba2-1.3b`` and ``hybrid-1b`` through the real training loop beside ``llama-1b``, each at the scan's chunk
+``mamba2-1.3b`` and ``hybrid-1b`` through the real training loop beside ``llama-1b``, the scan at each of its chunk
 lengths (``model.mamba.chunk_size``: the same function, computed in chunks of another length), in one call."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from _train_suites import _MFU_NOTE, _TRAIN, case_row, run_cases
 
 CHUNKS = ("256", "128")
 """The chunk lengths compared: the presets' (Hugging Face's ``Mamba2Config`` default) first, then Megatron-LM's."""
+LOOP_CHUNKS = CHUNKS[:1]
+"""The chunk lengths the models train at through the loop: the presets' only (128 timed slower at the scan's level on
+an H100, ``bench/results/ssm/h100-scan-chunks.json``; each more length adds two training cases to the call)."""
 _SCAN_COLS = [("seq", "batch x seq", ""), ("chunk", "chunk", "d"), ("scan_ms", "scan ms", ".2f"),
               ("scan_tflops", "scan TFLOP/s", ".0f"), ("attention_ms", "attention ms", ".2f"),
               ("vs_chunk", "vs the first chunk", ".2f")]  # fmt: skip
@@ -58,18 +61,20 @@ def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
 
 
 def train_mamba(ctx: Context) -> list[dict[str, Any]]:
-    """The scan at each chunk length; mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at each chunk
-    length, llama-1b at 16k beside them."""
+    """The scan at each chunk length; mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at each of
+    :data:`LOOP_CHUNKS`, llama-1b at 16k beside them."""
     scan, conv = _scan_rows(ctx), _conv_rows(ctx)
     cases = list(_LOOP_CASES[1:] if ctx.quick else _LOOP_CASES)
-    variants = [x for c in CHUNKS[1:] for x in ("--variant", f"model.mamba.chunk_size={c}")]
+    variants = [x for c in LOOP_CHUNKS[1:] for x in ("--variant", f"model.mamba.chunk_size={c}")]
     step, results = run_cases(ctx, [c for c in cases if not c.startswith("llama")], *variants, case_timeout=240)
     anchor, more = run_cases(ctx, [c for c in cases if c.startswith("llama")], case_timeout=240)
     results.update(more)
     rows = []
     for case in cases:
         keys = (
-            [case] if case.startswith("llama") else [case] + [f"{case}+model.mamba.chunk_size={c}" for c in CHUNKS[1:]]
+            [case]
+            if case.startswith("llama")
+            else [case] + [f"{case}+model.mamba.chunk_size={c}" for c in LOOP_CHUNKS[1:]]
         )
         for key in keys:
             r = results.get(key)
@@ -145,11 +150,11 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
 
 
 MAMBA_SUITES = [
-    Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at the SSD scan's chunk "
-          "lengths 256 and 128, the scan alone at each, the mixer's convolution",
-          "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, same call", 9, 1,
+    Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop, the SSD scan alone at "
+          "chunk lengths 256 and 128, the mixer's convolution (backward in two kernels and in one)",
+          "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, same call", 7, 1,
           train_mamba),
     Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
-          "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "
-          "same call", 3, 1, tune_mamba),
+          "tiles per kernel (its backward in two kernels and in one): the fastest beside the defaults", "the defaults "
+          "(ssd_triton.TILES, conv_triton.TILES), same call", 4, 1, tune_mamba),
 ]  # fmt: skip
