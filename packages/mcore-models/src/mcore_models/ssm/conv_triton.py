@@ -13,12 +13,15 @@ ops round it) with every program's partial sums of ``dw[c, k] = sum_t dpre[t] x[
 ``dbias[c] = sum_t dpre[t]`` (float32, to a buffer summed afterwards, so the result does not depend on the order
 programs run in); the second is the forward's kernel run anticausally, ``dx[t] = sum_k w[K - 1 - k] dpre[t + k]``.
 (One kernel recomputing ``pre`` at the ``K - 1`` positions after its block instead of storing ``dpre`` read the input
-tiles ``K`` times over and measured 2.5x slower on an H200.) The sums are float32; ``y`` and ``dx`` come back in
+tiles ``K`` times over and measured 2.5x slower on an H200. :data:`BACKWARD` ``"one"`` is one kernel that computes
+``dpre`` once for its block and the ``K - 1`` positions after it, keeps it in registers and shifts it by each tap
+with ``tl.gather``.) The sums are float32; ``y`` and ``dx`` come back in
 ``x``'s dtype, ``dw`` and ``dbias`` in the weights'.
 
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
 ``torch.autograd.Function``; they run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
-The PyTorch path is ``F.conv1d`` followed by ``F.silu`` (``mcore_models.ssm.mixer.CausalConv1d``).
+The PyTorch path is ``F.conv1d`` followed by ``F.silu`` (``mcore_models.ssm.mixer.CausalConv1d``). The kernels
+themselves are in :mod:`mcore_models.ssm._conv_kernels`.
 """
 
 from __future__ import annotations
@@ -54,111 +57,10 @@ program recomputes the ``K - 1`` positions it shares with the next)."""
 @functools.cache
 def _kernels() -> dict[str, Any]:
     try:
-        import triton
-        import triton.language as tl
+        from mcore_models.ssm._conv_kernels import KERNELS
     except ImportError as e:
         raise ImportError("mamba.conv_kernel=triton needs Triton (pip install mcore-models[gpu]); use torch") from e
-
-    @triton.jit  # type: ignore[misc]
-    def conv(X, W, BIAS, OUT, s, C, xs_b, xs_s, K: tl.constexpr, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
-             ANTICAUSAL: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-        # causal: OUT = silu(bias + sum_k w[k] X[t - (K - 1) + k]) (the forward's y); ANTICAUSAL: OUT =
-        # sum_k w[K - 1 - k] X[t + k] with no bias or SiLU (the backward's dx from dpre)
-        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = pt * BS + tl.arange(0, BS)
-        c = pc * BC + tl.arange(0, BC)
-        cm = c < C
-        x0 = b.to(tl.int64) * xs_b
-        acc = tl.zeros([BS, BC], dtype=tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(K):
-            if ANTICAUSAL:
-                src, tap = t + k, K - 1 - k
-            else:
-                src, tap = t - (K - 1) + k, k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            acc += tl.load(W + c * K + tap, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-        if not ANTICAUSAL:
-            acc = acc * tl.sigmoid(acc)
-        o = (b.to(tl.int64) * s + t)[:, None] * C + c[None, :]
-        tl.store(OUT + o, acc.to(OUT.dtype.element_ty), mask=(t < s)[:, None] & cm[None, :])
-
-    @triton.jit  # type: ignore[misc]
-    def dpre(X, W, BIAS, DY, DPRE, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
-             HAS_BIAS: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-        # DPRE = dy * silu'(pre) at the block's positions (pre recomputed), PART = its partial dw (K rows) and dbias
-        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = pt * BS + tl.arange(0, BS)
-        c = pc * BC + tl.arange(0, BC)
-        cm = c < C
-        x0 = b.to(tl.int64) * xs_b
-        pre = tl.zeros([BS, BC], dtype=tl.float32)
-        if HAS_BIAS:
-            pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(K):
-            src = t - (K - 1) + k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-        sig = tl.sigmoid(pre)
-        m = (t < s)[:, None] & cm[None, :]
-        dy = tl.load(DY + b.to(tl.int64) * dys_b + t.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m, other=0.0)
-        g = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
-        tl.store(DPRE + (b.to(tl.int64) * s + t)[:, None] * C + c[None, :], g.to(DPRE.dtype.element_ty), mask=m)
-        part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
-        for k in tl.static_range(K):
-            src = t - (K - 1) + k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            tl.store(part + k * C, tl.sum(g * xv.to(tl.float32), axis=0), mask=cm)
-        tl.store(part + K * C, tl.sum(g, axis=0), mask=cm)
-
-    @triton.jit  # type: ignore[misc]
-    def bwd(X, W, BIAS, DY, DX, PART, s, C, xs_b, xs_s, dys_b, dys_s, K: tl.constexpr,  # type: ignore[no-untyped-def]
-            HAS_BIAS: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-        # dpre at BS positions from t0 = pt * (BS - (K - 1)), kept in registers; dx at the first BS - (K - 1) of
-        # them (dpre shifted by k positions through tl.gather), PART their partial dw and dbias
-        pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i = tl.arange(0, BS)
-        t = pt * (BS - (K - 1)) + i
-        c = pc * BC + tl.arange(0, BC)
-        cm = c < C
-        x0 = b.to(tl.int64) * xs_b
-        pre = tl.zeros([BS, BC], dtype=tl.float32)
-        if HAS_BIAS:
-            pre += tl.load(BIAS + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(K):
-            src = t - (K - 1) + k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            pre += tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
-        sig = tl.sigmoid(pre)
-        m = (t < s)[:, None] & cm[None, :]
-        dy = tl.load(DY + b.to(tl.int64) * dys_b + t.to(tl.int64)[:, None] * dys_s + c[None, :], mask=m, other=0.0)
-        g = tl.where(m, dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
-        g16 = g.to(X.dtype.element_ty).to(tl.float32)  # dx from dpre rounded to x's dtype, as the unfused ops do
-        acc = tl.zeros([BS, BC], dtype=tl.float32)
-        for k in tl.static_range(K):
-            if k == 0:
-                gk = g16
-            else:
-                shift = tl.broadcast_to(tl.minimum(i + k, BS - 1)[:, None], (BS, BC))
-                gk = tl.gather(g16, shift, axis=0)
-            acc += tl.load(W + c * K + (K - 1 - k), mask=cm, other=0.0).to(tl.float32)[None, :] * gk
-        own = (i < BS - (K - 1))[:, None] & m
-        tl.store(DX + (b.to(tl.int64) * s + t)[:, None] * C + c[None, :], acc.to(DX.dtype.element_ty), mask=own)
-        go = tl.where(own, g, 0.0)
-        part = PART + ((b * tl.num_programs(0) + pt) * (K + 1)).to(tl.int64) * C + c
-        for k in tl.static_range(K):
-            src = t - (K - 1) + k
-            xm = ((src >= 0) & (src < s))[:, None] & cm[None, :]
-            xv = tl.load(X + x0 + src.to(tl.int64)[:, None] * xs_s + c[None, :], mask=xm, other=0.0)
-            tl.store(part + k * C, tl.sum(go * xv.to(tl.float32), axis=0), mask=cm)
-        tl.store(part + K * C, tl.sum(go, axis=0), mask=cm)
-
-    return {"conv": conv, "dpre": dpre, "bwd": bwd}
+    return KERNELS
 
 
 def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:
