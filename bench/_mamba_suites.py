@@ -46,14 +46,14 @@ def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
     out = ctx.path("conv.json")
     step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--backward", "two", "one",
                     "--json", out], timeout=180, out=out)  # fmt: skip
-    found = {r["impl"] + r.get("backward", ""): r for r in (step.data or {}).get("rows", [])}
+    found = {(r["impl"], r.get("backward")): r for r in (step.data or {}).get("rows", [])}
     rows = []
-    for impl, label in (("torch", "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
-                        ("tritontwo", "Triton, backward as two kernels (conv_triton.BACKWARD=two)"),
-                        ("tritonone", "Triton, backward as one kernel (conv_triton.BACKWARD=one)")):  # fmt: skip
+    for impl, label in ((("torch", None), "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
+                        (("triton", "two"), "Triton, backward as two kernels (conv_triton.BACKWARD=two)"),
+                        (("triton", "one"), "Triton, backward as one kernel (conv_triton.BACKWARD=one)")):  # fmt: skip
         r = found.get(impl, {})
         rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
-    base = found.get("torch", {}).get("ms")
+    base = found.get(("torch", None), {}).get("ms")
     for row in rows:
         if base and row.get("ms"):
             row["vs_torch"] = base / row["ms"]

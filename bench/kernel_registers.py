@@ -125,9 +125,7 @@ def _ssm_rows() -> list[dict[str, Any]]:
     for name, (bs, bc), warps in itertools.product(
         ("conv", "conv_dx", "dpre", "bwd"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
     ):
-        consts = {"K": 4, "HAS_BIAS": name != "conv_dx", "BS": bs, "BC": bc}
-        if name.startswith("conv"):
-            consts["ANTICAUSAL"] = name == "conv_dx"
+        consts = {"K": 4, "HAS_BIAS": name != "conv_dx", "ANTICAUSAL": name == "conv_dx", "BS": bs, "BC": bc}
         rows.append({"kernel": f"causal_{name}", "products": "-", "positions": bs, "channels": bc, "warps": warps,
                      **usage(conv[name if name in ("dpre", "bwd") else "conv"], consts, warps)})  # fmt: skip
     return rows

@@ -171,14 +171,15 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     ``d initial_states`` float32."""
     k = _kernels()
     b, s, H, P, N, nc = _dims(x, B, chunk_size)
-    (x, B, C, dy, dt), strides = _strided(x, B, C, dy, dt)  # batch and position strides: x, B, C, dy, dt
+    (x, B, C, dy, dt), strides = _strided(x, B, C, dy, dt)
+    tile_strides, (cs_b, cs_t, ys_b, ys_t), (dts_b, dts_t) = strides[:8], strides[4:8], strides[8:]  # x, B, C, dy
     A = A.contiguous()
     f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
     tiles = _tiles(x)
     cfg = _blocks(x, B, chunk_size, tiles["_BWD_ROWS"])
     bm, launch = cfg.pop("BM"), {"num_warps": tiles["_BWD_WARPS"], "num_stages": tiles["_BWD_STAGES"]}
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
-    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, *strides[6:8], *strides[4:6], BK=bm, FROM_END=False,
+    k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, ys_b, ys_t, cs_b, cs_t, BK=bm, FROM_END=False,
                                   num_warps=tiles["_WARPS"], num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
     bs = min(_STATE_BLOCK, _pow2(P * N))
     nt = -(-P * N // bs)
@@ -191,12 +192,12 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, *strides[:8], BM=bm, HAS_D=D is not None,
+    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, *tile_strides, BM=bm, HAS_D=D is not None,
                         **launch, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, *strides[:8], BM=bm, **launch, **cfg)
+    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, *tile_strides, BM=bm, **launch, **cfg)
     ddt, parts = torch.empty_like(dt, memory_format=torch.contiguous_format), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
-    k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, *strides[8:], dt_lo, dt_hi, H=H,
+    k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dts_b, dts_t, dt_lo, dt_hi, H=H,
                              L=chunk_size, BL=_pow2(chunk_size), BT=_pow2(nt), HAS_BIAS=dt_bias is not None,
                              SOFTPLUS=dt_softplus)  # fmt: skip
     G = B.shape[2]
