@@ -6,7 +6,7 @@ thread of a program uses: registers (255 at most) and bytes spilled to local mem
 global-memory traffic inside the loops; with the shared memory a program takes, they give how many programs an SM
 holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
 
-- the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``) at ``mamba2-1.3b``'s head shapes (P 64, N 128,
+- the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``, ``_ssd_group_kernels``) at ``mamba2-1.3b``'s head shapes (P 64, N 128,
   chunk 256), over positions per block x warps, with the products on float32 operands (TF32) and on bf16 ones
   (``ssd_triton.LOW_PRECISION_DOTS``), the bf16 ones also over pipeline stages (``num_stages``: how deep the loops'
   loads are buffered in shared memory);
@@ -37,8 +37,16 @@ import tempfile
 import warnings
 from typing import Any
 
-SSD = {"chunk_state": ("BK", (32, 64, 128), {"FROM_END": True}), "chunk_out": ("BM", (32, 64, 128), {"HAS_D": True}),
-       "bwd_cols": ("BM", (16, 32, 64), {"HAS_D": True}), "bwd_rows": ("BM", (16, 32, 64), {})}  # fmt: skip
+SSD = {"chunk_state": ("chunk_state", "BK", (32, 64, 128), {"FROM_END": True}),
+       "chunk_out": ("chunk_out", "BM", (32, 64, 128), {"HAS_D": True}),
+       "bwd_cols": ("bwd_cols", "BM", (16, 32, 64), {"HAS_D": True, "PER_HEAD_DB": True}),
+       "bwd_rows": ("bwd_rows", "BM", (16, 32, 64), {}),
+       "bwd_cols (groups)": ("bwd_cols", "BM", (16, 32, 64), {"HAS_D": True, "PER_HEAD_DB": False}),
+       "bwd_dcb": ("bwd_dcb", "BM", (32, 64, 128), {}),
+       "bwd_dbdc dC": ("bwd_dbdc", "BM", (32, 64, 128), {"FOR_B": False}),
+       "bwd_dbdc dB": ("bwd_dbdc", "BM", (32, 64, 128), {"FOR_B": True})}  # fmt: skip
+"""The SSD scan's kernels by label: the kernel, its block constant, the block sizes and its other constants (the
+``bwd_dcb`` and ``bwd_dbdc`` of ``ssd_triton.BACKWARD = "groups"`` with ``bwd_cols`` as that backward runs it)."""
 STAGES = (1, 2, 3)  # num_stages of the chunk kernels' software pipeline (Triton's default on Hopper: 3)
 SHAPE = {"H": 64, "G": 1, "P": 64, "N": 128, "L": 256, "BP": 64, "BN": 128, "PREC": "tf32"}
 POINTERS_16 = {"X", "Bm", "Cm", "DY", "Y", "DX", "W", "BIAS", "OUT"}  # bf16 tensors; the others float32
@@ -110,17 +118,18 @@ def _ssm_rows() -> list[dict[str, Any]]:
     """The SSD scan's chunk kernels over positions x warps and product precisions; the causal conv."""
     import triton.language as tl
 
-    from mcore_models.ssm._ssd_kernels import kernels
+    from mcore_models.ssm import _ssd_group_kernels, _ssd_kernels
     from mcore_models.ssm.conv_triton import _kernels as conv_kernels
 
-    ssd = kernels()
+    ssd = {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
     rows = []
-    for (name, (key, sizes, extra)), dot in itertools.product(SSD.items(), ("tf32", "bf16")):
+    for (label, (name, key, sizes, extra)), dot in itertools.product(SSD.items(), ("tf32", "bf16")):
         dt = tl.float32 if dot == "tf32" else tl.bfloat16
         for size, warps, stages in itertools.product(sizes, (4, 8), STAGES if dot == "bf16" else (3,)):
-            consts = {**SHAPE, key: size, **extra, "DOT": dt, "DOT2": dt}
-            rows.append({"kernel": name, "products": dot, "positions": size, "warps": warps, "stages": stages,
-                         **usage(ssd[name], consts, warps, stages=stages)})  # fmt: skip
+            consts = {**SHAPE, key: size, "NB": -(-SHAPE["L"] // size), **extra, "DOT": dt, "DOT2": dt}
+            types = {p: "*bf16" for p in ("R", "Q", "E", "OUT")} if name == "bwd_dbdc" else None
+            rows.append({"kernel": label, "products": dot, "positions": size, "warps": warps, "stages": stages,
+                         **usage(ssd[name], consts, warps, types, stages=stages)})  # fmt: skip
     conv = conv_kernels()
     for name, (bs, bc), warps in itertools.product(
         ("conv", "conv_dx", "dpre", "bwd"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)

@@ -15,6 +15,13 @@ causal half.
 ``--chunk``: the chunk lengths to time the scan at (``MambaConfig.chunk_size``; the same function for any chunk, up
 to rounding), one row per sequence and chunk; attention is timed once per sequence, in its first row.
 
+``--backward``: how the backward takes the gradients of ``B`` and ``C`` (``mcore_models.ssm.ssd_triton.BACKWARD``:
+``heads``, each head's own products, or ``groups``, through one matrix per group and chunk summed over its heads),
+each timed in turn in the same process; the default's entry is ``scan_16bit``, another's gets its name appended
+(``scan_16bit_groups``). With ``--tune``, the first one's kernels are tuned (``groups`` adds its own tiles)::
+
+    python bench/ssd_bench.py --seq 4096 16384 --backward heads groups
+
 ``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
 ``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
 ``--tune`` times the Triton kernels' tile constants instead (positions per block forward and backward, warps,
@@ -83,6 +90,8 @@ TUNE = (
     {"_BWD_ROWS": (16, 32, 64), "_BWD_WARPS": (4, 8)},
     {"_BWD_STAGES": (1, 2, 3)},
 )
+TUNE_GROUPS = ({"_GRP_ROWS": (32, 64, 128), "_GRP_WARPS": (4, 8)},)
+"""The tiles of the group kernels, swept after :data:`TUNE` when ``ssd_triton.BACKWARD`` is ``"groups"``."""
 """The forward's tile constants, then the backward's, in groups: each group swept with the others at their best so
 far (the stages: Triton's ``num_stages``, the shared memory a program takes and so the programs an SM holds)."""
 STATE_BLOCKS = (256, 512, 1024, 2048)
@@ -113,11 +122,12 @@ def tune(seq: int, tokens: int, dots: list[str], chunk: int = 256) -> list[dict[
         ssd_triton.LOW_PRECISION_DOTS = d == "16bit"
         tiles = ssd_triton.TILES[d]
         default = dict(tiles)
-        for group in TUNE:
+        for group in TUNE + (TUNE_GROUPS if ssd_triton.BACKWARD == "groups" else ()):
             timed = []
             for values in itertools.product(*group.values()):
                 tiles.update(zip(group, values, strict=True))
-                timed.append(_timed({"dots": d, "chunk": chunk, **tiles}, b, seq, chunk))
+                timed.append(_timed({"dots": d, "chunk": chunk, "backward": ssd_triton.BACKWARD, **tiles}, b, seq,
+                                    chunk))  # fmt: skip
             best = min(timed, key=lambda r: r.get("ms", float("inf")))
             tiles.update({k: best[k] for k in group})
             rows.extend(timed)
@@ -139,28 +149,34 @@ def main() -> None:
                     help="the Triton kernels' product operands: one row entry each (scan, scan_16bit)")  # fmt: skip
     ap.add_argument("--chunk", type=int, nargs="+", default=[256],
                     help="chunk lengths (MambaConfig.chunk_size): a row per sequence and chunk; --tune: the first")  # fmt: skip
+    ap.add_argument("--backward", nargs="+", default=[ssd_triton.BACKWARD], choices=["heads", "groups"],
+                    help="ssd_triton.BACKWARD: each timed in turn (--tune: the first)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")
     args = ap.parse_args()
+    default_backward = ssd_triton.BACKWARD
     if args.tune:
+        ssd_triton.BACKWARD = args.backward[0]
         tuned = tune(args.seq[0], args.tokens, args.dots, args.chunk[0])
         for r in tuned:
             print(json.dumps(r), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 d = args.dots[0]  # the defaults of the first choice (their row is in the sweep)
-                defaults = {"dots": d, **ssd_triton.TILES[d], "_STATE_BLOCK": ssd_triton._STATE_BLOCK}
+                defaults = {"dots": d, "backward": ssd_triton.BACKWARD, **ssd_triton.TILES[d],
+                            "_STATE_BLOCK": ssd_triton._STATE_BLOCK}  # fmt: skip
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "chunk": args.chunk[0],
                            "defaults": defaults, "tune": tuned}, f, indent=1)  # fmt: skip
         return
     rows = []
-    names = [("scan" if d == "tf32" else "scan_16bit") for d in args.dots]
+    names = [(("scan" if d == "tf32" else "scan_16bit") + ("" if bw == default_backward else f"_{bw}"), d, bw)
+             for bw in args.backward for d in args.dots]  # fmt: skip
     for s in args.seq:
         b = max(1, args.tokens // s)
         for i, chunk in enumerate(args.chunk):
             row: dict[str, Any] = {"batch": b, "seq": s, "chunk": chunk}
-            for name in names + ["attention"] * (i == 0):
-                ssd_triton.LOW_PRECISION_DOTS = name == "scan_16bit"
+            for name, dots, backward in names + [("attention", "", "")] * (i == 0):
+                ssd_triton.LOW_PRECISION_DOTS, ssd_triton.BACKWARD = dots == "16bit", backward or default_backward
                 try:
                     row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl, chunk)
                 except torch.OutOfMemoryError:

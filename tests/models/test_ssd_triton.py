@@ -20,6 +20,7 @@ from tests.models._kernels import HAS_TRITON, KERNEL_DEVICES
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
+BACKWARDS = ("heads", "groups")  # ssd_triton.BACKWARD: the gradients of B and C per head, or through dCB per group
 
 
 def recurrence(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None):
@@ -110,8 +111,10 @@ CASES = [  # b, s, H, G, P, N, chunk, options
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"s{c[1]}-G{c[3]}-L{c[6]}-{'-'.join(c[7]) or 'plain'}")
-def test_kernels_equal_the_float64_recurrence(device: str, case: tuple) -> None:
+def test_kernels_equal_the_float64_recurrence(device: str, case: tuple, backward: str, monkeypatch) -> None:
+    monkeypatch.setattr(ssd_triton, "BACKWARD", backward)
     b, s, H, G, P, N, L, opts = case
     softplus, limit = opts.get("softplus", True), opts.get("dt_limit", (0.0, math.inf))
     flags = {k: opts.get(k, False) for k in ("D", "bias", "init")}
@@ -122,10 +125,14 @@ def test_kernels_equal_the_float64_recurrence(device: str, case: tuple) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_several_blocks_per_chunk(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 40 positions in blocks of 16: the row and column loops cross blocks, the last block partial."""
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_several_blocks_per_chunk(device: str, backward: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 40 positions in blocks of 16: the row and column loops cross blocks, the last block partial (and
+    the group kernels' blocks of 8: five, the pairs of blocks and dt_bwd's partial sums over several)."""
+    monkeypatch.setattr(ssd_triton, "BACKWARD", backward)
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_ROWS", 16)  # float32 inputs take the tf32 tiles
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_BWD_ROWS", 16)
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_GRP_ROWS", 8)
     monkeypatch.setattr(ssd_triton, "_STATE_BLOCK", 16)  # the state pass over several tiles (P * N = 32)
     t = make_inputs(1, 50, 4, 2, 4, 8, D=True, bias=True, init=True, seed=3)
     assert_runs_agree(t, run_both(t, chunk_size=40, device=device, dtype=torch.float32), 2e-5)
@@ -200,10 +207,12 @@ def test_a_minus_infinity_time_step_is_an_identity_step(device: str, impl: str) 
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_bf16_inputs_with_either_product_precision(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_bf16_inputs_with_either_product_precision(device: str, backward: str, monkeypatch) -> None:
     """bf16 x, B, C: the products on float32 operands (TF32 on GPUs) and on bf16 operands
     (``LOW_PRECISION_DOTS``) each give the float64 recurrence's outputs and gradients within bf16 rounding, and
     the two differ (the 16-bit products really round their operands)."""
+    monkeypatch.setattr(ssd_triton, "BACKWARD", backward)
     t = make_inputs(2, 37, 4, 2, 16, 16, D=True, bias=True, init=True, seed=4)
     ys = []
     for low in (False, True):
@@ -234,13 +243,16 @@ def _mixer_layout(t: dict[str, torch.Tensor], device: str, pad: int = 3) -> dict
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dy_layout", ["transposed", "every-other"])
-def test_strided_inputs_are_read_in_place(device: str, dy_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_strided_inputs_are_read_in_place(device: str, dy_layout: str, backward: str, monkeypatch) -> None:
     """The mixer's views (:func:`_mixer_layout`) and a ``dy`` that is an ``[s, b, H, P]`` tensor transposed reach
     the kernels as they are (the launches get the views' own storage; a ``dy`` whose last dimension is not dense,
     every other element of a wider one, is copied), and the outputs and every gradient equal, bit for bit, those of
     the same scan on contiguous copies. Chunks of 16 in blocks of 8: the row and column loops cross blocks."""
+    monkeypatch.setattr(ssd_triton, "BACKWARD", backward)
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_ROWS", 8)  # float32 inputs take the tf32 tiles
     monkeypatch.setitem(ssd_triton.TILES["tf32"], "_BWD_ROWS", 8)
+    monkeypatch.setitem(ssd_triton.TILES["tf32"], "_GRP_ROWS", 8)
     b, s, H, P = 2, 37, 4, 8
     t = make_inputs(b, s, H, 2, P, 4, D=True, bias=True, init=True, seed=17)
     views = _mixer_layout(t, device)
@@ -273,9 +285,16 @@ def test_strided_inputs_are_read_in_place(device: str, dy_layout: str, monkeypat
         results.append([y, fin, *grads])
     for name, a, want in zip(("y", "final_states", *(f"d {k}" for k in views)), *results, strict=True):
         assert want.is_contiguous() and a.stride() == want.stride() and torch.equal(a, want), name
-    tiles = ["chunk_state", "chunk_out", "bwd_cols", "bwd_rows"]  # the launches that read x, in order
-    reads = {"x": tiles, "B": tiles, "C": ["chunk_out", "chunk_state", *tiles[2:]], "dt": ["dt_fwd", "dt_bwd"]}
-    for k, names in {**reads, "dy": ["chunk_state", *tiles[2:]] if dy_layout == "transposed" else []}.items():
+    if backward == "heads":  # the backward's launches that read each input, in order
+        bwd = {"x": ["bwd_cols", "bwd_rows"], "B": ["bwd_cols", "bwd_rows"], "C": ["bwd_cols", "bwd_rows"],
+               "dy": ["chunk_state", "bwd_cols", "bwd_rows"]}  # fmt: skip
+    else:  # bwd_dbdc for dC (reads dy, B, C), then for dB (x, C, B)
+        both = ["bwd_dcb", "bwd_dbdc", "bwd_dbdc", "bwd_cols"]
+        bwd = {"x": ["bwd_dcb", "bwd_dbdc", "bwd_cols"], "B": both, "C": both,
+               "dy": ["chunk_state", "bwd_dcb", "bwd_dbdc", "bwd_cols"]}  # fmt: skip
+    reads = {"x": ["chunk_state", "chunk_out", *bwd["x"]], "B": ["chunk_state", "chunk_out", *bwd["B"]],
+             "C": ["chunk_out", "chunk_state", *bwd["C"]], "dt": ["dt_fwd", "dt_bwd"]}  # fmt: skip
+    for k, names in {**reads, "dy": bwd["dy"] if dy_layout == "transposed" else []}.items():
         t_in = dy if k == "dy" else views[k]
         assert [n for n, ptrs in launches if t_in.data_ptr() in ptrs] == names, k
 
@@ -316,11 +335,13 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("low", [False, True], ids=["tf32-dots", "16bit-dots"])
-def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, backward: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """b=2, H=32, P=64, G=1, N=128, chunks of 256, bf16: forward and every gradient against the float64 recurrence
     on 600 positions (two whole chunks and a partial one); the forward at s=2048 against the recurrence too; with
     the products on float32 (TF32) or bf16 operands."""
     monkeypatch.setattr(ssd_triton, "LOW_PRECISION_DOTS", low)
+    monkeypatch.setattr(ssd_triton, "BACKWARD", backward)
     t = make_inputs(2, 600, 32, 1, 64, 128, D=True, bias=True, init=True, seed=7)
     (y, fin), (y_ref, fin_ref), grads, ref_grads = run_both(t, chunk_size=256, device="cuda", dtype=torch.bfloat16)
     assert_close(y, y_ref, 2e-2, "y")
@@ -337,13 +358,13 @@ def test_realistic_shapes_in_bf16_on_the_gpu(low: bool, monkeypatch: pytest.Monk
     assert_close(fin, fin_ref, 1e-2, "final_states at s=2048")
     # timing, for the log (pytest -s): forward and forward + backward at s=2048
     leaves = {k: v.requires_grad_() for k, v in ins.items()}
-    for label, backward in (("forward", False), ("forward+backward", True)):
+    for label, with_backward in (("forward", False), ("forward+backward", True)):
         for i in range(6):
             if i == 1:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
             y = ssd_scan_triton(**leaves, chunk_size=256)
-            if backward:
+            if with_backward:
                 y.backward(torch.ones_like(y))
         torch.cuda.synchronize()
         print(

@@ -161,10 +161,11 @@ def kernels() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def bwd_cols(X, Bm, Cm, DY, DTP, CUM, DS, Dv, DX, DB, AUX, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, ys_b,  # type: ignore[no-untyped-def]
                  ys_t, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, L: tl.constexpr,
-                 BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
-                 DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
-        # columns j of the chunk: dx_j, dB_j (per head), d dt_j as a multiplier, and the parts of d cum_j and of
-        # d cum_last that column j gives (AUX rows: d dt, minus d cum, d cum_last, sum_p dy x)
+                 BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PER_HEAD_DB: tl.constexpr,
+                 PREC: tl.constexpr, DOT: tl.constexpr, DOT2: tl.constexpr):  # fmt: skip
+        # columns j of the chunk: dx_j, d dt_j as a multiplier (AUX row 0), sum_p dy x (row 2); with PER_HEAD_DB
+        # also dB_j (per head) and the parts of d cum that column j gives: w_j (row 1: minus d cum_j and plus
+        # d cum_last) and q_j dt_j (row 5: minus d cum_j); else the group kernels give those
         blk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         g = h // (H // G)
@@ -192,9 +193,10 @@ def kernels() -> dict[str, Any]:
         inner = (
             tl.dot(bj.to(DOT).to(DOT2), tl.trans(ds).to(DOT).to(DOT2), input_precision=PREC) * ej[:, None]
         )  # d S / d (dt_j x_j)
-        wj = dtj * tl.sum(xj.to(tl.float32) * inner, axis=1)
-        dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
-        q = tl.zeros([BM], dtype=tl.float32)
+        if PER_HEAD_DB:
+            wj = dtj * tl.sum(xj.to(tl.float32) * inner, axis=1)
+            dbj = tl.dot(xj.to(DOT).to(DOT2), ds.to(DOT).to(DOT2), input_precision=PREC) * (ej * dtj)[:, None]
+            q = tl.zeros([BM], dtype=tl.float32)
         for k in range(blk * BM, L, BM):
             ri = k + tl.arange(0, BM)
             ti = c * L + ri
@@ -207,22 +209,24 @@ def kernels() -> dict[str, Any]:
             dec = tl.exp(tl.where(keep, cui[None, :] - cuj[:, None], float("-inf")))  # [j, i]
             gt = tl.dot(bj.to(DOT).to(DOT2), tl.trans(ci).to(DOT).to(DOT2), input_precision=PREC) * dec
             inner += tl.dot(gt.to(DOT).to(DOT2), dyi.to(DOT).to(DOT2), input_precision=PREC)
-            xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
-            dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
-            q += tl.sum(gt * xdy, axis=1)
+            if PER_HEAD_DB:
+                xdy = tl.dot(xj.to(DOT).to(DOT2), tl.trans(dyi).to(DOT).to(DOT2), input_precision=PREC)
+                dbj += tl.dot((xdy * dec * dtj[:, None]).to(DOT).to(DOT2), ci.to(DOT).to(DOT2), input_precision=PREC)
+                q += tl.sum(gt * xdy, axis=1)
         dyj = tl.load(DY + (tj64 * ys_t)[:, None] + p[None, :], mask=xm, other=0.0).to(tl.float32)
         xj = xj.to(tl.float32)
         dxj = inner * dtj[:, None]
         if HAS_D:
             dxj += tl.load(Dv + h).to(tl.float32) * dyj
         tl.store(DX + (btj * H + h)[:, None] * P + p[None, :], dxj.to(DX.dtype.element_ty), mask=xm)  # dx: contiguous
-        tl.store(DB + (btj * H + h)[:, None] * N + n[None, :], dbj, mask=mj[:, None] & nm[None, :])
         aux = AUX + row + tj
         stride = tl.num_programs(2) * s  # one AUX row: b * H * s
         tl.store(aux, tl.sum(xj * inner, axis=1), mask=mj)
-        tl.store(aux + stride, q * dtj + wj, mask=mj)
-        tl.store(aux + 2 * stride, wj, mask=mj)
-        tl.store(aux + 3 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
+        tl.store(aux + 2 * stride, tl.sum(dyj * xj, axis=1), mask=mj)
+        if PER_HEAD_DB:
+            tl.store(DB + (btj * H + h)[:, None] * N + n[None, :], dbj, mask=mj[:, None] & nm[None, :])
+            tl.store(aux + stride, wj, mask=mj)
+            tl.store(aux + 5 * stride, q * dtj, mask=mj)
 
     @triton.jit  # type: ignore[misc]
     def bwd_rows(X, Bm, Cm, DY, DTP, CUM, STATES, DC, AUX, s, nc, xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, ys_b, ys_t,  # type: ignore[no-untyped-def]
@@ -281,9 +285,13 @@ def kernels() -> dict[str, Any]:
 
     @triton.jit  # type: ignore[misc]
     def dt_bwd(DT, BIAS, A, DTP, AUX, TPART, DDT, PARTS, s, nc, nt, dts_b, dts_t, lo, hi, H: tl.constexpr,  # type: ignore[no-untyped-def]
-               L: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               SOFTPLUS: tl.constexpr):  # fmt: skip
-        # d cum -> d (dt A) (a reverse cumulative sum) -> d dt, d A; then through the clamp and softplus to d dt_raw
+               L: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr,
+               PLUS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):  # fmt: skip
+        # d cum -> d (dt A) (a reverse cumulative sum) -> d dt, d A; then through the clamp and softplus to d dt_raw.
+        # AUX rows: 0 d dt (x . inner), 1 w (minus d cum, plus d cum_last), 2 sum_p dy x, 3 (PLUS_STATE) plus d
+        # cum, then NB rows of plus d cum and NB of minus d cum, partial sums over blocks of BM positions: row 4 + k
+        # holds block k's columns' part of the rows in blocks >= k, row 4 + NB + k block k's rows' part of the
+        # columns in blocks <= k
         c, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         r = tl.arange(0, BL)
@@ -292,9 +300,15 @@ def kernels() -> dict[str, Any]:
         row = AUX + bh.to(tl.int64) * s + t
         stride = tl.num_programs(1) * s
         ddt = tl.load(row, mask=m, other=0.0)
-        dcum = tl.load(row + 4 * stride, mask=m, other=0.0) - tl.load(row + stride, mask=m, other=0.0)
+        w = tl.load(row + stride, mask=m, other=0.0)
+        dcum = -w
+        if PLUS_STATE:
+            dcum += tl.load(row + 3 * stride, mask=m, other=0.0)
+        for k in tl.static_range(NB):
+            dcum += tl.load(row + (4 + k) * stride, mask=m & (r // BM >= k), other=0.0)
+            dcum -= tl.load(row + (4 + NB + k) * stride, mask=m & (r // BM <= k), other=0.0)
         tp = tl.load(TPART + ((b * nc + c) * H + h).to(tl.int64) * nt + tl.arange(0, BT), mask=tl.arange(0, BT) < nt)
-        last = tl.sum(tl.load(row + 2 * stride, mask=m, other=0.0)) + tl.sum(tl.where(tl.arange(0, BT) < nt, tp, 0.0))
+        last = tl.sum(w) + tl.sum(tl.where(tl.arange(0, BT) < nt, tp, 0.0))
         da = tl.where(m, tl.sum(dcum) - tl.cumsum(dcum, axis=0) + dcum + last, 0.0)
         d = tl.load(DTP + bh.to(tl.int64) * s + t, mask=m, other=0.0)
         ddt += tl.load(A + h).to(tl.float32) * da
@@ -314,7 +328,7 @@ def kernels() -> dict[str, Any]:
         total = tl.num_programs(0) * tl.num_programs(1)
         tl.store(PARTS + o, tl.sum(d * da))
         tl.store(PARTS + total + o, tl.sum(dz))
-        tl.store(PARTS + 2 * total + o, tl.sum(tl.load(row + 3 * stride, mask=m, other=0.0)))
+        tl.store(PARTS + 2 * total + o, tl.sum(tl.load(row + 2 * stride, mask=m, other=0.0)))
 
     return {"dt_fwd": dt_fwd, "chunk_state": chunk_state, "state_pass": state_pass, "chunk_out": chunk_out,
             "bwd_cols": bwd_cols, "bwd_rows": bwd_rows, "dt_bwd": dt_bwd}  # fmt: skip

@@ -34,19 +34,29 @@ import torch
 __all__ = ["ssd_scan_triton"]
 
 TILES: dict[str, dict[str, int]] = {
-    "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 1, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 1},
-    "tf32": {"_ROWS": 32, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 32, "_BWD_WARPS": 4, "_BWD_STAGES": 3},
-}
+    "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 1, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 1,
+              "_GRP_ROWS": 64, "_GRP_WARPS": 8},
+    "tf32": {"_ROWS": 32, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 32, "_BWD_WARPS": 4, "_BWD_STAGES": 3,
+             "_GRP_ROWS": 32, "_GRP_WARPS": 4},
+}  # fmt: skip
 """The chunk kernels' tiles by product operands (``16bit``: :data:`LOW_PRECISION_DOTS` with 16-bit inputs;
 ``tf32`` otherwise, float32 inputs' IEEE products included): ``_ROWS`` positions per row/column block inside a chunk
 (at most; at least 16, ``tl.dot``'s smallest tile), ``_WARPS`` warps per program and ``_STAGES`` Triton's software
 pipeline depth (``num_stages``: the loop's loads buffered that many iterations deep in shared memory) in the
-forward, ``_BWD_*`` the same for the backward's column and row kernels. The fastest of ``bench/ssd_bench.py --tune``
+forward, ``_BWD_*`` the same for the backward's column and row kernels, ``_GRP_*`` for the kernels of
+:data:`BACKWARD` ``"groups"`` (not tuned: 8 warps hold their ``[rows, N]`` float32 sums without spilling). The fastest of ``bench/ssd_bench.py --tune``
 (batch 8, seq 4096, 64 heads of 64, state 128, chunk 256): rows and warps on one H200, 8.16 ms forward + backward
 with 16-bit products, 15.6 ms TF32; the stages on one H100, where one stage each way took the 16-bit scan from 8.10
 to 6.07 ms (two stages backward 6.31; ``bench/results/ssm/h100-scan-tune-stages.json``). At Triton's default of 3
 the backward's kernels take 123 and 132 KB of shared memory and an SM holds one program; at one, 66 and 49 KB, and
 it holds two (``bench/kernel_registers.py``). The TF32 tiles keep Triton's default stages (not measured)."""
+BACKWARD = "heads"
+"""How the backward takes the gradients of ``B`` and ``C`` (and their parts of the gradient of ``cum``): ``"heads"``,
+every head's products with its own ``x`` and ``dy`` (``bwd_cols``, ``bwd_rows``), summed over the group's heads
+after; ``"groups"``, through one ``L x L`` matrix per group and chunk summed over the group's heads first
+(:mod:`mcore_models.ssm._ssd_group_kernels`): for ``mamba2-1.3b``'s heads (64 to a group, P 64, N 128, chunks of
+256 in blocks of 64) about 32 against 71 MFLOP of products per head and chunk. ``"heads"`` until timed on a GPU
+(``python bench/ssd_bench.py --backward heads groups``)."""
 _STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
@@ -60,9 +70,9 @@ def _tiles(x: torch.Tensor) -> dict[str, int]:
 
 
 def _kernels() -> dict[str, Any]:
-    from mcore_models.ssm._ssd_kernels import kernels
+    from mcore_models.ssm import _ssd_group_kernels, _ssd_kernels
 
-    return kernels()
+    return {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
 
 
 def _pow2(n: int) -> int:
@@ -188,24 +198,57 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     k["state_pass"][(b * H, nt)](ds, dfin, dinit, cum, states, tpart, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
                                  HAS_INIT=dfinal is not None, REVERSE=True)  # fmt: skip
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    db, dc = torch.empty(b, s, H, N, **f32), torch.empty(b, s, H, N, **f32)  # per head: summed over groups below
-    aux = torch.empty(5, b, H, s, **f32)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
-    k["bwd_cols"][grid](x, B, C, dy, dtp, cum, ds, d, dx, db, aux, s, nc, *tile_strides, BM=bm, HAS_D=D is not None,
-                        **launch, **cfg)  # fmt: skip
-    k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, *tile_strides, BM=bm, **launch, **cfg)
+    cols = (x, B, C, dy, dtp, cum, ds, d, dx)
+    if BACKWARD == "groups":
+        aux, dB, dC, dt_blocks = _group_bwd(k, cols, states, tile_strides, chunk_size, tiles, cfg)
+        k["bwd_cols"][grid](*cols, dx, aux, s, nc, *tile_strides, BM=bm, HAS_D=D is not None, PER_HEAD_DB=False,
+                            **launch, **cfg)  # fmt: skip
+    else:
+        G = B.shape[2]
+        db, dc = torch.empty(b, s, H, N, **f32), torch.empty(b, s, H, N, **f32)  # per head: summed over groups below
+        aux = torch.empty(6, b, H, s, **f32)  # dt_bwd's rows: one block of plus and minus d cum partial sums
+        k["bwd_cols"][grid](*cols, db, aux, s, nc, *tile_strides, BM=bm, HAS_D=D is not None, PER_HEAD_DB=True,
+                            **launch, **cfg)  # fmt: skip
+        k["bwd_rows"][grid](x, B, C, dy, dtp, cum, states, dc, aux, s, nc, *tile_strides, BM=bm, **launch, **cfg)
+        dB = db.view(b, s, G, H // G, N).sum(3).to(B.dtype)
+        dC = dc.view(b, s, G, H // G, N).sum(3).to(C.dtype)
+        dt_blocks = {"NB": 1, "BM": _pow2(chunk_size), "PLUS_STATE": False}
     ddt, parts = torch.empty_like(dt, memory_format=torch.contiguous_format), torch.empty(3, b, nc, H, **f32)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     k["dt_bwd"][(nc, b * H)](dt, bias, A, dtp, aux, tpart, ddt, parts, s, nc, nt, dts_b, dts_t, dt_lo, dt_hi, H=H,
                              L=chunk_size, BL=_pow2(chunk_size), BT=_pow2(nt), HAS_BIAS=dt_bias is not None,
-                             SOFTPLUS=dt_softplus)  # fmt: skip
-    G = B.shape[2]
-    dB = db.view(b, s, G, H // G, N).sum(3).to(B.dtype)
-    dC = dc.view(b, s, G, H // G, N).sum(3).to(C.dtype)
+                             SOFTPLUS=dt_softplus, **dt_blocks)  # fmt: skip
     dD = parts[2].sum((0, 1)).to(D.dtype if D is not None else torch.float32)
     dbias = parts[1].sum((0, 1)).to(dt_bias.dtype if dt_bias is not None else torch.float32)
     return dx, ddt, parts[0].sum((0, 1)).to(A.dtype), dB, dC, dD, dbias, dinit
+
+
+def _group_bwd(k: dict[str, Any], cols: tuple[torch.Tensor, ...], states: torch.Tensor, tile_strides: tuple[int, ...],
+               chunk_size: int, tiles: dict[str, int], cfg: dict[str, Any]) -> tuple[Any, ...]:  # fmt: skip
+    """:data:`BACKWARD` ``"groups"``: ``dB`` and ``dC`` through ``dCB``, one ``L x L`` matrix per group and chunk,
+    and the state terms summed over the group's heads (:mod:`mcore_models.ssm._ssd_group_kernels`). Returns the
+    ``AUX`` rows for ``bwd_cols`` and ``dt_bwd`` (filled here but for rows 0 and 2), ``dB``, ``dC`` and
+    ``dt_bwd``'s block constants."""
+    x, B, C, dy, dtp, cum, ds = cols[:7]
+    xs_b, xs_t, bs_b, bs_t, cs_b, cs_t, ys_b, ys_t = tile_strides
+    b, s, H, _, _, nc = _dims(x, B, chunk_size)
+    G = B.shape[2]
+    f32: dict[str, Any] = {"device": x.device, "dtype": torch.float32}
+    bm = max(16, min(tiles["_GRP_ROWS"], _pow2(chunk_size)))
+    nb = -(-chunk_size // bm)
+    launch = {"num_warps": tiles["_GRP_WARPS"], "num_stages": tiles["_BWD_STAGES"]}
+    aux = torch.empty(4 + 2 * nb, b, H, s, **f32)
+    dcb = torch.empty(b, nc, G, chunk_size, chunk_size, **f32)  # blocks above the diagonal are never read
+    k["bwd_dcb"][(nb * (nb + 1) // 2, nc, b * G)](x, B, C, dy, dtp, cum, dcb, aux, s, nc, *tile_strides, BM=bm,
+                                                  NB=nb, **launch, **cfg)  # fmt: skip
+    dB, dC = (torch.empty(b, s, G, t.shape[3], device=x.device, dtype=t.dtype) for t in (B, C))
+    k["bwd_dbdc"][(nb, nc, b * G)](dy, B, C, dcb, cum, dtp, states, dC, aux, s, nc, ys_b, ys_t, bs_b, bs_t, cs_b,
+                                   cs_t, BM=bm, NB=nb, FOR_B=False, **launch, **cfg)  # fmt: skip
+    k["bwd_dbdc"][(nb, nc, b * G)](x, C, B, dcb, cum, dtp, ds, dB, aux, s, nc, xs_b, xs_t, cs_b, cs_t, bs_b, bs_t,
+                                   BM=bm, NB=nb, FOR_B=True, **launch, **cfg)  # fmt: skip
+    return aux, dB, dC, {"NB": nb, "BM": bm, "PLUS_STATE": True}
 
 
 @_ssd_bwd.register_fake
