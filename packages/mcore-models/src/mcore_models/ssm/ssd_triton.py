@@ -57,7 +57,12 @@ after; ``"groups"``, through one ``L x L`` matrix per group and chunk summed ove
 (:mod:`mcore_models.ssm._ssd_group_kernels`): for ``mamba2-1.3b``'s heads (64 to a group, P 64, N 128, chunks of
 256 in blocks of 64) about 32 against 71 MFLOP of products per head and chunk. ``"heads"`` until timed on a GPU
 (``python bench/ssd_bench.py --backward heads groups``)."""
-_STATE_BLOCK = 1024  # state elements per program in the pass over chunks
+_STATE_BLOCK = 1024  # state elements per program in the pass over chunks (over PASS_CHUNKS chunks at a time)
+PASS_CHUNKS = 1
+"""Chunks the pass over chunks loads and composes a step: 1, the one-chunk kernel (a chain of ``nc`` steps); more (a
+power of two), :mod:`mcore_models.ssm._ssd_pass_kernels` (``nc / PASS_CHUNKS`` steps, that many chunks' loads in
+flight at once; ``_STATE_BLOCK / PASS_CHUNKS`` state elements a program). 1 until timed on a GPU (``python
+bench/ssd_bench.py --pass-chunks 1 8``)."""
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
 accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
@@ -72,7 +77,18 @@ def _tiles(x: torch.Tensor) -> dict[str, int]:
 def _kernels() -> dict[str, Any]:
     from mcore_models.ssm import _ssd_group_kernels, _ssd_kernels
 
-    return {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
+    ks = {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
+    if PASS_CHUNKS > 1:
+        from mcore_models.ssm._ssd_pass_kernels import state_pass_blocks
+
+        ks["state_pass"] = state_pass_blocks
+    return ks
+
+
+def _pass_tiles(pn: int) -> tuple[int, int, dict[str, int]]:
+    """The pass over chunks' state elements a program, its programs per batch row and head, and its constants."""
+    bs = max(16, min(_STATE_BLOCK, _pow2(pn)) // PASS_CHUNKS)
+    return bs, -(-pn // bs), ({"KC": PASS_CHUNKS} if PASS_CHUNKS > 1 else {})
 
 
 def _pow2(n: int) -> int:
@@ -145,10 +161,9 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                                   **launch, **cfg)  # fmt: skip
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
-    bs = min(_STATE_BLOCK, _pow2(P * N))
-    k["state_pass"][(b * H, -(-P * N // bs))](states, init, final, cum, states, final, s, nc, H=H, PN=P * N,
-                                              L=chunk_size, BS=bs, HAS_INIT=initial_states is not None,
-                                              REVERSE=False)  # fmt: skip
+    bs, nt, kc = _pass_tiles(P * N)
+    k["state_pass"][(b * H, nt)](states, init, final, cum, states, final, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
+                                 HAS_INIT=initial_states is not None, REVERSE=False, **kc)  # fmt: skip
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
@@ -191,12 +206,11 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
     k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, ys_b, ys_t, cs_b, cs_t, BK=bm, FROM_END=False,
                                   num_warps=tiles["_WARPS"], num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
-    bs = min(_STATE_BLOCK, _pow2(P * N))
-    nt = -(-P * N // bs)
+    bs, nt, kc = _pass_tiles(P * N)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
     dfin = dfinal.contiguous().float() if dfinal is not None else dinit
     k["state_pass"][(b * H, nt)](ds, dfin, dinit, cum, states, tpart, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
-                                 HAS_INIT=dfinal is not None, REVERSE=True)  # fmt: skip
+                                 HAS_INIT=dfinal is not None, REVERSE=True, **kc)  # fmt: skip
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
