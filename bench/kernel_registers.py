@@ -9,8 +9,7 @@ holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
 - the SSD scan's chunk kernels (``mcore_models.ssm._ssd_kernels``, ``_ssd_group_kernels``) at ``mamba2-1.3b``'s
   head shapes (P 64, N 128, chunk 256), over positions per block x warps, with the products on float32 operands
   (TF32) and on bf16 ones (``ssd_triton.LOW_PRECISION_DOTS``), the bf16 ones also over pipeline stages
-  (``num_stages``: how deep the loops' loads are buffered in shared memory); the pass over chunks over chunks a
-  step x state elements a program (``_ssd_pass_kernels``);
+  (``num_stages``: how deep the loops' loads are buffered in shared memory);
 - the Mamba mixer's causal conv (``mcore_models.ssm.conv_triton``: the forward, the backward's ``dpre`` and its
   anticausal ``dx``, and the one-kernel backward), positions x channels per program;
 - the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, its rounding in float32 arithmetic or by the
@@ -48,9 +47,6 @@ SSD = {"chunk_state": ("chunk_state", "BK", (32, 64, 128), {"FROM_END": True}),
        "bwd_dbdc dB": ("bwd_dbdc", "BM", (32, 64, 128), {"FOR_B": True})}  # fmt: skip
 """The SSD scan's kernels by label: the kernel, its block constant, the block sizes and its other constants (the
 ``bwd_dcb`` and ``bwd_dbdc`` of ``ssd_triton.BACKWARD = "groups"`` with ``bwd_cols`` as that backward runs it)."""
-PASS = ((1, 1024), (4, 256), (8, 128), (16, 64))
-"""The pass over chunks: chunks a step (``ssd_triton.PASS_CHUNKS``) x state elements a program, at the default
-``_STATE_BLOCK`` of 1024 (``_ssd_pass_kernels`` for more than one chunk)."""
 STAGES = (1, 2, 3)  # num_stages of the chunk kernels' software pipeline (Triton's default on Hopper: 3)
 SHAPE = {"H": 64, "G": 1, "P": 64, "N": 128, "L": 256, "BP": 64, "BN": 128, "PREC": "tf32"}
 POINTERS_16 = {"X", "Bm", "Cm", "DY", "Y", "DX", "W", "BIAS", "OUT"}  # bf16 tensors; the others float32
@@ -134,14 +130,6 @@ def _ssm_rows() -> list[dict[str, Any]]:
             types = {p: "*bf16" for p in ("R", "Q", "E", "OUT")} if name == "bwd_dbdc" else None
             rows.append({"kernel": label, "products": dot, "positions": size, "warps": warps, "stages": stages,
                          **usage(ssd[name], consts, warps, types, stages=stages)})  # fmt: skip
-    from mcore_models.ssm._ssd_pass_kernels import state_pass_blocks
-
-    pn = {"H": SHAPE["H"], "PN": SHAPE["P"] * SHAPE["N"], "L": SHAPE["L"], "HAS_INIT": True}
-    for (chunks, bs), reverse in itertools.product(PASS, (False, True)):  # positions: chunks a step x state elements
-        consts = {**pn, "BS": bs, "REVERSE": reverse, **({"KC": chunks} if chunks > 1 else {})}
-        rows.append({"kernel": "state_pass" + (" reverse" if reverse else ""), "products": "-", "positions": chunks,
-                     "channels": bs, "warps": 4,
-                     **usage(state_pass_blocks if chunks > 1 else ssd["state_pass"], consts, 4)})  # fmt: skip
     conv = conv_kernels()
     for name, (bs, bc), warps in itertools.product(
         ("conv", "conv_dx", "dpre", "bwd"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)

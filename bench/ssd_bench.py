@@ -18,14 +18,9 @@ to rounding), one row per sequence and chunk; attention is timed once per sequen
 ``--backward``: how the backward takes the gradients of ``B`` and ``C`` (``mcore_models.ssm.ssd_triton.BACKWARD``:
 ``heads``, each head's own products, or ``groups``, through one matrix per group and chunk summed over its heads),
 each timed in turn in the same process; the default's entry is ``scan_16bit``, another's gets its name appended
-(``scan_16bit_groups``). With ``--tune``, the first one's kernels are tuned (``groups`` adds its own tiles)::
+(``scan_16bit_heads``). With ``--tune``, the first one's kernels are tuned (``groups`` adds its own tiles)::
 
-    python bench/ssd_bench.py --seq 4096 16384 --backward heads groups
-
-``--pass-chunks``: the chunks the pass over chunks composes a step (``ssd_triton.PASS_CHUNKS``), each other than
-the default timed in turn with bf16 products (``scan_16bit_pass8``)::
-
-    python bench/ssd_bench.py --seq 4096 16384 65536 --pass-chunks 1 4 8 16
+    python bench/ssd_bench.py --seq 4096 16384 --backward groups heads
 
 ``--dots``: ``16bit`` (bf16 operands, ``mcore_models.ssm.ssd_triton.LOW_PRECISION_DOTS``, the default) and/or
 ``tf32`` (float32 operands, TF32 products), each measured in turn in the same process (``scan_16bit``, ``scan``).
@@ -156,8 +151,6 @@ def main() -> None:
                     help="chunk lengths (MambaConfig.chunk_size): a row per sequence and chunk; --tune: the first")  # fmt: skip
     ap.add_argument("--backward", nargs="+", default=[ssd_triton.BACKWARD], choices=["heads", "groups"],
                     help="ssd_triton.BACKWARD: each timed in turn (--tune: the first)")  # fmt: skip
-    ap.add_argument("--pass-chunks", type=int, nargs="+", default=[ssd_triton.PASS_CHUNKS],
-                    help="ssd_triton.PASS_CHUNKS: each timed in turn, after --backward's choices")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the kernels' tile constants (see above)")
     args = ap.parse_args()
@@ -176,17 +169,14 @@ def main() -> None:
                            "defaults": defaults, "tune": tuned}, f, indent=1)  # fmt: skip
         return
     rows = []
-    default_pass = ssd_triton.PASS_CHUNKS
-    names = [(("scan" if d == "tf32" else "scan_16bit") + ("" if bw == default_backward else f"_{bw}"), d, bw,
-              default_pass) for bw in args.backward for d in args.dots]  # fmt: skip
-    names += [(f"scan_16bit_pass{kc}", "16bit", default_backward, kc) for kc in args.pass_chunks if kc != default_pass]
+    names = [(("scan" if d == "tf32" else "scan_16bit") + ("" if bw == default_backward else f"_{bw}"), d, bw)
+             for bw in args.backward for d in args.dots]  # fmt: skip
     for s in args.seq:
         b = max(1, args.tokens // s)
         for i, chunk in enumerate(args.chunk):
             row: dict[str, Any] = {"batch": b, "seq": s, "chunk": chunk}
-            for name, dots, backward, kc in names + [("attention", "", "", 0)] * (i == 0):
+            for name, dots, backward in names + [("attention", "", "")] * (i == 0):
                 ssd_triton.LOW_PRECISION_DOTS, ssd_triton.BACKWARD = dots == "16bit", backward or default_backward
-                ssd_triton.PASS_CHUNKS = kc or default_pass
                 try:
                     row[name] = attention_case(b, s) if name == "attention" else scan_case(b, s, args.impl, chunk)
                 except torch.OutOfMemoryError:

@@ -140,19 +140,6 @@ def test_several_blocks_per_chunk(device: str, backward: str, monkeypatch: pytes
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("chunks", [1, 4, 16])
-def test_pass_over_several_chunks_a_step(device: str, chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PASS_CHUNKS``: the pass over chunks (forward and reverse) composing that many chunks a step equals the
-    recurrence over 13 chunks (blocks of 4: the last one has a single chunk; of 16: one block, mostly past the end),
-    from initial states and with the final states' gradient, over several state tiles."""
-    monkeypatch.setattr(ssd_triton, "PASS_CHUNKS", chunks)
-    monkeypatch.setattr(ssd_triton, "_STATE_BLOCK", 64)  # P * N = 32 in tiles of 16 for 4 or 16 chunks a step
-    t = make_inputs(1, 50, 4, 2, 4, 8, D=True, bias=True, init=True, seed=23)
-    assert_runs_agree(t, run_both(t, chunk_size=4, device=device, dtype=torch.float32), 2e-5)
-
-
-@needs_kernel
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_compiled_graph_keeps_the_ops(device: str) -> None:
     """Under ``torch.compile(fullgraph=True)`` the ops are opaque nodes (their fake implementations give the
     shapes); outputs and gradients equal eager's, strided inputs included."""

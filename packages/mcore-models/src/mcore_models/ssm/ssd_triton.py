@@ -35,7 +35,7 @@ __all__ = ["ssd_scan_triton"]
 
 TILES: dict[str, dict[str, int]] = {
     "16bit": {"_ROWS": 64, "_WARPS": 4, "_STAGES": 1, "_BWD_ROWS": 64, "_BWD_WARPS": 4, "_BWD_STAGES": 1,
-              "_GRP_ROWS": 64, "_GRP_WARPS": 8},
+              "_GRP_ROWS": 64, "_GRP_WARPS": 4},
     "tf32": {"_ROWS": 32, "_WARPS": 4, "_STAGES": 3, "_BWD_ROWS": 32, "_BWD_WARPS": 4, "_BWD_STAGES": 3,
              "_GRP_ROWS": 32, "_GRP_WARPS": 4},
 }  # fmt: skip
@@ -44,25 +44,25 @@ TILES: dict[str, dict[str, int]] = {
 (at most; at least 16, ``tl.dot``'s smallest tile), ``_WARPS`` warps per program and ``_STAGES`` Triton's software
 pipeline depth (``num_stages``: the loop's loads buffered that many iterations deep in shared memory) in the
 forward, ``_BWD_*`` the same for the backward's column and row kernels, ``_GRP_*`` for the kernels of
-:data:`BACKWARD` ``"groups"`` (not tuned: 8 warps hold their ``[rows, N]`` float32 sums without spilling). The fastest of ``bench/ssd_bench.py --tune``
-(batch 8, seq 4096, 64 heads of 64, state 128, chunk 256): rows and warps on one H200, 8.16 ms forward + backward
-with 16-bit products, 15.6 ms TF32; the stages on one H100, where one stage each way took the 16-bit scan from 8.10
-to 6.07 ms (two stages backward 6.31; ``bench/results/ssm/h100-scan-tune-stages.json``). At Triton's default of 3
-the backward's kernels take 123 and 132 KB of shared memory and an SM holds one program; at one, 66 and 49 KB, and
-it holds two (``bench/kernel_registers.py``). The TF32 tiles keep Triton's default stages (not measured)."""
-BACKWARD = "heads"
-"""How the backward takes the gradients of ``B`` and ``C`` (and their parts of the gradient of ``cum``): ``"heads"``,
-every head's products with its own ``x`` and ``dy`` (``bwd_cols``, ``bwd_rows``), summed over the group's heads
-after; ``"groups"``, through one ``L x L`` matrix per group and chunk summed over the group's heads first
-(:mod:`mcore_models.ssm._ssd_group_kernels`): for ``mamba2-1.3b``'s heads (64 to a group, P 64, N 128, chunks of
-256 in blocks of 64) about 32 against 71 MFLOP of products per head and chunk. ``"heads"`` until timed on a GPU
-(``python bench/ssd_bench.py --backward heads groups``)."""
-_STATE_BLOCK = 1024  # state elements per program in the pass over chunks (over PASS_CHUNKS chunks at a time)
-PASS_CHUNKS = 1
-"""Chunks the pass over chunks loads and composes a step: 1, the one-chunk kernel (a chain of ``nc`` steps); more (a
-power of two), :mod:`mcore_models.ssm._ssd_pass_kernels` (``nc / PASS_CHUNKS`` steps, that many chunks' loads in
-flight at once; ``_STATE_BLOCK / PASS_CHUNKS`` state elements a program). 1 until timed on a GPU (``python
-bench/ssd_bench.py --pass-chunks 1 8``)."""
+:data:`BACKWARD` ``"groups"``. The fastest of ``bench/ssd_bench.py --tune`` (batch 8, seq 4096, 64 heads of 64,
+state 128, chunk 256): rows and warps on one H200, 8.16 ms forward + backward with 16-bit products, 15.6 ms TF32;
+the stages on one H100, where one stage each way took the 16-bit scan from 8.10 to 6.07 ms (two stages backward
+6.31; ``bench/results/ssm/h100-scan-tune-stages.json``); the group kernels' on one H100, 4.79 ms at 64 rows and 4
+warps against 5.44 at 8 warps and 5.89 at 32 rows (``bench/results/ssm/h100-scan-tune-groups.json``). At Triton's
+default of 3 stages the backward's kernels take 123 and 132 KB of shared memory and an SM holds one program; at one,
+66 and 49 KB, and it holds two (``bench/kernel_registers.py``). The TF32 tiles keep Triton's default stages (not
+measured)."""
+BACKWARD = "groups"
+"""How the backward takes the gradients of ``B`` and ``C`` (and their parts of the gradient of ``cum``): ``"groups"``,
+through one ``L x L`` matrix per group and chunk summed over the group's heads first
+(:mod:`mcore_models.ssm._ssd_group_kernels`); ``"heads"``, every head's products with its own ``x`` and ``dy``
+(``bwd_cols``, ``bwd_rows``) into float32 ``[b, s, H, N]`` buffers summed over the group's heads after. For
+``mamba2-1.3b``'s heads (64 to a group, P 64, N 128, chunks of 256 in blocks of 64) ``groups`` does about 32
+against 71 MFLOP of products per head and chunk and writes no per-head buffers: the scan forward + backward 4.81
+against 5.69 ms at batch 8 x 4096, 4.84 against 5.79 at 2 x 16k, 9.91 against 12.09 at 1 x 64k (1.18-1.22x; one
+H100, one call: ``python bench/ssd_bench.py --seq 4096 16384 65536 --backward groups heads``,
+``bench/results/ssm/h100-scan-backward.json``)."""
+_STATE_BLOCK = 1024  # state elements per program in the pass over chunks
 LOW_PRECISION_DOTS = True
 """16-bit inputs: the chunk kernels' matrix products take 16-bit operands (the inputs' dtype, float32
 accumulation; the elementwise math stays float32), as Mamba-2's published kernels do, instead of TF32 products of
@@ -77,18 +77,13 @@ def _tiles(x: torch.Tensor) -> dict[str, int]:
 def _kernels() -> dict[str, Any]:
     from mcore_models.ssm import _ssd_group_kernels, _ssd_kernels
 
-    ks = {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
-    if PASS_CHUNKS > 1:
-        from mcore_models.ssm._ssd_pass_kernels import state_pass_blocks
-
-        ks["state_pass"] = state_pass_blocks
-    return ks
+    return {**_ssd_kernels.kernels(), **_ssd_group_kernels.kernels()}
 
 
-def _pass_tiles(pn: int) -> tuple[int, int, dict[str, int]]:
-    """The pass over chunks' state elements a program, its programs per batch row and head, and its constants."""
-    bs = max(16, min(_STATE_BLOCK, _pow2(pn)) // PASS_CHUNKS)
-    return bs, -(-pn // bs), ({"KC": PASS_CHUNKS} if PASS_CHUNKS > 1 else {})
+def _pass_tiles(pn: int) -> tuple[int, int]:
+    """The pass over chunks' state elements a program, and its programs per batch row and head."""
+    bs = min(_STATE_BLOCK, _pow2(pn))
+    return bs, -(-pn // bs)
 
 
 def _pow2(n: int) -> int:
@@ -161,9 +156,9 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                                   **launch, **cfg)  # fmt: skip
     final = torch.empty(b, H, P, N, **f32)
     init = initial_states.contiguous() if initial_states is not None else final
-    bs, nt, kc = _pass_tiles(P * N)
+    bs, nt = _pass_tiles(P * N)
     k["state_pass"][(b * H, nt)](states, init, final, cum, states, final, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
-                                 HAS_INIT=initial_states is not None, REVERSE=False, **kc)  # fmt: skip
+                                 HAS_INIT=initial_states is not None, REVERSE=False)  # fmt: skip
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
@@ -206,11 +201,11 @@ def _ssd_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, dt:
     ds = torch.empty(b, nc, H, P, N, **f32)  # the direct gradient of state_in_c, then the gradient of S_c
     k["chunk_state"][(nc, b * H)](dy, C, dtp, cum, ds, s, nc, ys_b, ys_t, cs_b, cs_t, BK=bm, FROM_END=False,
                                   num_warps=tiles["_WARPS"], num_stages=tiles["_STAGES"], **cfg)  # fmt: skip
-    bs, nt, kc = _pass_tiles(P * N)
+    bs, nt = _pass_tiles(P * N)
     dinit, tpart = torch.empty(b, H, P, N, **f32), torch.empty(b, nc, H, nt, **f32)
     dfin = dfinal.contiguous().float() if dfinal is not None else dinit
     k["state_pass"][(b * H, nt)](ds, dfin, dinit, cum, states, tpart, s, nc, H=H, PN=P * N, L=chunk_size, BS=bs,
-                                 HAS_INIT=dfinal is not None, REVERSE=True, **kc)  # fmt: skip
+                                 HAS_INIT=dfinal is not None, REVERSE=True)  # fmt: skip
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     d = D.contiguous() if D is not None else A
     grid = (-(-chunk_size // bm), nc, b * H)
