@@ -34,18 +34,19 @@ def test_preset_names_and_plan_validation() -> None:
     assert set(get_args(DecodeKernels)) == {"auto", *DECODE_PRESETS}
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
-    assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True) == ROW
+    assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True, norm_gemv=True,
+                          combine_in_attention=True, row_fc1=True) == ROW  # fmt: skip
     with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, row_fc1, "):
         replace(ATTENTION, pdl=True)
     assert replace(ATTENTION, row_fc1=True, pdl=True).pdl  # the up projection alone is a row kernel
     with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, row_fc1 only its up projection"):
-        replace(ROW, swiglu_down=False, fused_mlp=True, row_fc1=True)
+        replace(ROW, swiglu_down=False, fused_mlp=True)
     for kernel in ("swiglu_down", "proj_partials", "row_gemv", "fused_mlp", "row_fc1"):
         with pytest.raises(ValueError, match=rf"norm_linear is exclusive with {kernel}"):
             DecodePlan(norm_linear=True, **{kernel: True})
     with pytest.raises(ValueError, match="fused_mlp runs the whole MLP, swiglu_down only its down projection"):
         replace(ROW, fused_mlp=True)
-    assert replace(ROW, swiglu_down=False, fused_mlp=True).pdl
+    assert replace(ROW, swiglu_down=False, row_fc1=False, fused_mlp=True).pdl
     with pytest.raises(ValueError, match="norm_gemv runs inside the QKV row GEMV: turn row_gemv on"):
         replace(ATTENTION, norm_gemv=True)
     with pytest.raises(ValueError, match=r"launches.row_gemv=2,8,256,4 needs SPLITS=1"):
@@ -61,8 +62,8 @@ def test_preset_names_and_plan_validation() -> None:
 def test_parse_decode_kernels(tmp_path: Path) -> None:
     """A preset name, a plan's JSON inline or in a file; errors name the value or the file and what is wrong."""
     assert parse_decode_kernels("row") == "row"
-    plan = replace(ROW, swiglu_down=False, fused_mlp=True)
-    assert parse_decode_kernels('{"preset": "row", "swiglu_down": false, "fused_mlp": true}') == plan
+    plan = replace(ROW, swiglu_down=False, row_fc1=False, fused_mlp=True)
+    assert parse_decode_kernels('{"preset": "row", "swiglu_down": false, "row_fc1": false, "fused_mlp": true}') == plan
     (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
     assert parse_decode_kernels(str(tmp_path / "plan.json")) == plan
     (tmp_path / "list.json").write_text("[1]")
@@ -81,8 +82,20 @@ def test_plans_round_trip_through_json_data() -> None:
     assert DecodePlan.from_dict(data) == replace(
         ATTENTION, swiglu_down=True, launches=DecodeLaunches(swiglu_down=GemvLaunch(8, 16, 256, 4))
     )
-    data = {"preset": "row", "swiglu_down": False, "fused_mlp": True, "launches": {"fused_mlp": "32,64,64,4"}}
-    mlp = replace(ROW, swiglu_down=False, fused_mlp=True, launches=DecodeLaunches(fused_mlp=MlpLaunch(32, 64, 64, 4)))
+    data = {
+        "preset": "row",
+        "swiglu_down": False,
+        "row_fc1": False,
+        "fused_mlp": True,
+        "launches": {"fused_mlp": "32,64,64,4"},
+    }
+    mlp = replace(
+        ROW,
+        swiglu_down=False,
+        row_fc1=False,
+        fused_mlp=True,
+        launches=DecodeLaunches(fused_mlp=MlpLaunch(32, 64, 64, 4)),
+    )
     assert DecodePlan.from_dict(data) == mlp and DecodePlan.from_dict(mlp.to_dict()) == mlp
     fc1 = replace(ROW, row_fc1=True, combine_in_attention=True, launches=DecodeLaunches(row_fc1=GemvLaunch(1, 16)))
     assert DecodePlan.from_dict({"preset": "row", "row_fc1": True, "combine_in_attention": True,
@@ -118,11 +131,12 @@ def test_auto_resolves_as_the_device_and_model_allow() -> None:
     assert _plan(m, compiled=False) == ATTENTION
     assert _plan(m, backend="plain") == _plan(m, device_type="cpu", backend="plain") == DecodePlan(defer_residual=True)
     assert _plan(tiny_model(num_layers=2, activation="gelu")) == replace(ROW, swiglu_down=False)
-    assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == ATTENTION
+    assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == replace(ATTENTION, combine_in_attention=True)
     # a bias on the QKV projection only: the row GEMV (which adds no bias) stays off for it
-    assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(ROW, row_gemv=False)
+    assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(ROW, row_gemv=False, norm_gemv=False)
     assert _plan(m, "none") == DecodePlan()
-    assert _plan(m, replace(ROW, row_gemv=False)) == replace(ROW, row_gemv=False)
+    no_qkv = replace(ROW, row_gemv=False, norm_gemv=False)
+    assert _plan(m, no_qkv) == no_qkv
 
 
 def test_a_strict_plan_names_what_the_model_lacks() -> None:
@@ -285,8 +299,8 @@ def test_a_standard_layer_with_another_mlp_keeps_the_attention_fusions() -> None
     """Decided per layer part: every preset leaves the other MLP to its own forward (no swiglu_down; norm_linear
     fuses only the first norm into the QKV projection) and keeps the attention's fusions."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(mlp=GeluMLP)).eval()
-    assert _plan(model) == replace(ROW, swiglu_down=False)
-    assert _plan(model, "row") == replace(ROW, swiglu_down=False)
+    assert _plan(model) == replace(ROW, swiglu_down=False, row_fc1=False)
+    assert _plan(model, "row") == replace(ROW, swiglu_down=False, row_fc1=False)
     assert _plan(model, "norm_linear") == DECODE_PRESETS["norm_linear"]
     prompts = prompts_of_lengths(5, 20, seed=2)
     expected = [reference_greedy(model, p, 5) for p in prompts]
@@ -302,7 +316,9 @@ def test_a_standard_layer_with_another_attention_keeps_the_deferred_add() -> Non
     """Another attention module is called whole (never its pieces), while the layer keeps the deferred residual add
     and, with the standard MLP, swiglu_down."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(attention=PlainAttention)).eval()
-    assert _plan(model, "row") == replace(ATTENTION, swiglu_down=True, pdl=True)
+    assert _plan(model, "row") == replace(
+        ATTENTION, swiglu_down=True, pdl=True, combine_in_attention=True, row_fc1=True
+    )
     prompts = prompts_of_lengths(5, 20, seed=4)
     expected = [reference_greedy(model, p, 5) for p in prompts]
     llm = tiny_llm(model, decode_kernels="row")

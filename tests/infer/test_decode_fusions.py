@@ -20,6 +20,10 @@ ATTENTION = DECODE_PRESETS["attention"]
 # these count the calls of the ops' PyTorch fallbacks, which the interpreter replaces by the kernels
 counts_fallbacks = pytest.mark.skipif(INTERPRETED, reason="TRITON_INTERPRET=1 runs the kernels, not the fallbacks")
 
+ROW_GEMVS = replace(DECODE_PRESETS["row"], norm_gemv=False, row_fc1=False, combine_in_attention=False)
+"""The ``row`` preset without its norm-in-GEMV, up-projection GEMV and combine-in-attention fusions: the row GEMVs
+and the separate add + norm kernels whose launches the tests below count."""
+
 
 @pytest.fixture(scope="module")
 def fused_expected() -> list[list[int]]:
@@ -112,18 +116,18 @@ def test_output_projection_partials_give_the_same_tokens(
 def test_row_gemv_projections_give_the_same_tokens(
     compiled: bool, fused_expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ``row`` preset (``row_gemv`` with the projection and SwiGLU partials): steps of at most 4 tokens run the
-    QKV projection through the row_linear op, longer steps through cuBLAS; greedy tokens unchanged."""
+    """The row GEMVs (``row_gemv`` with the projection and SwiGLU partials): steps of at most 4 tokens run the QKV
+    projection through the row_linear op, longer steps through cuBLAS; greedy tokens unchanged."""
     from mcore_infer import decode_layers
 
     rows = _spy_rows(monkeypatch, decode_layers, "row_linear")
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels="row")
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=ROW_GEMVS)
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 3 == 0  # the QKV projection of each of 3 layers
 
 
 ROW_FC1_PLANS = {
     "eager": (False, DecodePlan(row_fc1=True)),  # the up projection's output through the MLP's activation and fc2
-    "compiled-row": (True, replace(DECODE_PRESETS["row"], row_fc1=True)),  # into swiglu_down
+    "compiled-row": (True, replace(ROW_GEMVS, row_fc1=True)),  # into swiglu_down
 }
 
 
@@ -153,7 +157,7 @@ def test_row_gemv_up_projection_gives_the_same_tokens(
 FUSED_MLP_PLANS = {
     "eager": (False, DecodePlan(fused_mlp=True)),
     "eager-deferred": (False, DecodePlan(fused_mlp=True, defer_residual=True)),
-    "compiled-row": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True)),
+    "compiled-row": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, row_fc1=False, fused_mlp=True)),
 }
 
 
@@ -178,8 +182,11 @@ def test_fused_mlp_gives_the_same_tokens(
 
 NORM_GEMV_PLANS = {
     "eager": (False, DecodePlan(row_gemv=True, norm_gemv=True)),
-    "compiled-row-fused-mlp": (True, replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, norm_gemv=True)),
-    "compiled-row-fc1": (True, replace(DECODE_PRESETS["row"], norm_gemv=True, row_fc1=True)),  # the MLP's norm too
+    "compiled-row-fused-mlp": (
+        True,
+        replace(DECODE_PRESETS["row"], swiglu_down=False, row_fc1=False, fused_mlp=True, norm_gemv=True),
+    ),
+    "compiled-row": (True, DECODE_PRESETS["row"]),  # the row preset: the MLP's norm too, the combine in attention
     "eager-fc1-no-swiglu-down": (False, DecodePlan(row_gemv=True, norm_gemv=True, row_fc1=True)),
 }
 
@@ -237,7 +244,7 @@ def test_plan_launches_reach_the_kernels(fused_expected: list[list[int]], monkey
 
         monkeypatch.setattr(decode_layers, name, spy)
     launches = DecodeLaunches(swiglu_down=GemvLaunch(4, 16), proj_partials=GemvLaunch(2, 8, 512, 2))
-    plan = replace(DECODE_PRESETS["row"], launches=launches)
+    plan = replace(ROW_GEMVS, launches=launches)
     _assert_same_greedy_tokens(fused_expected, decode_kernels=plan)
     assert seen == {
         "swiglu_down_partials": {GemvLaunch(4, 16, 256, 4)},
@@ -257,7 +264,7 @@ def test_pdl_norms_give_the_same_tokens(
 
     rows = _spy_rows(monkeypatch, decode_layers, "add_rms_norm")
     head = _spy_rows(monkeypatch, decode, "add_rms_norm")
-    assert DECODE_PRESETS["row"].pdl  # (the default on CUDA with compiled layers)
-    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels="row")
+    assert ROW_GEMVS.pdl and DECODE_PRESETS["row"].pdl  # (the default on CUDA with compiled layers)
+    _assert_same_greedy_tokens(fused_expected, compile=compiled, decode_kernels=ROW_GEMVS)
     assert rows and max(rows) <= 4 and 1 in rows and len(rows) % 6 == 0  # two norms in each of 3 layers
     assert head and max(head) <= 4 and 1 in head and len(head) == len(rows) // 6  # the final norm of each step

@@ -194,12 +194,15 @@ GEMV_PLANS = {
     "row": DECODE_PRESETS["row"],
     "row-launches": replace(DECODE_PRESETS["row"], launches=LAUNCHES),
     "row-no-pdl": replace(DECODE_PRESETS["row"], pdl=False),
-    "row-fc1": replace(DECODE_PRESETS["row"], row_fc1=True),
-    "row-combine-in-attention": replace(DECODE_PRESETS["row"], combine_in_attention=True),
-    "row-all-candidates": replace(DECODE_PRESETS["row"], row_fc1=True, combine_in_attention=True, norm_gemv=True),
-    "row-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True),
+    "row-no-fc1": replace(DECODE_PRESETS["row"], row_fc1=False),
+    "row-no-combine-in-attention": replace(DECODE_PRESETS["row"], combine_in_attention=False),
+    "row-no-norm-gemv": replace(DECODE_PRESETS["row"], norm_gemv=False),
+    "row-gemvs-only": replace(DECODE_PRESETS["row"], row_fc1=False, combine_in_attention=False, norm_gemv=False),
+    "row-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, row_fc1=False, fused_mlp=True),
     "fused-mlp-no-defer": DecodePlan(fused_mlp=True),
-    "row-norm-gemv-fused-mlp": replace(DECODE_PRESETS["row"], swiglu_down=False, fused_mlp=True, norm_gemv=True),
+    "row-norm-gemv-fused-mlp": replace(
+        DECODE_PRESETS["row"], swiglu_down=False, row_fc1=False, fused_mlp=True, norm_gemv=True
+    ),
     "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
 }
 

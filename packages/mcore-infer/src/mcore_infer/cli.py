@@ -56,7 +56,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="the serving-only fusions of each step (EngineConfig.decode_kernels): auto (the fastest the device and "
         "model allow), none, attention (RoPE and KV write in the attention kernels, deferred residual adds), row "
         "(plus the one-row GEMV kernels), norm_linear (plus RMSNorm inside the projections), or a decode plan as JSON "
-        'or a JSON file, e.g. \'{"preset": "row", "swiglu_down": false, "fused_mlp": true}\' (docs/infer.md)',
+        'or a JSON file, e.g. \'{"preset": "row", "swiglu_down": false, "row_fc1": false, "fused_mlp": true}\' (docs/infer.md)',
     )
     _vision_args(p)
 

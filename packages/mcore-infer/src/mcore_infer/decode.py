@@ -179,12 +179,11 @@ class DecodePlan:
             if self.norm_gemv and launch is not None and launch.splits != 1:
                 raise ValueError(f"DecodePlan: norm_gemv writes the {kernel} projection summed: launches.{kernel}="
                                  f"{launch} needs SPLITS=1")  # fmt: skip
-        if self.fused_mlp and self.row_fc1:
-            raise ValueError("DecodePlan: fused_mlp runs the whole MLP, row_fc1 only its up projection; turn one off")
-        if self.fused_mlp and self.swiglu_down:
-            raise ValueError(
-                "DecodePlan: fused_mlp runs the whole MLP, swiglu_down only its down projection; turn one of them off"
-            )
+        parts = [f"{k} only its {what} projection" for k, what in (("swiglu_down", "down"), ("row_fc1", "up"))
+                 if self.fused_mlp and getattr(self, k)]  # fmt: skip
+        if parts:
+            raise ValueError(f"DecodePlan: fused_mlp runs the whole MLP, {' and '.join(parts)}; turn fused_mlp or "
+                             f"{'them' if len(parts) > 1 else 'it'} off")  # fmt: skip
         if self.pdl and not any(getattr(self, k) for k in ROW_KERNELS):
             raise ValueError(f"DecodePlan: pdl needs a row kernel ({', '.join(ROW_KERNELS)}): turn one on or pdl off")
 
@@ -229,7 +228,16 @@ DECODE_PRESETS: Mapping[str, DecodePlan] = MappingProxyType(
     {
         "none": DecodePlan(),  # every layer by its own forward, attention by separate kernels
         "attention": _ATTENTION,  # the attention-side fusions and the deferred residual add
-        "row": replace(_ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True),
+        "row": replace(
+            _ATTENTION,
+            swiglu_down=True,
+            proj_partials=True,
+            row_gemv=True,
+            pdl=True,
+            norm_gemv=True,
+            combine_in_attention=True,
+            row_fc1=True,
+        ),
         "norm_linear": replace(_ATTENTION, norm_linear=True),
     }
 )
@@ -253,7 +261,7 @@ def check_decode_kernels(value: object) -> None:
 
 def parse_decode_kernels(text: str) -> DecodeKernels | DecodePlan:
     """A ``--decode-kernels`` value: a preset name (:data:`DecodeKernels`), a decode plan as JSON (``'{"preset":
-    "row", "fused_mlp": true, "swiglu_down": false}'``, :meth:`DecodePlan.from_dict`), or the path of a JSON file of
+    "row", "fused_mlp": true, "swiglu_down": false, "row_fc1": false}'``, :meth:`DecodePlan.from_dict`), or the path of a JSON file of
     one. A ValueError names what is wrong (the value, the file, the field)."""
     names = get_args(DecodeKernels)
     if text in names:
