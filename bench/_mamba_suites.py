@@ -44,16 +44,15 @@ def _scan_rows(ctx: Context) -> list[dict[str, Any]]:
 
 def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
     out = ctx.path("conv.json")
-    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--backward", "two", "one",
-                    "--json", out], timeout=180, out=out)  # fmt: skip
-    found = {(r["impl"], r.get("backward")): r for r in (step.data or {}).get("rows", [])}
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--json", out], timeout=180,
+                   out=out)  # fmt: skip
+    found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
     rows = []
-    for impl, label in ((("torch", None), "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
-                        (("triton", "two"), "Triton, backward as two kernels (conv_triton.BACKWARD=two)"),
-                        (("triton", "one"), "Triton, backward as one kernel (conv_triton.BACKWARD=one)")):  # fmt: skip
+    for impl, label in (("torch", "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
+                        ("triton", "Triton kernels (mamba.conv_kernel=auto on CUDA)")):  # fmt: skip
         r = found.get(impl, {})
         rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
-    base = found.get(("torch", None), {}).get("ms")
+    base = found.get("torch", {}).get("ms")
     for row in rows:
         if base and row.get("ms"):
             row["vs_torch"] = base / row["ms"]
@@ -135,11 +134,9 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
         step = ctx.run([PY, "bench/ssd_bench.py", "--seq", "4096", "--chunk", chunk, "--tune", "--json", out],
                        timeout=420, out=out)  # fmt: skip
         rows += _tune_rows(ctx, f"SSD scan, chunk {chunk}", step)
-    for backward in ("two", "one"):
-        out = ctx.path(f"conv-tune-{backward}.json")
-        step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--backward", backward, "--json",
-                        out], timeout=300, out=out)  # fmt: skip
-        rows += _tune_rows(ctx, f"causal conv, backward in {backward} kernel{'s' if backward == 'two' else ''}", step)
+    out = ctx.path("conv-tune.json")
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--json", out], timeout=300, out=out)
+    rows += _tune_rows(ctx, "causal conv", step)
     notes = ["SSD: forward + backward at batch 8 x 4096, bf16, 16-bit products; the forward's rows and warps swept "
              "with the others at their defaults, then the forward's stages, the backward's rows and warps and its "
              "stages, each with the others at the best so far, then the state pass's block (ssd_bench.TUNE); the "
@@ -151,10 +148,10 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
 
 MAMBA_SUITES = [
     Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop, the SSD scan alone at "
-          "chunk lengths 256 and 128, the mixer's convolution (backward in two kernels and in one)",
+          "chunk lengths 256 and 128, the mixer's convolution against F.conv1d",
           "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, same call", 7, 1,
           train_mamba),
     Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
-          "tiles per kernel (its backward in two kernels and in one): the fastest beside the defaults", "the defaults "
-          "(ssd_triton.TILES, conv_triton.TILES), same call", 4, 1, tune_mamba),
+          "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "
+          "same call", 3, 1, tune_mamba),
 ]  # fmt: skip

@@ -11,7 +11,7 @@ holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
   (TF32) and on bf16 ones (``ssd_triton.LOW_PRECISION_DOTS``), the bf16 ones also over pipeline stages
   (``num_stages``: how deep the loops' loads are buffered in shared memory);
 - the Mamba mixer's causal conv (``mcore_models.ssm.conv_triton``: the forward, the backward's ``dpre`` and its
-  anticausal ``dx``, and the one-kernel backward), positions x channels per program;
+  anticausal ``dx``), positions x channels per program;
 - the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, its rounding in float32 arithmetic or by the
   conversion instruction, ``NATIVE_ROUNDING``) with its SASS instructions per element, and the FP8 MLP's SwiGLU
   kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``);
@@ -132,11 +132,11 @@ def _ssm_rows() -> list[dict[str, Any]]:
                          **usage(ssd[name], consts, warps, types, stages=stages)})  # fmt: skip
     conv = conv_kernels()
     for name, (bs, bc), warps in itertools.product(
-        ("conv", "conv_dx", "dpre", "bwd"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
+        ("conv", "conv_dx", "dpre"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
     ):
         consts = {"K": 4, "HAS_BIAS": name != "conv_dx", "ANTICAUSAL": name == "conv_dx", "BS": bs, "BC": bc}
         rows.append({"kernel": f"causal_{name}", "products": "-", "positions": bs, "channels": bc, "warps": warps,
-                     **usage(conv[name if name in ("dpre", "bwd") else "conv"], consts, warps)})  # fmt: skip
+                     **usage(conv["dpre" if name == "dpre" else "conv"], consts, warps)})  # fmt: skip
     return rows
 
 

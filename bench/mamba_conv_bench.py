@@ -7,13 +7,10 @@ and ``dx`` backward).
 
     python bench/mamba_conv_bench.py --seq 4096 --batch 8 --json /tmp/conv.json
     python bench/mamba_conv_bench.py --batch 2 --tune        # the kernels' tiles (conv_triton.TILES)
-    python bench/mamba_conv_bench.py --backward two one      # the backward as two kernels and as one
 
-``--backward`` times the Triton path once per backward (``conv_triton.BACKWARD``: ``two`` kernels, ``dpre`` then
-``dx``, or ``one``), each row naming its own. ``--tune`` times the Triton path's forward + backward over each kernel's
-(positions, channels, warps) in turn (the forward, then the backward's ``dpre`` and ``dx``, or its one kernel, with
-the first ``--backward``), the others at the fastest found so far, and prints every row fastest first; a tile that
-does not compile or run is reported with its error.
+``--tune`` times the Triton path's forward + backward over each kernel's (positions, channels, warps) in turn (the
+forward, the backward's ``dpre``, its ``dx``), the others at the fastest found so far, and prints every row fastest
+first; a tile that does not compile or run is reported with its error.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ def case(impl: str, batch: int, seq: int, channels: int, width: int, k: int) -> 
 
     sec = cuda_seconds(step, 20)
     moved = 5 * batch * seq * channels * 2
-    row = {"impl": impl, "ms": sec * 1e3, "gb_s": moved / sec / 1e9}
-    return row | ({"backward": conv_triton.BACKWARD} if impl == "triton" else {})
+    return {"impl": impl, "ms": sec * 1e3, "gb_s": moved / sec / 1e9}
 
 
 def tune(batch: int, seq: int, channels: int, width: int, k: int) -> list[dict[str, Any]]:
@@ -63,7 +59,7 @@ def tune(batch: int, seq: int, channels: int, width: int, k: int) -> list[dict[s
     import itertools
 
     default, rows = dict(conv_triton.TILES), []
-    for kernel in ("fwd", "bwd") if conv_triton.BACKWARD == "one" else ("fwd", "dpre", "dx"):
+    for kernel in conv_triton.TILES:
         timed = []
         for tile in itertools.product(*TUNE.values()):
             conv_triton.TILES[kernel] = tile
@@ -89,15 +85,7 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the Triton kernels' tiles (see above)")
-    ap.add_argument(
-        "--backward",
-        nargs="+",
-        choices=["two", "one"],
-        default=[conv_triton.BACKWARD],
-        help="the Triton backward(s) timed (conv_triton.BACKWARD; the default: the module's)",
-    )
     args = ap.parse_args()
-    conv_triton.BACKWARD = args.backward[0]
     if args.tune:
         tuned = tune(args.batch, args.seq, args.channels, args.width, args.kernel)
         for r in tuned:
@@ -105,14 +93,10 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-                           "defaults": {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()},
-                                        "backward": conv_triton.BACKWARD},
+                           "defaults": {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()}},
                            "tune": tuned}, f, indent=1)  # fmt: skip
         return
-    rows = [case("torch", args.batch, args.seq, args.channels, args.width, args.kernel)]
-    for backward in args.backward:
-        conv_triton.BACKWARD = backward
-        rows.append(case("triton", args.batch, args.seq, args.channels, args.width, args.kernel))
+    rows = [case(impl, args.batch, args.seq, args.channels, args.width, args.kernel) for impl in ("torch", "triton")]
     for r in rows:
         print(json.dumps(r), flush=True)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows}

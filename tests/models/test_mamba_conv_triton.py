@@ -55,57 +55,21 @@ def _compare(t: dict[str, torch.Tensor], device: str, dtype: torch.dtype, tol: f
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("backward", ["two", "one"])
 @pytest.mark.parametrize("s,c,k,bias", [(37, 40, 4, True), (16, 24, 2, False), (3, 8, 4, True)],
                          ids=["s37-k4-bias", "s16-k2", "s3-shorter-than-the-kernel"])  # fmt: skip
-def test_kernels_equal_conv1d_and_silu(device: str, backward: str, s: int, c: int, k: int, bias: bool,
+def test_kernels_equal_conv1d_and_silu(device: str, s: int, c: int, k: int, bias: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # several position blocks (the last one partial; the one-kernel backward's overlapping by k - 1) and several
-    # channel blocks, each kernel its own tile
-    monkeypatch.setattr(conv_triton, "BACKWARD", backward)
+    # several position blocks (the last one partial) and several channel blocks, each kernel its own tile
     monkeypatch.setitem(conv_triton.TILES, "fwd", (16, 16, 4))
     monkeypatch.setitem(conv_triton.TILES, "dpre", (16, 32, 4))
     monkeypatch.setitem(conv_triton.TILES, "dx", (32, 16, 2))
-    monkeypatch.setitem(conv_triton.TILES, "bwd", (8, 16, 4))
     _compare(_inputs(s, c, k, bias, seed=s), device, torch.float32, 2e-6)
 
 
 @needs_kernel
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("backward", ["two", "one"])
-def test_bf16_inputs(device: str, backward: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conv_triton, "BACKWARD", backward)
-    monkeypatch.setitem(conv_triton.TILES, "bwd", (16, 32, 4))
+def test_bf16_inputs(device: str) -> None:
     _compare(_inputs(40, 48, 4, True, seed=3), device, torch.bfloat16, 2e-2)
-
-
-@needs_kernel
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_one_kernel_backward_gives_the_two_kernels_dx_bit_for_bit(device: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Both round ``dpre`` to ``x``'s dtype and sum the taps in one order, so ``dx`` is the same bits; ``dw`` and
-    ``dbias`` are float32 sums over other blocks of positions."""
-    t = _inputs(45, 40, 4, True, seed=11)
-    monkeypatch.setitem(conv_triton.TILES, "bwd", (16, 16, 4))
-    grads = {}
-    for backward in ("two", "one"):
-        monkeypatch.setattr(conv_triton, "BACKWARD", backward)
-        x = t["x"].to(device, torch.bfloat16).requires_grad_()
-        w, b = (t[k].to(device, torch.float32).requires_grad_() for k in ("w", "b"))
-        causal_conv1d_silu_triton(x, w, b).backward(t["dy"].to(device, torch.bfloat16))
-        grads[backward] = [x.grad, w.grad, b.grad]
-    assert torch.equal(grads["one"][0], grads["two"][0])
-    for a, b in zip(grads["one"][1:], grads["two"][1:], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_one_kernel_backward_refuses_a_block_shorter_than_twice_the_taps(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton")
-    monkeypatch.setattr(conv_triton, "BACKWARD", "one")
-    monkeypatch.setitem(conv_triton.TILES, "bwd", (4, 16, 4))
-    t = {k: v.float() for k, v in _inputs(8, 8, 4, True).items()}
-    with pytest.raises(ValueError, match=r"TILES\['bwd'\]: 4 positions for a kernel of 4 taps"):
-        torch.ops.mcore_models.causal_conv1d_silu_bwd(t["dy"], t["x"], t["w"], t["b"])  # refused before a launch
 
 
 def _mixer(impl: str, device: str) -> Mamba2Mixer:

@@ -13,9 +13,9 @@ ops round it) with every program's partial sums of ``dw[c, k] = sum_t dpre[t] x[
 ``dbias[c] = sum_t dpre[t]`` (float32, to a buffer summed afterwards, so the result does not depend on the order
 programs run in); the second is the forward's kernel run anticausally, ``dx[t] = sum_k w[K - 1 - k] dpre[t + k]``.
 (One kernel recomputing ``pre`` at the ``K - 1`` positions after its block instead of storing ``dpre`` read the input
-tiles ``K`` times over and measured 2.5x slower on an H200. :data:`BACKWARD` ``"one"`` is one kernel that computes
-``dpre`` once for its block and the ``K - 1`` positions after it, keeps it in registers and shifts it by each tap
-with ``tl.gather``.) The sums are float32; ``y`` and ``dx`` come back in
+tiles ``K`` times over and measured 2.5x slower on an H200; one computing ``dpre`` once for its block and the
+``K - 1`` positions after it, kept in registers and shifted by each tap with ``tl.gather``, measured 1.42x slower
+on an H100, ``bench/results/ssm/h100-conv-backward.json``.) The sums are float32; ``y`` and ``dx`` come back in
 ``x``'s dtype, ``dw`` and ``dbias`` in the weights'.
 
 The forward and backward are ``torch.library`` custom ops (opaque to ``torch.compile``) under a
@@ -38,20 +38,13 @@ TILES: dict[str, tuple[int, int, int]] = {
     "fwd": (16, 256, 4),
     "dpre": (64, 128, 4),
     "dx": (64, 128, 4),
-    "bwd": (64, 64, 8),
 }
 """(positions, channels, warps) per program of each kernel: the forward, the backward's ``dpre`` and its anticausal
 ``dx``. The fastest of a sweep on one H200 with one tile for the backward's two kernels (mamba2-1.3b's 4352 channels
 of the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us.
 At (64, 128) and 4 warps an SM holds two programs of either backward kernel (255 and 192 registers a thread,
 ``bench/kernel_registers.py``), at (16, 128) six and eight; ``bench/mamba_conv_bench.py --tune`` times each kernel's
-entry in turn. ``bwd`` is the one-kernel backward's (:data:`BACKWARD`): its positions, at least twice the
-kernel's taps, overlap the next program's by ``K - 1``; at (64, 64) and 8 warps it takes 128 registers a thread
-without spilling (at (64, 128) and 4 warps it spills 816 bytes)."""
-BACKWARD = "two"
-"""``two``: the backward as two kernels, ``dpre`` (stored) then ``dx`` from it; ``one``: one kernel that keeps
-``dpre`` in registers and shifts it by each tap with ``tl.gather`` (no ``dpre`` round trip through memory; each
-program recomputes the ``K - 1`` positions it shares with the next)."""
+entry in turn."""
 
 
 @functools.cache
@@ -102,26 +95,15 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     bias_arg = bias.contiguous() if bias is not None else w
     kernels = _kernels()
     dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
-    if BACKWARD == "one":
-        bs, bc, warps = TILES["bwd"]
-        if bs < 2 * k:
-            raise ValueError(
-                f"conv_triton.TILES['bwd']: {bs} positions for a kernel of {k} taps; give at least {2 * k}"
-            )
-        grid = -(-s // (bs - (k - 1))), -(-c // bc), b
-        part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
-        kernels["bwd"][grid](x, w, bias_arg, dy, dx, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                             dy.stride(1), K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
-    else:
-        bs, bc, warps = TILES["dpre"]
-        grid = _grid(x, (bs, bc))
-        g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
-        part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
-        kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0),
-                              dy.stride(1), K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
-        bs, bc, warps = TILES["dx"]
-        kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
-                                            ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+    bs, bc, warps = TILES["dpre"]
+    grid = _grid(x, (bs, bc))
+    g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
+    part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
+    kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+    bs, bc, warps = TILES["dx"]
+    kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
+                                        ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
     sums = part.sum(0)  # [K + 1, C]
     # a contiguous copy (a new tensor: outputs may not alias each other), the strides the fake kernel declares
     dw = sums[:k].t().contiguous().view(weight.shape).to(weight.dtype)
