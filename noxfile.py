@@ -67,6 +67,7 @@ KERNEL_TESTS = [
     "tests/models/test_ssd_triton.py",
     "tests/models/test_mamba_decode_triton.py",
     "tests/models/test_mamba_conv_triton.py",
+    "tests/models/test_mamba_norm_triton.py",
     "tests/parallel/test_fp8_cast_triton.py",
     "tests/models/test_fp8_swiglu.py",
     "tests/infer/test_small_gemv.py",

@@ -132,9 +132,11 @@ def _ssm_rows() -> list[dict[str, Any]]:
                          **usage(ssd[name], consts, warps, types, stages=stages)})  # fmt: skip
     conv = conv_kernels()
     for name, (bs, bc), warps in itertools.product(
-        ("conv", "conv_dx", "dpre"), ((16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
+        ("conv", "conv_dx", "dpre"), ((8, 64), (16, 128), (16, 256), (32, 128), (64, 128), (32, 64)), (4, 8)
     ):
         consts = {"K": 4, "HAS_BIAS": name != "conv_dx", "ANTICAUSAL": name == "conv_dx", "BS": bs, "BC": bc}
+        if name == "dpre":  # position blocks per program: no effect on registers
+            consts = {"K": 4, "HAS_BIAS": True, "BS": bs, "BC": bc, "BLOCKS": 8}
         rows.append({"kernel": f"causal_{name}", "products": "-", "positions": bs, "channels": bc, "warps": warps,
                      **usage(conv["dpre" if name == "dpre" else "conv"], consts, warps)})  # fmt: skip
     return rows

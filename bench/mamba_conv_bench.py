@@ -8,9 +8,10 @@ and ``dx`` backward).
     python bench/mamba_conv_bench.py --seq 4096 --batch 8 --json /tmp/conv.json
     python bench/mamba_conv_bench.py --batch 2 --tune        # the kernels' tiles (conv_triton.TILES)
 
-``--tune`` times the Triton path's forward + backward over each kernel's (positions, channels, warps) in turn (the
-forward, the backward's ``dpre``, its ``dx``), the others at the fastest found so far, and prints every row fastest
-first; a tile that does not compile or run is reported with its error.
+``--tune`` times the Triton path's forward + backward over each kernel's tile in turn (the forward's and ``dx``'s
+positions, channels and warps over ``TUNE``; the backward's ``dpre`` also over its blocks of positions per program,
+``TUNE_DPRE``), the others at the fastest found so far, and prints every row fastest first; a tile that does not
+compile or run is reported with its error.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from mcore_models.ssm import conv_triton
 from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
 
 TUNE = {"positions": (16, 32, 64), "channels": (64, 128, 256), "warps": (4, 8)}
-"""The values swept for each kernel's entry of ``conv_triton.TILES``."""
+"""The values swept for the forward's and ``dx``'s entries of ``conv_triton.TILES``."""
+TUNE_DPRE = {"positions": (8, 16, 32), "channels": (64, 128), "warps": (4, 8), "blocks": (1, 4, 8, 16)}
+"""The values swept for ``dpre``'s entry (48 tiles): positions per step, channels, warps, steps per program."""
 
 
 def _torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -53,15 +56,16 @@ def case(impl: str, batch: int, seq: int, channels: int, width: int, k: int) -> 
     return {"impl": impl, "ms": sec * 1e3, "gb_s": moved / sec / 1e9}
 
 
-def tune(batch: int, seq: int, channels: int, width: int, k: int) -> list[dict[str, Any]]:
-    """Each kernel's tile in turn over :data:`TUNE`, the others at the fastest so far: every row, fastest first (the
-    tiles are left at the defaults)."""
+def tune(batch: int, seq: int, channels: int, width: int, k: int, only: list[str] | None = None
+         ) -> list[dict[str, Any]]:  # fmt: skip
+    """Each kernel's tile in turn over :data:`TUNE` (``dpre``'s over :data:`TUNE_DPRE`), the others at the fastest so
+    far: every row, fastest first (the tiles are left at the defaults); ``only``: those kernels' entries alone."""
     import itertools
 
     default, rows = dict(conv_triton.TILES), []
-    for kernel in conv_triton.TILES:
+    for kernel in only or conv_triton.TILES:
         timed = []
-        for tile in itertools.product(*TUNE.values()):
+        for tile in itertools.product(*(TUNE_DPRE if kernel == "dpre" else TUNE).values()):
             conv_triton.TILES[kernel] = tile
             row: dict[str, Any] = {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()}}
             try:
@@ -85,9 +89,11 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune", action="store_true", help="time the Triton kernels' tiles (see above)")
+    ap.add_argument("--tune-only", nargs="+", choices=list(conv_triton.TILES), default=None,
+                    help="with --tune: sweep these kernels' entries only")  # fmt: skip
     args = ap.parse_args()
     if args.tune:
-        tuned = tune(args.batch, args.seq, args.channels, args.width, args.kernel)
+        tuned = tune(args.batch, args.seq, args.channels, args.width, args.kernel, args.tune_only)
         for r in tuned:
             print(json.dumps(r), flush=True)
         if args.json:

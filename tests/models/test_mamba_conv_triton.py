@@ -1,9 +1,9 @@
 """``causal_conv1d_silu_triton``: the Mamba-2 mixer's causal depthwise convolution with SiLU as Triton kernels,
 forward and every gradient, against ``F.conv1d`` + ``F.silu`` in float64: with and without bias, 4 and 2 taps, a
 strided view of the in-projection's output as input, sequences that are not a multiple of the position block and
-several channel blocks, float32 and bf16; a mixer with ``mamba.conv_kernel=triton`` against ``torch``; the custom
-ops under ``torch.compile``; which inputs take the kernel. The kernels run on GPUs, or on the CPU under
-``TRITON_INTERPRET=1``; without either those tests are skipped."""
+several channel blocks, ``dpre`` programs of several position blocks, float32 and bf16; a mixer with
+``mamba.conv_kernel=triton`` against ``torch``; the custom ops under ``torch.compile``; which inputs take the kernel.
+The kernels run on GPUs, or on the CPU under ``TRITON_INTERPRET=1``; without either those tests are skipped."""
 
 from __future__ import annotations
 
@@ -61,9 +61,23 @@ def test_kernels_equal_conv1d_and_silu(device: str, s: int, c: int, k: int, bias
                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     # several position blocks (the last one partial) and several channel blocks, each kernel its own tile
     monkeypatch.setitem(conv_triton.TILES, "fwd", (16, 16, 4))
-    monkeypatch.setitem(conv_triton.TILES, "dpre", (16, 32, 4))
+    monkeypatch.setitem(conv_triton.TILES, "dpre", (16, 32, 4, 1))
     monkeypatch.setitem(conv_triton.TILES, "dx", (32, 16, 2))
     _compare(_inputs(s, c, k, bias, seed=s), device, torch.float32, 2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("s,k,bias,dpre_tile", [(38, 4, True, (4, 16, 2, 4)), (5, 4, True, (8, 16, 2, 4)),
+                                                (7, 2, False, (4, 16, 1, 2))],
+                         ids=["s38-last-program-two-of-four-blocks", "s5-shorter-than-a-block", "s7-k2"])  # fmt: skip
+def test_dpre_walks_several_position_blocks(device: str, s: int, k: int, bias: bool, dpre_tile: tuple[int, ...],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``dpre``'s programs of several blocks of positions each (``BLOCKS``): a sequence that ends inside a program's
+    second block of four (its last two blocks are past the end), one shorter than a single block, one of two blocks
+    the second partial; two channel blocks (the last one partial), batch 2."""
+    monkeypatch.setitem(conv_triton.TILES, "dpre", dpre_tile)
+    _compare(_inputs(s, 24, k, bias, seed=s), device, torch.float32, 2e-6)
 
 
 @needs_kernel

@@ -68,6 +68,12 @@ class MambaConfig:
     ``decode_kernel``'s. The same math; only speed differs. auto is the default: on one H200 the kernels take 2.2 ms forward + backward against 9.5 ms for
     ``mamba2-1.3b``'s layer at batch 8 x seq 4096 (``bench/mamba_conv_bench.py``)."""
 
+    norm_kernel: Scan = "auto"
+    """The full-sequence (training) forward's gated RMSNorm: torch (float32 ops through ``F.rms_norm``), triton
+    (``mcore_models.ssm.norm_triton``: one kernel forward and one backward, each reading its inputs once; an error
+    when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64 models always take the
+    PyTorch ops, and so does the served step. The same math; only speed differs."""
+
     def __post_init__(self) -> None:
         for name in ("dt_limit", "a_init_range"):  # a YAML or JSON file gives lists (and "inf" or Infinity)
             value = getattr(self, name)
@@ -91,7 +97,7 @@ class MambaConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 p.append(f"mamba.{name}={v!r} must be a positive integer")
         p.extend(self._range_problems())
-        for name in ("scan", "decode_kernel", "conv_kernel"):
+        for name in ("scan", "decode_kernel", "conv_kernel", "norm_kernel"):
             if getattr(self, name) not in SCANS:
                 p.append(f"mamba.{name}={getattr(self, name)!r} is not one of {', '.join(SCANS)}")
         if p:

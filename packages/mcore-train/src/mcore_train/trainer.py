@@ -373,7 +373,8 @@ _RUNTIME_FIELDS = ("recompute", "recompute_modules", "recompute_num_layers", "cr
                    "fp8_modules", "fp8_first_layers_bf16", "fp8_last_layers_bf16", "fp8_allgather",
                    "fp8_wgrad")  # fmt: skip
 _RUNTIME_MOE_FIELDS = ("token_dispatcher",)
-_RUNTIME_MAMBA_FIELDS = ("scan", "chunk_size", "decode_kernel", "conv_kernel")  # how the scan is computed, not what
+# how the scan, convolution and norm are computed, not what
+_RUNTIME_MAMBA_FIELDS = ("scan", "chunk_size", "decode_kernel", "conv_kernel", "norm_kernel")
 _SUBCONFIG_RUNTIME = {"moe": _RUNTIME_MOE_FIELDS, "mamba": _RUNTIME_MAMBA_FIELDS}
 
 

@@ -6,12 +6,13 @@ output), weights ``w`` ``[C, K]`` and an optional bias ``[C]``::
     pre[t, c] = bias[c] + sum_k w[c, k] x[t - (K - 1) + k, c]      (x before position 0 is 0)
     y[t, c]   = silu(pre[t, c])
 
-One program per (block of positions, block of channels, sequence). The forward reads the ``K`` shifted input tiles
-(the overlap comes from the cache) and writes ``y``; nothing is kept for the backward but the inputs. The backward is
+The forward reads the ``K`` shifted input tiles (the overlap comes from the cache) and writes ``y``, one program per
+(block of positions, block of channels, sequence); nothing is kept for the backward but the inputs. The backward is
 two kernels: the first recomputes ``pre`` and writes ``dpre = dy · silu'(pre)`` (in ``x``'s dtype, as the unfused
-ops round it) with every program's partial sums of ``dw[c, k] = sum_t dpre[t] x[t - (K - 1) + k]`` and
-``dbias[c] = sum_t dpre[t]`` (float32, to a buffer summed afterwards, so the result does not depend on the order
-programs run in); the second is the forward's kernel run anticausally, ``dx[t] = sum_k w[K - 1 - k] dpre[t + k]``.
+ops round it), each program walking several consecutive position blocks and summing ``dw[c, k] = sum_t dpre[t]
+x[t - (K - 1) + k]`` and ``dbias[c] = sum_t dpre[t]`` in float32 register accumulators; it writes one row set of
+partial sums per program to a buffer summed afterwards (so the result does not depend on the order programs run in).
+The second is the forward's kernel run anticausally, ``dx[t] = sum_k w[K - 1 - k] dpre[t + k]``.
 (One kernel recomputing ``pre`` at the ``K - 1`` positions after its block instead of storing ``dpre`` read the input
 tiles ``K`` times over and measured 2.5x slower on an H200; one computing ``dpre`` once for its block and the
 ``K - 1`` positions after it, kept in registers and shifted by each tap with ``tl.gather``, measured 1.42x slower
@@ -34,17 +35,19 @@ import torch
 
 __all__ = ["causal_conv1d_silu_triton"]
 
-TILES: dict[str, tuple[int, int, int]] = {
+TILES: dict[str, tuple[int, ...]] = {
     "fwd": (16, 256, 4),
-    "dpre": (64, 128, 4),
+    "dpre": (8, 64, 4, 16),
     "dx": (64, 128, 4),
 }
-"""(positions, channels, warps) per program of each kernel: the forward, the backward's ``dpre`` and its anticausal
-``dx``. The fastest of a sweep on one H200 with one tile for the backward's two kernels (mamba2-1.3b's 4352 channels
-of the in-projection's 8512, batch 2 x 4096, bf16): the forward 64 us, the backward's two kernels together 299 us.
-At (64, 128) and 4 warps an SM holds two programs of either backward kernel (255 and 192 registers a thread,
-``bench/kernel_registers.py``), at (16, 128) six and eight; ``bench/mamba_conv_bench.py --tune`` times each kernel's
-entry in turn."""
+"""Each kernel's tile: (positions, channels, warps) per program of the forward and of the backward's anticausal
+``dx``; (positions per step, channels, warps, steps) of the backward's ``dpre``, whose program walks ``steps``
+consecutive blocks of positions (its partial sums: one row set per ``positions x steps``). The forward's and ``dx``'s
+are the fastest of a sweep on one H200 (mamba2-1.3b's 4352 channels of the in-projection's 8512, batch 2 x 4096,
+bf16; the forward 64 us); at (64, 128) and 4 warps an SM holds two ``dx`` programs (192 registers a thread,
+``bench/kernel_registers.py``). ``dpre``'s default is not yet timed on a GPU: chosen for its registers (ptxas for
+sm_90a: 56 a thread at (8, 64, 4 warps), nine programs an SM; 226 at (16, 128, 4 warps), where the five [16, 128]
+accumulators take 80 of them). ``bench/mamba_conv_bench.py --tune`` times each kernel's entry in turn."""
 
 
 @functools.cache
@@ -95,12 +98,12 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
     bias_arg = bias.contiguous() if bias is not None else w
     kernels = _kernels()
     dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
-    bs, bc, warps = TILES["dpre"]
-    grid = _grid(x, (bs, bc))
+    bs, bc, warps, blocks = TILES["dpre"]
+    grid = _grid(x, (bs * blocks, bc))  # a program per blocks x bs positions
     g = torch.empty(b, s, c, dtype=x.dtype, device=x.device)  # dpre, in x's dtype (as the unfused ops round it)
     part = torch.empty(b * grid[0], k + 1, c, dtype=torch.float32, device=x.device)
     kernels["dpre"][grid](x, w, bias_arg, dy, g, part, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, num_warps=warps)  # fmt: skip
+                          K=k, HAS_BIAS=bias is not None, BS=bs, BC=bc, BLOCKS=blocks, num_warps=warps)  # fmt: skip
     bs, bc, warps = TILES["dx"]
     kernels["conv"][_grid(g, (bs, bc))](g, w, w, dx, s, c, g.stride(0), g.stride(1), K=k, HAS_BIAS=False,
                                         ANTICAUSAL=True, BS=bs, BC=bc, num_warps=warps)  # fmt: skip

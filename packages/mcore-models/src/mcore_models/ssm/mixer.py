@@ -148,15 +148,28 @@ class CausalConv1d(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """``rmsnorm(y * silu(z)) * weight`` over groups of ``group_size`` channels (``norm_before_gate``:
-    ``rmsnorm(y) * weight * silu(z)``), computed in float32 (float64 for float64 inputs). ``weight`` is this rank's ``[d / tp]`` (whole groups)."""
+    ``rmsnorm(y) * weight * silu(z)``), computed in float32 (float64 for float64 inputs). ``weight`` is this rank's
+    ``[d / tp]`` (whole groups). ``impl``: ``mamba.norm_kernel`` (torch, triton or auto; see
+    :class:`~mcore_models.mamba_config.MambaConfig`)."""
 
     def __init__(self, ctx: ModelContext, dim: int, group_size: int, eps: float, norm_before_gate: bool,
-                 prefix: str, dtype: torch.dtype) -> None:  # fmt: skip
+                 prefix: str, dtype: torch.dtype, impl: str = "torch") -> None:  # fmt: skip
         super().__init__()
-        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
+        self.group_size, self.eps, self.norm_before_gate, self.impl = group_size, eps, norm_before_gate, impl
         self.weight = _split_param(ctx, (dim,), _constant(1.0), f"{prefix}.weight", dtype)
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def uses_kernel(self, y: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the Triton kernels for ``y`` (traceable: dtypes, devices and constants)."""
+        if self.impl == "torch" or y.dtype == torch.float64 or y.dim() != 3:
+            return False
+        return self.impl == "triton" or (y.is_cuda and _HAS_TRITON)
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, kernel: bool = True) -> torch.Tensor:
+        """``y``, ``z`` ``[..., d]``; ``kernel=False`` takes the PyTorch ops whatever ``impl`` says."""
+        if kernel and self.uses_kernel(y):
+            from mcore_models.ssm.norm_triton import gated_rms_norm_triton
+
+            return gated_rms_norm_triton(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
         cdt = _compute_dtype(y)
         h, gate = y.to(cdt), F.silu(z.to(cdt))
         if not self.norm_before_gate:
@@ -202,7 +215,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = _split_param(ctx, (heads,), a_log_init(m), f"{prefix}.A_log", dtype)
         self.D = _split_param(ctx, (heads,), _constant(1.0), f"{prefix}.D", dtype)
         self.norm = GatedRMSNorm(ctx, d, d // m.n_groups, config.norm_eps, m.norm_before_gate, f"{prefix}.norm",
-                                 dtype)  # fmt: skip
+                                 dtype, m.norm_kernel)  # fmt: skip
         std = config.init_method_std
         out_init = scaled_normal_init(std, config.num_layers) if config.scaled_output_init else normal_init(std)
         self.out_proj = spec.row_linear(
