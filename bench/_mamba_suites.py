@@ -21,6 +21,8 @@ _SCAN_COLS = [("seq", "batch x seq", ""), ("chunk", "chunk", "d"), ("scan_ms", "
 _LOOP_COLS = [*[c for c in _TRAIN if c[0] not in ("gpus", "vs_1gpu")], ("seq", "sequence", ",d"),
               ("vs_llama", "vs llama-1b, same sequence", ".2f")]  # fmt: skip
 _LOOP_CASES = ("mamba2-1.3b/mb4", "hybrid-1b/16k", "llama-1b/16k")
+_NORM_COLS = [("impl", "gated RMSNorm", ""), ("ms", "forward + backward ms", ".2f"), ("gb_s", "GB/s", ".0f"),
+              ("vs_torch", "vs compiled PyTorch", ".2f")]  # fmt: skip
 _CONV_COLS = [("impl", "causal conv + SiLU", ""), ("ms", "forward + backward ms", ".2f"), ("gb_s", "GB/s", ".0f"),
               ("vs_torch", "vs F.conv1d", ".2f")]  # fmt: skip
 
@@ -59,10 +61,27 @@ def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
+def _norm_rows(ctx: Context) -> list[dict[str, Any]]:
+    out = ctx.path("norm.json")
+    step = ctx.run([PY, "bench/mamba_norm_bench.py", "--batch", "1" if ctx.quick else "4", "--json", out],
+                   timeout=180, out=out)  # fmt: skip
+    found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
+    rows = []
+    for impl, label in (("torch", "compiled PyTorch ops (mamba.norm_kernel=torch)"),
+                        ("triton", "Triton kernels (mamba.norm_kernel=auto on CUDA)")):  # fmt: skip
+        r = found.get(impl, {})
+        rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
+    base = found.get("torch", {}).get("ms")
+    for row in rows:
+        if base and row.get("ms"):
+            row["vs_torch"] = base / row["ms"]
+    return rows
+
+
 def train_mamba(ctx: Context) -> list[dict[str, Any]]:
     """The scan at each chunk length; mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at each of
     :data:`LOOP_CHUNKS`, llama-1b at 16k beside them."""
-    scan, conv = _scan_rows(ctx), _conv_rows(ctx)
+    scan, conv, norm = _scan_rows(ctx), _conv_rows(ctx), _norm_rows(ctx)
     cases = list(_LOOP_CASES[1:] if ctx.quick else _LOOP_CASES)
     variants = [x for c in LOOP_CHUNKS[1:] for x in ("--variant", f"model.mamba.chunk_size={c}")]
     step, results = run_cases(ctx, [c for c in cases if not c.startswith("llama")], *variants, case_timeout=240)
@@ -92,9 +111,14 @@ def train_mamba(ctx: Context) -> list[dict[str, Any]]:
     conv_notes = ["mamba2-1.3b's convolution (4,352 channels, kernel 4) on the in-projection's layout (a view of its "
                   "8,512-wide output, whose gradient the slice's backward fills: both rows pay it), bf16, 32k tokens "
                   "(--quick: 8k)"]  # fmt: skip
+    norm_notes = ["mamba2-1.3b's gated norm (d_inner 4,096, one group) under torch.compile, forward + backward: y the "
+                  "scan's [b, s, d] output transposed, z a view of the 8,512-wide in-projection output whose gradient "
+                  "is assembled from dz and the rest (the PyTorch path writes dz into it, the kernel's dz is copied), "
+                  "bf16, batch 4 x 4096 (--quick: 1 x 4096)"]  # fmt: skip
     return [
         table("the SSD scan by chunk length", _SCAN_COLS, scan, scan_notes),
         table("the mixer's causal convolution", _CONV_COLS, conv, conv_notes),
+        table("the mixer's gated RMSNorm", _NORM_COLS, norm, norm_notes),
         table("Mamba-2 and hybrid training through the loop, one GPU", _LOOP_COLS, rows, loop_notes),
     ]
 
@@ -135,23 +159,25 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
                        timeout=420, out=out)  # fmt: skip
         rows += _tune_rows(ctx, f"SSD scan, chunk {chunk}", step)
     out = ctx.path("conv-tune.json")
-    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2", "--tune", "--json", out], timeout=300, out=out)
+    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "8", "--tune", "--json", out], timeout=420, out=out)
     rows += _tune_rows(ctx, "causal conv", step)
     notes = ["SSD: forward + backward at batch 8 x 4096, bf16, 16-bit products; the forward's rows and warps swept "
              "with the others at their defaults, then the forward's stages, the backward's rows and warps and its "
              "stages, each with the others at the best so far, then the state pass's block (ssd_bench.TUNE); the "
              "defaults: ssd_triton.TILES",
-             "causal conv: forward + backward of mamba2-1.3b's layer at batch 2 x 4096; each kernel's (positions, "
-             "channels, warps) in turn (mamba_conv_bench.TUNE)"]  # fmt: skip
+             "causal conv: forward + backward of mamba2-1.3b's layer at batch 8 x 4096 (at batch 2 the host's launches "
+             "bound it); each kernel's (positions, channels, warps; dpre's also its position blocks per program) in "
+             "turn (mamba_conv_bench.TUNE, TUNE_DPRE)"]  # fmt: skip
     return [table("Mamba-2 kernels' constants, fastest first", _TUNE_COLS, rows, notes)]
 
 
 MAMBA_SUITES = [
     Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop, the SSD scan alone at "
-          "chunk lengths 256 and 128, the mixer's convolution against F.conv1d",
-          "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, same call", 7, 1,
+          "chunk lengths 256 and 128, the mixer's convolution against F.conv1d and its gated norm against the compiled "
+          "PyTorch ops", "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, "
+          "the compiled PyTorch norm, same call", 7, 1,
           train_mamba),
     Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
           "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "
-          "same call", 3, 1, tune_mamba),
+          "same call", 5, 1, tune_mamba),
 ]  # fmt: skip

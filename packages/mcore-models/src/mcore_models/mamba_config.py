@@ -72,7 +72,9 @@ class MambaConfig:
     """The full-sequence (training) forward's gated RMSNorm: torch (float32 ops through ``F.rms_norm``), triton
     (``mcore_models.ssm.norm_triton``: one kernel forward and one backward, each reading its inputs once; an error
     when it cannot run), auto (triton on CUDA when Triton is installed, else torch). Float64 models always take the
-    PyTorch ops, and so does the served step. The same math; only speed differs."""
+    PyTorch ops, and so does the served step. The same math; only speed differs. auto is the default: on one H100
+    ``mamba2-1.3b`` trains 1.04x faster with the kernels than with the compiled PyTorch norm (micro-batch 4 x seq
+    4096; ``bench/results/ssm/h100-norm.json``)."""
 
     def __post_init__(self) -> None:
         for name in ("dt_limit", "a_init_range"):  # a YAML or JSON file gives lists (and "inf" or Infinity)

@@ -45,9 +45,11 @@ TILES: dict[str, tuple[int, ...]] = {
 consecutive blocks of positions (its partial sums: one row set per ``positions x steps``). The forward's and ``dx``'s
 are the fastest of a sweep on one H200 (mamba2-1.3b's 4352 channels of the in-projection's 8512, batch 2 x 4096,
 bf16; the forward 64 us); at (64, 128) and 4 warps an SM holds two ``dx`` programs (192 registers a thread,
-``bench/kernel_registers.py``). ``dpre``'s default is not yet timed on a GPU: chosen for its registers (ptxas for
-sm_90a: 56 a thread at (8, 64, 4 warps), nine programs an SM; 226 at (16, 128, 4 warps), where the five [16, 128]
-accumulators take 80 of them). ``bench/mamba_conv_bench.py --tune`` times each kernel's entry in turn."""
+``bench/kernel_registers.py``). ``dpre``'s: (8, 64) positions x channels a step keeps its five float32
+accumulators small (56 registers a thread, nine programs an SM; 226 at (16, 128)); on one H100 at batch 8 x 4096
+the conv's forward + backward took 2.229 ms with it and 2.225 ms at the sweep's fastest, (16, 64, 4, 16), against
+2.8-8.6 ms with one block a program (``bench/results/ssm/h100-conv-tune-dpre.json``).
+``bench/mamba_conv_bench.py --tune`` times each kernel's entry in turn."""
 
 
 @functools.cache

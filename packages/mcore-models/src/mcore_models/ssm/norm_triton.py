@@ -33,7 +33,9 @@ import torch
 __all__ = ["gated_rms_norm_triton"]
 
 TILES: dict[str, tuple[int, ...]] = {"fwd": (8,), "bwd": (16, 8)}
-"""``fwd``: (warps,); ``bwd``: (tokens per program, warps). Not yet timed on a GPU."""
+"""``fwd``: (warps,); ``bwd``: (tokens per program, warps). On one H100 (``bench/mamba_norm_bench.py --tune``,
+mamba2-1.3b's norm at batch 4 x 4096) every entry swept timed within 3% of these but a 64-token, 8-warp backward
+(15% slower); ``bench/results/ssm/h100-norm.json``."""
 
 
 @functools.cache
