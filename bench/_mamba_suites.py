@@ -44,14 +44,14 @@ def _scan_rows(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
-def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
-    out = ctx.path("conv.json")
-    step = ctx.run([PY, "bench/mamba_conv_bench.py", "--batch", "2" if ctx.quick else "8", "--json", out], timeout=180,
-                   out=out)  # fmt: skip
+def _impl_rows(ctx: Context, script: str, batch: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per implementation of a bench script that times ``torch`` against ``triton`` (``labels``: each
+    one's label), each against the ``torch`` row."""
+    out = ctx.path(script.replace("_bench.py", ".json").replace("mamba_", ""))
+    step = ctx.run([PY, f"bench/{script}", "--batch", batch, "--json", out], timeout=180, out=out)
     found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
     rows = []
-    for impl, label in (("torch", "F.conv1d + F.silu (mamba.conv_kernel=torch)"),
-                        ("triton", "Triton kernels (mamba.conv_kernel=auto on CUDA)")):  # fmt: skip
+    for impl, label in labels.items():
         r = found.get(impl, {})
         rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
     base = found.get("torch", {}).get("ms")
@@ -59,23 +59,18 @@ def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
         if base and row.get("ms"):
             row["vs_torch"] = base / row["ms"]
     return rows
+
+
+def _conv_rows(ctx: Context) -> list[dict[str, Any]]:
+    return _impl_rows(ctx, "mamba_conv_bench.py", "2" if ctx.quick else "8",
+                      {"torch": "F.conv1d + F.silu (mamba.conv_kernel=torch)",
+                       "triton": "Triton kernels (mamba.conv_kernel=auto on CUDA)"})  # fmt: skip
 
 
 def _norm_rows(ctx: Context) -> list[dict[str, Any]]:
-    out = ctx.path("norm.json")
-    step = ctx.run([PY, "bench/mamba_norm_bench.py", "--batch", "1" if ctx.quick else "4", "--json", out],
-                   timeout=180, out=out)  # fmt: skip
-    found = {r["impl"]: r for r in (step.data or {}).get("rows", [])}
-    rows = []
-    for impl, label in (("torch", "compiled PyTorch ops (mamba.norm_kernel=torch)"),
-                        ("triton", "Triton kernels (mamba.norm_kernel=auto on CUDA)")):  # fmt: skip
-        r = found.get(impl, {})
-        rows.append(ctx.row(step, measured=bool(r), impl=label, ms=r.get("ms"), gb_s=r.get("gb_s")))
-    base = found.get("torch", {}).get("ms")
-    for row in rows:
-        if base and row.get("ms"):
-            row["vs_torch"] = base / row["ms"]
-    return rows
+    return _impl_rows(ctx, "mamba_norm_bench.py", "1" if ctx.quick else "4",
+                      {"torch": "compiled PyTorch ops (mamba.norm_kernel=torch)",
+                       "triton": "Triton kernels (mamba.norm_kernel=auto on CUDA)"})  # fmt: skip
 
 
 def train_mamba(ctx: Context) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -39,3 +39,27 @@ def bf16_matmul_tflops() -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
+
+
+def sweep_tiles(
+    tiles: dict[str, Any], candidates: dict[str, Iterable[Any]], run: Callable[[], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each entry of a kernel module's ``tiles`` in turn over its ``candidates``, the other entries at the fastest
+    found so far, timed by ``run`` (a row with ``ms``; one that raises is recorded with its error): every row,
+    fastest first, each naming the tiles it ran with. ``tiles`` is left as it was."""
+    default, rows = dict(tiles), []
+    for kernel, values in candidates.items():
+        timed = []
+        for value in values:
+            tiles[kernel] = tuple(value)
+            row: dict[str, Any] = {"tiles": {n: list(t) for n, t in tiles.items()}}
+            try:
+                row.update(run())
+            except Exception as e:  # a tile this kernel cannot take
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            timed.append(row)
+        best = min(timed, key=lambda r: r.get("ms", float("inf")))
+        tiles[kernel] = tuple(best["tiles"][kernel])
+        rows.extend(timed)
+    tiles.update(default)
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))

@@ -17,12 +17,13 @@ compile or run is reported with its error.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _timing import cuda_seconds
+from _timing import cuda_seconds, sweep_tiles
 
 from mcore_models.ssm import conv_triton
 from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
@@ -60,24 +61,9 @@ def tune(batch: int, seq: int, channels: int, width: int, k: int, only: list[str
          ) -> list[dict[str, Any]]:  # fmt: skip
     """Each kernel's tile in turn over :data:`TUNE` (``dpre``'s over :data:`TUNE_DPRE`), the others at the fastest so
     far: every row, fastest first (the tiles are left at the defaults); ``only``: those kernels' entries alone."""
-    import itertools
-
-    default, rows = dict(conv_triton.TILES), []
-    for kernel in only or conv_triton.TILES:
-        timed = []
-        for tile in itertools.product(*(TUNE_DPRE if kernel == "dpre" else TUNE).values()):
-            conv_triton.TILES[kernel] = tile
-            row: dict[str, Any] = {"tiles": {n: list(t) for n, t in conv_triton.TILES.items()}}
-            try:
-                row.update(case("triton", batch, seq, channels, width, k))
-            except Exception as e:  # a tile this kernel cannot take
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            timed.append(row)
-        best = min(timed, key=lambda r: r.get("ms", float("inf")))
-        conv_triton.TILES[kernel] = tuple(best["tiles"][kernel])
-        rows.extend(timed)
-    conv_triton.TILES.update(default)
-    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+    candidates = {kernel: list(itertools.product(*(TUNE_DPRE if kernel == "dpre" else TUNE).values()))
+                  for kernel in only or conv_triton.TILES}  # fmt: skip
+    return sweep_tiles(conv_triton.TILES, candidates, lambda: case("triton", batch, seq, channels, width, k))
 
 
 def main() -> None:

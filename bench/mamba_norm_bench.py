@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 import torch
-from _timing import cuda_seconds
+from _timing import cuda_seconds, sweep_tiles
 
 from mcore_models import ModelContext
 from mcore_models.ssm import norm_triton
@@ -55,22 +55,7 @@ def case(impl: str, batch: int, seq: int, d: int, width: int, groups: int, compi
 def tune(batch: int, seq: int, d: int, width: int, groups: int) -> list[dict[str, Any]]:
     """Each kernel's entry in turn over :data:`TUNE`, the other at the fastest so far: every row, fastest first (the
     kernels run eagerly, without compiling the surrounding ops: the same kernels, no recompiles per constant)."""
-    default, rows = dict(norm_triton.TILES), []
-    for kernel, values in TUNE.items():
-        timed = []
-        for value in values:
-            norm_triton.TILES[kernel] = value
-            row: dict[str, Any] = {"tiles": {n: list(t) for n, t in norm_triton.TILES.items()}}
-            try:
-                row.update(case("triton", batch, seq, d, width, groups, compiled=False))
-            except Exception as e:  # a tile this kernel cannot take
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            timed.append(row)
-        best = min(timed, key=lambda r: r.get("ms", float("inf")))
-        norm_triton.TILES[kernel] = tuple(best["tiles"][kernel])
-        rows.extend(timed)
-    norm_triton.TILES.update(default)
-    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+    return sweep_tiles(norm_triton.TILES, TUNE, lambda: case("triton", batch, seq, d, width, groups, compiled=False))
 
 
 def main() -> None:

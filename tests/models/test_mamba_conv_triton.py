@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_models import LayerSpec, MambaConfig, ModelContext, TransformerConfig
+from mcore_models import MambaConfig
 from mcore_models.ssm import Mamba2Mixer, conv_triton
 from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
-from mcore_parallel import Group
-from tests.models._kernels import KERNEL_DEVICES
+from tests.models._kernels import KERNEL_DEVICES, assert_mixers_agree, assert_relative_close, tiny_mixer
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
@@ -46,11 +45,7 @@ def _compare(t: dict[str, torch.Tensor], device: str, dtype: torch.dtype, tol: f
     got = causal_conv1d_silu_triton(x, ins["w"], ins.get("b"))
     assert got.dtype == dtype and got.shape == x.shape
     got.backward(t["dy"].to(device, dtype))
-    for name, a, b in [("y", got, want), *((f"d {n}", ins[n].grad, ref[n].grad) for n in ins)]:
-        assert a is not None and b is not None, name
-        a, b = a.detach().double().cpu(), b.detach()
-        err = (a - b).abs().max().item() / (b.abs().max().item() + 1e-30)
-        assert err <= tol, f"{name}: relative max error {err:.3g}"
+    assert_relative_close([("y", got, want), *((f"d {n}", ins[n].grad, ref[n].grad) for n in ins)], tol)
 
 
 @needs_kernel
@@ -87,11 +82,8 @@ def test_bf16_inputs(device: str) -> None:
 
 
 def _mixer(impl: str, device: str) -> Mamba2Mixer:
-    m = MambaConfig(d_state=16, head_dim=8, n_groups=2, chunk_size=8, conv_kernel=impl)
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, normalization="rmsnorm",
-                               add_bias_linear=False, position_embedding="none", vocab_size=64, mamba=m,
-                               hybrid_pattern="M")  # fmt: skip
-    return Mamba2Mixer(config, ModelContext(Group.single("tp")), LayerSpec(), "decoder.layers.0.mixer").to(device)
+    mixer: Mamba2Mixer = tiny_mixer(device, conv_kernel=impl)
+    return mixer
 
 
 @needs_kernel
@@ -99,21 +91,10 @@ def _mixer(impl: str, device: str) -> Mamba2Mixer:
 def test_mixer_with_the_kernel_equals_the_torch_mixer(device: str) -> None:
     """``mamba.conv_kernel=triton`` against ``torch``: the same parameters, the mixer's output and every
     parameter's gradient (the scan is the PyTorch one in both, the kernel's input a view of the in-projection)."""
-    mixers = [_mixer(impl, device) for impl in ("torch", "triton")]
-    mixers[1].load_state_dict(mixers[0].state_dict())
-    for mx in mixers:
-        mx.mamba = MambaConfig(**{**mx.mamba.to_dict(), "scan": "torch"})
-    assert not mixers[0].conv1d.uses_kernel(torch.zeros(1, device=device))
-    assert mixers[1].conv1d.uses_kernel(torch.zeros(1, device=device))
-    x = torch.randn(21, 2, 32, generator=torch.Generator().manual_seed(1)).to(device)
-    outs = []
-    for mx in mixers:
-        y = mx(x)
-        (y * torch.linspace(-1, 1, y.numel(), device=device).view_as(y)).sum().backward()
-        outs.append((y.detach(), {n: p.grad for n, p in mx.named_parameters()}))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
-    for name, grad in outs[0][1].items():
-        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    reference, mixer = (tiny_mixer(device, conv_kernel=impl, scan="torch") for impl in ("torch", "triton"))
+    assert not reference.conv1d.uses_kernel(torch.zeros(1, device=device))
+    assert mixer.conv1d.uses_kernel(torch.zeros(1, device=device))
+    assert_mixers_agree(reference, mixer, torch.randn(21, 2, 32, generator=torch.Generator().manual_seed(1)).to(device))
 
 
 @needs_kernel

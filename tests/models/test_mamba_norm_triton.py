@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_models import LayerSpec, MambaConfig, ModelContext, TransformerConfig
+from mcore_models import MambaConfig
 from mcore_models.ssm import Mamba2Mixer, norm_triton
 from mcore_models.ssm.norm_triton import gated_rms_norm_triton
-from mcore_parallel import Group
-from tests.models._kernels import KERNEL_DEVICES
+from tests.models._kernels import KERNEL_DEVICES, assert_mixers_agree, assert_relative_close, tiny_mixer
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
@@ -55,11 +54,7 @@ def _compare(t: dict[str, torch.Tensor], gs: int, before: bool, device: str, dty
     got = gated_rms_norm_triton(y, z, w, gs, eps, before)
     assert got.dtype == dtype and got.shape == y.shape and got.is_contiguous()
     got.backward(t["dout"].to(device, dtype))
-    for name, a, b in [("out", got, want), *((f"d {n}", ins[n].grad, ref[n].grad) for n in names)]:
-        assert a is not None and b is not None, name
-        a, b = a.detach().double().cpu(), b.detach()
-        err = (a - b).abs().max().item() / (b.abs().max().item() + 1e-30)
-        assert err <= tol, f"{name}: relative max error {err:.3g}"
+    assert_relative_close([("out", got, want), *((f"d {n}", ins[n].grad, ref[n].grad) for n in names)], tol)
 
 
 @needs_kernel
@@ -80,12 +75,8 @@ def test_bf16_inputs(device: str) -> None:
 
 
 def _mixer(impl: str, device: str) -> Mamba2Mixer:
-    m = MambaConfig(d_state=16, head_dim=8, n_groups=2, chunk_size=8, norm_kernel=impl, scan="torch",
-                    conv_kernel="torch")  # fmt: skip
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, normalization="rmsnorm",
-                               add_bias_linear=False, position_embedding="none", vocab_size=64, mamba=m,
-                               hybrid_pattern="M")  # fmt: skip
-    return Mamba2Mixer(config, ModelContext(Group.single("tp")), LayerSpec(), "decoder.layers.0.mixer").to(device)
+    mixer: Mamba2Mixer = tiny_mixer(device, norm_kernel=impl, scan="torch", conv_kernel="torch")
+    return mixer
 
 
 @needs_kernel
@@ -93,18 +84,10 @@ def _mixer(impl: str, device: str) -> Mamba2Mixer:
 def test_mixer_with_the_kernel_equals_the_torch_mixer(device: str) -> None:
     """``mamba.norm_kernel=triton`` against ``torch``: the same parameters, the mixer's output and every
     parameter's gradient."""
-    mixers = [_mixer(impl, device) for impl in ("torch", "triton")]
-    mixers[1].load_state_dict(mixers[0].state_dict())
+    reference, mixer = _mixer("torch", device), _mixer("triton", device)
     x = torch.randn(21, 2, 32, generator=torch.Generator().manual_seed(1)).to(device)
-    assert not mixers[0].norm.uses_kernel(x) and mixers[1].norm.uses_kernel(x)
-    outs = []
-    for mx in mixers:
-        y = mx(x)
-        (y * torch.linspace(-1, 1, y.numel(), device=device).view_as(y)).sum().backward()
-        outs.append((y.detach(), {n: p.grad for n, p in mx.named_parameters()}))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
-    for name, grad in outs[0][1].items():
-        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert not reference.norm.uses_kernel(x) and mixer.norm.uses_kernel(x)
+    assert_mixers_agree(reference, mixer, x)
 
 
 @needs_kernel

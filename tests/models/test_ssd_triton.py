@@ -326,7 +326,7 @@ def test_fake_kernels_match_the_real_outputs(device: str) -> None:
 def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = make_inputs(1, 4, 2, 1, 2, 2)
-    with pytest.raises(ValueError, match="needs all tensors on one CUDA device"):
+    with pytest.raises(ValueError, match="needs its tensors on one CUDA device"):
         ssd_scan_triton(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=4)
     with pytest.raises(ValueError, match="H % G == 0"):
         ssd_scan_triton(t["x"], t["dt"], t["A"], t["B"].expand(1, 4, 3, 2), t["C"].expand(1, 4, 3, 2), chunk_size=4)

@@ -28,10 +28,11 @@ themselves are in :mod:`mcore_models.ssm._conv_kernels`.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from mcore_models.ssm._launch import channels_contiguous, check_devices
 
 __all__ = ["causal_conv1d_silu_triton"]
 
@@ -66,13 +67,9 @@ def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:
     return -(-s // tile[0]), -(-c // tile[1]), b
 
 
-def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 @torch.library.custom_op("mcore_models::causal_conv1d_silu_fwd", mutates_args=())
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    x, w = _channels_contiguous(x), weight.reshape(weight.shape[0], -1).contiguous()
+    x, w = channels_contiguous(x), weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape
     y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else w
@@ -93,7 +90,7 @@ def _conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx, dw, dbias)``: ``dw`` shaped as ``weight``, ``dbias`` float32 ``[C]`` (computed, and unused, without a
     bias)."""
-    x, dy = _channels_contiguous(x), _channels_contiguous(dy)
+    x, dy = channels_contiguous(x), channels_contiguous(dy)
     w = weight.reshape(weight.shape[0], -1).contiguous()
     b, s, c = x.shape
     k = w.shape[1]
@@ -134,19 +131,11 @@ class _CausalConv(torch.autograd.Function):
         return dx, dw, dbias.to(bias.dtype) if bias is not None else None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def causal_conv1d_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(causal depthwise conv1d(x))`` of ``x`` ``[b, s, C]`` with ``weight`` ``[C, 1, K]`` (or ``[C, K]``)
     and ``bias`` ``[C]``: ``[b, s, C]`` in ``x``'s dtype, contiguous; differentiable in all three."""
     if x.dim() != 3 or weight.shape[0] != x.shape[2] or weight.numel() % x.shape[2] or x.shape[1] == 0:
         raise ValueError(f"causal_conv1d_silu_triton: x [b, s, C] and weight [C, 1, K]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")  # fmt: skip
-    tensors = [t for t in (x, weight, bias) if t is not None]
-    on = x.device
-    if any(t.device != on for t in tensors) or not (on.type == "cuda" or (on.type == "cpu" and _interpreting())):
-        raise ValueError("causal_conv1d_silu_triton needs its tensors on one CUDA device (or the CPU under "
-                         f"TRITON_INTERPRET=1); got {sorted({str(t.device) for t in tensors})}")  # fmt: skip
+    check_devices("causal_conv1d_silu_triton", [t for t in (x, weight, bias) if t is not None])
     return _CausalConv.apply(x, weight, bias)

@@ -25,10 +25,11 @@ The kernels themselves are in :mod:`mcore_models.ssm._norm_kernels`.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from mcore_models.ssm._launch import channels_contiguous, check_devices
 
 __all__ = ["gated_rms_norm_triton"]
 
@@ -107,16 +108,8 @@ class _GatedNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y, z, weight, rstd = ctx.saved_tensors
-        dy, dz, dw = _norm_bwd(_channels_contiguous(dout), y, z, weight, rstd, ctx.group_size, ctx.gate_first)
+        dy, dz, dw = _norm_bwd(channels_contiguous(dout), y, z, weight, rstd, ctx.group_size, ctx.gate_first)
         return dy, dz, dw, None, None, None
-
-
-def _channels_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
@@ -127,10 +120,7 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     if y.dim() != 3 or z.shape != y.shape or weight.shape != y.shape[-1:] or group_size < 1 or y.shape[-1] % group_size:
         raise ValueError(f"gated_rms_norm_triton: y and z [s, b, d], weight [d], group_size dividing d; got "
                          f"{tuple(y.shape)}, {tuple(z.shape)}, {tuple(weight.shape)}, {group_size}")  # fmt: skip
-    on = y.device
-    if any(t.device != on for t in (z, weight)) or not (on.type == "cuda" or (on.type == "cpu" and _interpreting())):
-        raise ValueError("gated_rms_norm_triton needs its tensors on one CUDA device (or the CPU under "
-                         f"TRITON_INTERPRET=1); got {sorted({str(t.device) for t in (y, z, weight)})}")  # fmt: skip
-    y, z = _channels_contiguous(y), _channels_contiguous(z)
+    check_devices("gated_rms_norm_triton", [y, z, weight])
+    y, z = channels_contiguous(y), channels_contiguous(z)
     out: torch.Tensor = _GatedNorm.apply(y, z, weight, group_size, eps, not norm_before_gate)
     return out

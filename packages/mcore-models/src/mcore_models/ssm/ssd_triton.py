@@ -26,10 +26,11 @@ the PyTorch path is ``mcore_models.ssm.ssd.ssd_scan(impl="torch")``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
+
+from mcore_models.ssm._launch import check_devices, interpreting
 
 __all__ = ["ssd_scan_triton"]
 
@@ -100,7 +101,7 @@ def _dot_dtypes(x: torch.Tensor) -> dict[str, Any]:
     dot = tl.float32
     if LOW_PRECISION_DOTS and x.dtype in (torch.bfloat16, torch.float16):
         dot = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
-    return {"DOT": dot, "DOT2": tl.float32 if _interpreting() else dot}
+    return {"DOT": dot, "DOT2": tl.float32 if interpreting() else dot}
 
 
 def _blocks(x: torch.Tensor, B: torch.Tensor, chunk_size: int, rows: int) -> dict[str, Any]:
@@ -300,14 +301,7 @@ def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     if dt.shape != x.shape[:3] or A.shape != (H,) or H % G or chunk_size < 1 or x.shape[1] == 0:
         raise ValueError(f"ssd_scan: dt [b, s, H], A [H], H % G == 0, chunk_size >= 1 and s >= 1; got dt "
                          f"{tuple(dt.shape)}, A {tuple(A.shape)}, G={G}, chunk_size={chunk_size}")  # fmt: skip
-    on = x.device
-    if any(t.device != on for t in tensors) or not (on.type == "cuda" or (on.type == "cpu" and _interpreting())):
-        raise ValueError(f"ssd_scan_triton needs all tensors on one CUDA device (or the CPU under TRITON_INTERPRET=1); "
-                         f"got {sorted({str(t.device) for t in tensors})}; use impl='torch'")  # fmt: skip
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    check_devices("ssd_scan_triton", tensors, "; use impl='torch'")
 
 
 def ssd_scan_triton(
