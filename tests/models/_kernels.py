@@ -54,3 +54,13 @@ def assert_relative_close(pairs: list[tuple[str, torch.Tensor | None, torch.Tens
         a, b = a.detach().double().cpu(), b.detach()
         err = (a - b).abs().max().item() / (b.abs().max().item() + 1e-30)
         assert err <= tol, f"{name}: relative max error {err:.3g}"
+
+
+def assert_compiled_grads_equal(f: Any, ins: list[torch.Tensor]) -> None:
+    """``f`` (of ``ins``, to a scalar) compiled whole (``fullgraph``: the custom ops traced, no graph break) gives
+    the eager gradients."""
+    eager_grads = torch.autograd.grad(f(*ins), ins)
+    torch._dynamo.reset()
+    compiled_grads = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(*ins), ins)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)

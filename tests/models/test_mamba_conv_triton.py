@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from mcore_models import MambaConfig
 from mcore_models.ssm import Mamba2Mixer, conv_triton
 from mcore_models.ssm.conv_triton import causal_conv1d_silu_triton
-from tests.models._kernels import KERNEL_DEVICES, assert_mixers_agree, assert_relative_close, tiny_mixer
+from tests.models._kernels import (
+    KERNEL_DEVICES,
+    assert_compiled_grads_equal,
+    assert_mixers_agree,
+    assert_relative_close,
+    tiny_mixer,
+)
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
@@ -106,11 +112,7 @@ def test_compiled_graph_keeps_the_ops(device: str) -> None:
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return causal_conv1d_silu_triton(x, w, b).square().sum()
 
-    eager_grads = torch.autograd.grad(f(*ins), ins)
-    torch._dynamo.reset()
-    compiled_grads = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(*ins), ins)
-    for a, b in zip(compiled_grads, eager_grads, strict=True):
-        torch.testing.assert_close(a, b)
+    assert_compiled_grads_equal(f, ins)
 
 
 @needs_kernel

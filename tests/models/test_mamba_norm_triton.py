@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from mcore_models import MambaConfig
 from mcore_models.ssm import Mamba2Mixer, norm_triton
 from mcore_models.ssm.norm_triton import gated_rms_norm_triton
-from tests.models._kernels import KERNEL_DEVICES, assert_mixers_agree, assert_relative_close, tiny_mixer
+from tests.models._kernels import (
+    KERNEL_DEVICES,
+    assert_compiled_grads_equal,
+    assert_mixers_agree,
+    assert_relative_close,
+    tiny_mixer,
+)
 
 needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
@@ -99,11 +105,7 @@ def test_compiled_graph_keeps_the_ops(device: str) -> None:
     def f(yt: torch.Tensor, zw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm_triton(*_views({"yt": yt, "zw": zw, "w": w}), 8, 1e-5).square().sum()
 
-    eager_grads = torch.autograd.grad(f(*ins), ins)
-    torch._dynamo.reset()
-    compiled_grads = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(*ins), ins)
-    for a, b in zip(compiled_grads, eager_grads, strict=True):
-        torch.testing.assert_close(a, b)
+    assert_compiled_grads_equal(f, ins)
 
 
 @needs_kernel

@@ -50,6 +50,14 @@ __all__ = ["Mamba2Mixer", "GatedRMSNorm", "CausalConv1d", "dt_bias_init", "a_log
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def _takes_kernel(impl: str, x: torch.Tensor) -> bool:
+    """Whether a layer whose ``mamba.*_kernel`` is ``impl`` runs its Triton kernels on ``x``: triton always, auto on
+    CUDA when Triton is installed, torch never; float64 models always take the PyTorch ops."""
+    if impl == "torch" or x.dtype == torch.float64:
+        return False
+    return impl == "triton" or (x.is_cuda and _HAS_TRITON)
+
+
 def _uniform(low: float, high: float) -> InitMethod:
     def init(t: torch.Tensor, generator: torch.Generator | None) -> object:
         return t.uniform_(low, high, generator=generator)
@@ -132,9 +140,7 @@ class CausalConv1d(nn.Module):
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether :meth:`forward` runs the Triton kernels for ``x`` (traceable: dtypes, devices and constants)."""
-        if self.impl == "torch" or x.dtype == torch.float64:  # float64 models always take the PyTorch ops
-            return False
-        return self.impl == "triton" or (x.is_cuda and _HAS_TRITON)
+        return _takes_kernel(self.impl, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernel(x):
@@ -160,9 +166,7 @@ class GatedRMSNorm(nn.Module):
 
     def uses_kernel(self, y: torch.Tensor) -> bool:
         """Whether :meth:`forward` runs the Triton kernels for ``y`` (traceable: dtypes, devices and constants)."""
-        if self.impl == "torch" or y.dtype == torch.float64 or y.dim() != 3:
-            return False
-        return self.impl == "triton" or (y.is_cuda and _HAS_TRITON)
+        return y.dim() == 3 and _takes_kernel(self.impl, y)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, kernel: bool = True) -> torch.Tensor:
         """``y``, ``z`` ``[..., d]``; ``kernel=False`` takes the PyTorch ops whatever ``impl`` says."""
