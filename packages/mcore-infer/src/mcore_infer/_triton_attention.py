@@ -7,8 +7,10 @@ key/value was written to the cache before the call). Works under CUDA-graph capt
 
 Small decode batches (batch 1 gives only ``groups`` programs, a few of the GPU's 132 SMs) split each token's blocks
 among several programs (flash-decoding); each writes its partial softmax state (running max, sum, unnormalised
-output) and a second kernel combines them. ``store_kv_triton`` writes a step's keys and values into the cache in
-one kernel.
+output) and a second kernel combines them. In such split decode steps each program loads its first block of cached
+keys and values before it waits for the kernel that writes the queries (a programmatic dependent launch): earlier
+steps wrote those, so the block's two dependent loads (block table, then cache) overlap the QKV projection.
+``store_kv_triton`` writes a step's keys and values into the cache in one kernel.
 """
 
 from __future__ import annotations
@@ -81,8 +83,28 @@ def _kernel() -> Any:
         tl.store(Out + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=hmask[:, None])  # fmt: skip
 
+    @triton.jit  # type: ignore[misc]
+    def _attend_block(q, k, v, start, cached, offs, m_i, l_i, acc, scale, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The online softmax state after the block of keys ``k`` and values ``v`` at positions ``start + offs``
+        (those at or past ``cached`` masked out)."""
+        if IEEE:  # float32 caches: exact products (no TF32), as the plain path computes
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where((start + offs)[None, :] < cached, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
+
     globals()["_rotate"] = _rotate  # Triton resolves a kernel's callees among its module's globals
     globals()["_combine_group"] = _combine_group
+    globals()["_attend_block"] = _attend_block
 
     @triton.jit  # type: ignore[misc]
     def attend(  # type: ignore[no-untyped-def]
@@ -128,6 +150,7 @@ def _kernel() -> Any:
         NEW_KV: tl.constexpr,
         GDC: tl.constexpr,
         FOLD: tl.constexpr,
+        PRE: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -136,10 +159,26 @@ def _kernel() -> Any:
             gdc_launch_dependents()
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
+        offs = tl.arange(0, BLOCK)
+        d = tl.arange(0, D)
+        if NEW_KV:  # decode: this token's own key/value come from the inputs; the cache holds the ones before it
+            cached = ctx - 1
+        else:
+            cached = ctx  # keys read from the cache
+        num_blocks = (cached + BLOCK - 1) // BLOCK
+        per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
+        first = split * per_split
+        last = tl.minimum(num_blocks, first + per_split)
+        if PRE:  # (decode steps, NEW_KV) earlier steps wrote the cached keys and values: this program's first block
+            # is loaded before the wait, while the kernel that writes q finishes (a prefill's keys may be this step's)
+            pre = (offs[:, None] + 0 * d[None, :]) < tl.where(first < last, BLOCK, 0)
+            blk = tl.load(BT + seq * stride_bt + tl.where(first < last, first, 0)).to(tl.int64)
+            base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
+            k_pre = tl.load(K + base, mask=pre, other=0.0)
+            v_pre = tl.load(V + base, mask=pre, other=0.0)
         if GDC:
             gdc_wait()
         h = tl.arange(0, HPG_PAD)
-        d = tl.arange(0, D)
         hmask = h < HPG
         heads = g * HPG + h
         q_row = Q + t * stride_qt + g * stride_qg + h[:, None] * stride_qh
@@ -149,8 +188,7 @@ def _kernel() -> Any:
         m_i = tl.full([HPG_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([HPG_PAD], tl.float32)
         acc = tl.zeros([HPG_PAD, D], tl.float32)
-        cached = ctx  # keys read from the cache
-        if NEW_KV:  # decode: this token's own key/value come from the inputs; split 0 also writes them to the cache
+        if NEW_KV:  # split 0 also writes the new key/value to the cache
             kin_row = KIN + t * stride_kin_t + g * stride_kin_g
             k_new = tl.load(kin_row + d)
             if ROT > 0:
@@ -166,32 +204,16 @@ def _kernel() -> Any:
             m_i = tl.where(has_new, s_new, m_i)
             l_i = tl.where(has_new, 1.0, l_i)
             acc = tl.where(has_new, tl.zeros([HPG_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :], acc)
-            cached = ctx - 1
-        offs = tl.arange(0, BLOCK)
-        num_blocks = (cached + BLOCK - 1) // BLOCK
-        per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
-        first = split * per_split
-        last = tl.minimum(num_blocks, first + per_split)
+        if PRE:
+            if first < last:
+                m_i, l_i, acc = _attend_block(q, k_pre, v_pre, first * BLOCK, cached, offs, m_i, l_i, acc, scale, IEEE)
+            first += 1
         for j in range(first, last):
-            start = j * BLOCK
             blk = tl.load(BT + seq * stride_bt + j).to(tl.int64)
             base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
             k = tl.load(K + base)
             v = tl.load(V + base)
-            if IEEE:  # float32 caches: exact products (no TF32), as the plain path computes
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where((start + offs)[None, :] < cached, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k, v, j * BLOCK, cached, offs, m_i, l_i, acc, scale, IEEE)
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
             out = acc / denom[:, None]
@@ -399,6 +421,7 @@ def paged_attention_triton(
         ROT=rot,
         NEW_KV=new_kv is not None,
         FOLD=counters is not None,
+        PRE=new_kv is not None and splits > 1,
         **gdc_launch(q, pdl),
     )
     # fmt: on
