@@ -77,6 +77,7 @@ KERNEL_TESTS = [
     "tests/infer/test_norm_linear.py",
     "tests/infer/test_fused_rope.py",
     "tests/infer/test_attention_fold.py",
+    "tests/infer/test_attention_launch.py",
     "tests/infer/test_argmax.py",
     "tests/infer/test_decode.py",
     "tests/infer/test_decode_fusions.py",

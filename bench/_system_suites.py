@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -276,6 +277,41 @@ def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
     return tables
 
 
+ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_EMPTY) compared; the default first
+    "1,16,0 (default)": None,
+    "1,16,1": "1,16,1",
+    "2,16,1": "2,16,1",
+    "4,16,1": "4,16,1",
+    "4,64,1": "4,64,1",
+    "8,64,1": "8,64,1",
+}
+
+
+def serve_attention(ctx: Context) -> list[dict[str, Any]]:
+    """llama-1b decode at one and 64 requests and one request after a 16k prompt under each paged-attention launch
+    of :data:`ATTENTION_LAUNCHES` (the row plan, one engine each, in turn)."""
+    rows, anchor = [], None
+    for name, launch in ATTENTION_LAUNCHES.items():
+        out = ctx.path(f"attention-{len(rows)}.json")
+        plan = "row" if launch is None else json.dumps({"preset": "row", "launches": {"attention": launch}})
+        step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--concurrency", "1,64", "--repeats", "3",
+                        "--context", "" if ctx.quick else "16384", "--http-concurrency", "", "--decode-kernels",
+                        plan, "--out", out], timeout=300, out=out)  # fmt: skip
+        data = step.data or {}
+        by = {r.get("concurrency"): r for r in data.get("engine", [])}
+        long = next(iter(data.get("context", [])), {})
+        one = by.get(1, {}).get("tpot_ms_p50")
+        anchor = anchor if anchor is not None else one
+        rows.append(ctx.row(step, measured=bool(by), name=name, tpot=one, ratio=anchor / one if anchor and one else None,
+                            tok64=by.get(64, {}).get("output_tok_s"), long=long.get("tpot_ms_p50")))  # fmt: skip
+    return [table("paged-attention launches, llama-1b decode, one engine per launch", [
+        ("name", "launch (blocks a step, split cap, skip empty)", ""), ("tpot", "batch 1 ms/token", ".3f"),
+        ("ratio", "batch-1 speed vs default", ".3f"), ("tok64", "64 requests tok/s", ",.0f"),
+        ("long", "after a 16k prompt ms/token", ".3f")], rows,
+        ["random weights, bf16, prompt 128 + 128 output tokens, greedy, compiled layers, CUDA graphs, the row plan; "
+         "median of 3 runs; the launches run one after another in the same call"])]  # fmt: skip
+
+
 CONTEXTS = "128,4096,16384"
 
 
@@ -324,6 +360,9 @@ SYSTEM_SUITES = [
           "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three) and the MLP "
           "half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
           1, serve_batch1),
+    Suite("serve-attention", "llama-1b decode at 1 and 64 requests and after a 16k prompt under paged-attention "
+          "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",
+          "the default launch, same call", 6, 1, serve_attention),
     Suite("serve-mamba", "mamba2-1.3b serving: 1 and 64 requests with float32 and bf16 SSM states; one request after "
           "prompts of 128 to 16k tokens beside llama-1b", "llama-1b's per-token time at the same prompt lengths, same "
           "call", 9, 1, serve_mamba),

@@ -4,6 +4,7 @@
 for the HTTP server (``pip install mcore-infer[server]``).
 """
 
+from mcore_infer._attention_host import AttentionLaunch
 from mcore_infer.api import LLM, Generation, load_model
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import DECODE_PRESETS, DecodeLaunches, DecodeModel, DecodePlan, prepare_for_decode
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DECODE_PRESETS",
+    "AttentionLaunch",
     "ContextLengthError",
     "DecodeLaunches",
     "DecodeModel",

@@ -19,6 +19,16 @@ from typing import Any
 
 import torch
 
+from mcore_infer._attention_host import (
+    AttentionLaunch,
+    _check_kv,
+    _pow2,
+    _query_layout,
+    _rotary_rows,
+    _sm_count,
+    _split_scratch,
+    num_splits,
+)
 from mcore_infer.errors import MissingDependencyError
 from mcore_infer.kernels._counters import zeroed_counters
 from mcore_infer.kernels.norm_linear import gdc_launch
@@ -61,14 +71,16 @@ def _kernel() -> Any:
         return (x.to(tl.float32) * cos + sign * x_p * sin).to(x.dtype)
 
     @triton.jit  # type: ignore[misc]
-    def _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+    def _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh, active,  # type: ignore[no-untyped-def]
                        HEADS: tl.constexpr, HPG_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-        """The outputs of one group's ``heads`` from their splits' partial softmax states (``combine``'s formula,
-        the splits' outputs added in split order), read from L2 (``.cg``: other programs wrote them)."""
+        """The outputs of one group's ``heads`` from the partial softmax states of their first ``active`` splits
+        (``combine``'s formula, the splits' outputs added in split order), read from L2 (``.cg``: other programs
+        wrote them)."""
         sp = tl.arange(0, SPLITS)
         rows = (t * HEADS + heads)[:, None] * SPLITS + sp[None, :]  # [heads, splits]
-        m = tl.load(PM + rows, mask=hmask[:, None], other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(PL + rows, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        live = hmask[:, None] & (sp[None, :] < active)
+        m = tl.load(PM + rows, mask=live, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PL + rows, mask=live, other=0.0, cache_modifier=".cg")
         m_max = tl.max(m, 1)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padded graph row attends to nothing
         w = tl.exp(m - m_max[:, None])
@@ -76,8 +88,9 @@ def _kernel() -> Any:
         num = tl.zeros([HPG_PAD, D], tl.float32)
         for s in tl.static_range(SPLITS):
             w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
-            part = tl.load(PACC + ((t * HEADS + heads) * SPLITS + s)[:, None] * D + d[None, :], mask=hmask[:, None],
-                           other=0.0, cache_modifier=".cg")  # fmt: skip
+            part = tl.load(PACC + ((t * HEADS + heads) * SPLITS + s)[:, None] * D + d[None, :],
+                           mask=hmask[:, None] & ((s + 0 * d[None, :]) < active), other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
             num += part * w_s[:, None]
         out = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
         tl.store(Out + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
@@ -102,9 +115,36 @@ def _kernel() -> Any:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         return m_new, l_i, acc
 
+    @triton.jit  # type: ignore[misc]
+    def _kv_tile(K, V, bt_row, j0, last, offs, d, g, stride_kb, stride_ks, stride_kg,  # type: ignore[no-untyped-def]
+                 BLOCK: tl.constexpr, STEP: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+        """Keys and values ``[STEP * BLOCK, D]`` of group ``g`` in the cache blocks ``j0 ..`` of the block-table
+        row ``bt_row`` (``offs``: the tile's token offsets); with ``MASK`` the blocks from ``last`` on read as
+        zeros (else every block of the tile is below ``last``)."""
+        if STEP == 1:
+            if MASK:
+                live = (offs[:, None] + 0 * d[None, :]) < tl.where(j0 < last, BLOCK, 0)
+                blk = tl.load(bt_row + tl.where(j0 < last, j0, 0)).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + j0).to(tl.int64)
+            base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
+        else:  # several blocks: each token's block id gathered from the table (one load for the whole tile)
+            jb = j0 + offs // BLOCK
+            live = (jb[:, None] + 0 * d[None, :]) < last
+            blk = tl.load(bt_row + tl.where(jb < last, jb, 0)).to(tl.int64)
+            base = blk[:, None] * stride_kb + (offs % BLOCK)[:, None] * stride_ks + g * stride_kg + d[None, :]
+        if MASK or STEP > 1:
+            k = tl.load(K + base, mask=live, other=0.0)
+            v = tl.load(V + base, mask=live, other=0.0)
+        else:
+            k = tl.load(K + base)
+            v = tl.load(V + base)
+        return k, v
+
     globals()["_rotate"] = _rotate  # Triton resolves a kernel's callees among its module's globals
     globals()["_combine_group"] = _combine_group
     globals()["_attend_block"] = _attend_block
+    globals()["_kv_tile"] = _kv_tile
 
     @triton.jit  # type: ignore[misc]
     def attend(  # type: ignore[no-untyped-def]
@@ -151,6 +191,8 @@ def _kernel() -> Any:
         GDC: tl.constexpr,
         FOLD: tl.constexpr,
         PRE: tl.constexpr,
+        STEP: tl.constexpr,
+        SKIP: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -159,7 +201,7 @@ def _kernel() -> Any:
             gdc_launch_dependents()
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, STEP * BLOCK)  # token offsets of a loop step's tile of STEP blocks
         d = tl.arange(0, D)
         if NEW_KV:  # decode: this token's own key/value come from the inputs; the cache holds the ones before it
             cached = ctx - 1
@@ -167,15 +209,21 @@ def _kernel() -> Any:
             cached = ctx  # keys read from the cache
         num_blocks = (cached + BLOCK - 1) // BLOCK
         per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
+        if STEP > 1:  # whole tiles: a split's last tile ends at its last block or at the context's end
+            per_split = (per_split + STEP - 1) // STEP * STEP
         first = split * per_split
         last = tl.minimum(num_blocks, first + per_split)
-        if PRE:  # (decode steps, NEW_KV) earlier steps wrote the cached keys and values: this program's first block
+        if SKIP:  # (FOLD) splits with no blocks take no part: the last of the first `active` to finish combines
+            active = tl.maximum(1, (num_blocks + per_split - 1) // tl.maximum(per_split, 1))
+            if split >= active:
+                return
+        else:
+            active = SPLITS
+        bt_row = BT + seq * stride_bt
+        if PRE:  # (decode steps, NEW_KV) earlier steps wrote the cached keys and values: this program's first tile
             # is loaded before the wait, while the kernel that writes q finishes (a prefill's keys may be this step's)
-            pre = (offs[:, None] + 0 * d[None, :]) < tl.where(first < last, BLOCK, 0)
-            blk = tl.load(BT + seq * stride_bt + tl.where(first < last, first, 0)).to(tl.int64)
-            base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
-            k_pre = tl.load(K + base, mask=pre, other=0.0)
-            v_pre = tl.load(V + base, mask=pre, other=0.0)
+            k_pre, v_pre = _kv_tile(K, V, bt_row, first, last, offs, d, g, stride_kb, stride_ks, stride_kg, BLOCK,
+                                    STEP, True)  # fmt: skip
         if GDC:
             gdc_wait()
         h = tl.arange(0, HPG_PAD)
@@ -207,12 +255,9 @@ def _kernel() -> Any:
         if PRE:
             if first < last:
                 m_i, l_i, acc = _attend_block(q, k_pre, v_pre, first * BLOCK, cached, offs, m_i, l_i, acc, scale, IEEE)
-            first += 1
-        for j in range(first, last):
-            blk = tl.load(BT + seq * stride_bt + j).to(tl.int64)
-            base = blk * stride_kb + offs[:, None] * stride_ks + g * stride_kg + d[None, :]
-            k = tl.load(K + base)
-            v = tl.load(V + base)
+            first += STEP
+        for j in range(first, last, STEP):
+            k, v = _kv_tile(K, V, bt_row, j, last, offs, d, g, stride_kb, stride_ks, stride_kg, BLOCK, STEP, False)
             m_i, l_i, acc = _attend_block(q, k, v, j * BLOCK, cached, offs, m_i, l_i, acc, scale, IEEE)
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
@@ -230,9 +275,9 @@ def _kernel() -> Any:
             if FOLD:  # the last of the group's splits to finish combines them (no second kernel)
                 tl.debug_barrier()  # every thread's partial stored before the counter is released
                 counter = CNT + t * tl.num_programs(1) + g
-                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                    _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh, HEADS, HPG_PAD, D,
-                                   SPLITS)  # fmt: skip
+                if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+                    _combine_group(Out, PM, PL, PACC, t, heads, hmask, d, stride_ot, stride_oh, active, HEADS, HPG_PAD,
+                                   D, SPLITS)  # fmt: skip
                     tl.atomic_xchg(counter, 0)  # ready for the next call (a CUDA graph replays the same counters)
 
     @triton.jit  # type: ignore[misc]
@@ -296,60 +341,6 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def num_splits(tokens: int, groups: int, max_blocks: int, sms: int = 132) -> int:
-    """How many programs share one token's blocks (flash-decoding): enough that a small decode batch still gives
-    the GPU about two programs per SM, never more than 16 or than a block-table row has blocks; 1 for big batches."""
-    programs = tokens * groups
-    if programs >= sms or max_blocks <= 1:
-        return 1
-    return min(16, _pow2(max_blocks), _pow2(-(-2 * sms // programs)))
-
-
-def _rotary_rows(
-    rotary: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: int, unused: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(cos, sin) as ``[T, rot]`` rows, their row stride and ``rot``; without RoPE ``unused`` stands in for both
-    (the kernels never read it when ``rot`` is 0)."""
-    if rotary is None:
-        return unused, unused, 0, 0
-    cos, sin = (x.reshape(t, x.shape[-1]) for x in rotary)  # [T, 1, 1, rot] (one batch row per token) -> [T, rot]
-    rot = cos.shape[-1]
-    if rot > d or rot % 2:
-        raise ValueError(f"rotary dims {rot} must be even and at most the head dim {d}")
-    cos, sin = cos.contiguous(), sin.contiguous()
-    return cos, sin, cos.stride(0), rot
-
-
-def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{what} needs unit-stride head dims and contiguous caches")
-
-
-def _query_layout(q: torch.Tensor, groups: int) -> tuple[torch.Tensor, int, int, int]:
-    """``q`` with a unit-stride head dim, its heads per group, and its group and head strides, for ``[T, heads, d]``
-    or grouped ``[T, groups, heads / groups, d]`` queries."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if q.dim() == 4:
-        return q, q.shape[2], q.stride(1), q.stride(2)
-    hpg = q.shape[1] // groups
-    return q, hpg, hpg * q.stride(1), q.stride(1)
-
-
-def _split_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float32 running max, sum and accumulator of each split's partial softmax (``out`` stands in, unused, for one
-    split)."""
-    if splits == 1:
-        return out, out, out
-    t, heads, d = out.shape
-    pm = torch.empty(t, heads, splits, device=out.device, dtype=torch.float32)
-    return pm, torch.empty_like(pm), torch.empty(t, heads, splits, d, device=out.device, dtype=torch.float32)
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -363,6 +354,7 @@ def paged_attention_triton(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
     fold: bool = False,
+    launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -383,7 +375,12 @@ def paged_attention_triton(
     ``fold``: with splits, the last split of each (token, group) to finish combines the group's partial states
     (a per-(token, group) counter taken with an atomic add, reset by that program), so no second kernel runs; the
     counters are zeroed once per device and kept (:func:`~mcore_infer.kernels._counters.zeroed_counters`). Inside
-    a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead."""
+    a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead.
+
+    ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: one block per loop step, at most 16
+    splits, no skipping): the blocks per loop step, the cap on :func:`num_splits` and whether a folded combine skips
+    splits that get no block."""
+    launch = AttentionLaunch() if launch is None else launch.checked()
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -392,7 +389,7 @@ def paged_attention_triton(
     if t == 0:
         return out
     if splits is None:
-        splits = num_splits(t, groups, block_tables.shape[1], _sm_count(q.device))
+        splits = num_splits(t, groups, block_tables.shape[1], _sm_count(q.device), launch.max_splits)
     if splits & (splits - 1):
         raise ValueError(f"splits={splits}: must be a power of two")
     cos, sin, stride_ct, rot = _rotary_rows(rotary, t, d, out)
@@ -411,17 +408,9 @@ def paged_attention_triton(
         k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        HEADS=heads,
-        HPG=hpg,
-        HPG_PAD=max(16, _pow2(hpg)),
-        D=d,
-        BLOCK=block_size,
-        SPLITS=splits,
-        IEEE=k_cache.dtype == torch.float32,
-        ROT=rot,
-        NEW_KV=new_kv is not None,
-        FOLD=counters is not None,
-        PRE=new_kv is not None and splits > 1,
+        HEADS=heads, HPG=hpg, HPG_PAD=max(16, _pow2(hpg)), D=d, BLOCK=block_size, SPLITS=splits,
+        IEEE=k_cache.dtype == torch.float32, ROT=rot, NEW_KV=new_kv is not None, FOLD=counters is not None,
+        PRE=new_kv is not None and splits > 1, STEP=launch.step, SKIP=counters is not None and bool(launch.skip_empty),
         **gdc_launch(q, pdl),
     )
     # fmt: on
@@ -467,13 +456,3 @@ def store_kv_triton(
         D=d,
         ROT=rot,
     )
-
-
-_SMS: dict[str, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    key = str(device)
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return _SMS[key]

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mcore_infer._attention_host import AttentionLaunch
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
 from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS
 from mcore_infer.kv_cache import KVCache
@@ -52,6 +53,7 @@ class PagedAttentionContext:
         fuse_kv_write: bool = False,
         pdl: bool = False,
         fold_combine: bool = False,
+        attention_launch: AttentionLaunch | None = None,
         kv_layers: list[int] | None = None,
         mamba: Any = None,
     ) -> None:
@@ -80,6 +82,7 @@ class PagedAttentionContext:
         self.pdl = pdl and backend == "triton"
         # split attention combined by the last split to finish, not a second kernel (DecodePlan.combine_in_attention)
         self.fold_combine = fold_combine and backend == "triton"
+        self.attention_launch = attention_launch  # the Triton kernel's (DecodeLaunches.attention; None: its defaults)
 
     @torch.compiler.disable
     def attention(
@@ -109,7 +112,8 @@ class PagedAttentionContext:
                 store_kv_triton(k[:, 0], v[:, 0], k_cache, v_cache, self.slot_mapping, rotary=rotary)
             out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
                                          self.token_ctx, scale, rotary=rotary, new_kv=new_kv,
-                                         pdl=self.pdl and t <= FMA_MAX_ROWS, fold=self.fold_combine)  # fmt: skip
+                                         pdl=self.pdl and t <= FMA_MAX_ROWS, fold=self.fold_combine,
+                                         launch=self.attention_launch)  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

@@ -51,6 +51,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from mcore_infer._attention_host import AttentionLaunch
 from mcore_infer.decode_layers import (
     LAYER_FUSIONS,
     FusedDecodeLayer,
@@ -115,6 +116,8 @@ class DecodeLaunches:
     """The MLP's up projection (``row_fc1``)."""
     fused_mlp: MlpLaunch | None = None
     """The fused MLP kernel."""
+    attention: AttentionLaunch | None = None
+    """The paged-attention kernel (every step's: blocks per loop step, the split cap, skipping empty splits)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -214,6 +217,7 @@ class DecodePlan:
             "norm_linear": NormLinearLaunch,
             **dict.fromkeys(ROW_KERNELS, GemvLaunch),
             "fused_mlp": MlpLaunch,
+            "attention": AttentionLaunch,
         }
         bad = sorted(set(launches) - set(types))
         if bad:

@@ -348,6 +348,7 @@ class ModelRunner:
             fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
             pdl=self.plan.pdl,
             fold_combine=self.plan.combine_in_attention,
+            attention_launch=self.plan.launches.attention,
             kv_layers=self.kv_layers,
             mamba=self._mamba_step(batch, state_slots),
         )
