@@ -17,7 +17,10 @@ holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
   kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``);
 - the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per step) and the
   QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per step) at one
-  and four rows.
+  and four rows;
+- the paged-attention kernel of a decode step (``mcore_infer._triton_attention``) at ``llama-1b``'s heads (4 query
+  heads a KV group, head dim 64, cache blocks of 32) under launches of ``mcore_infer.AttentionLaunch`` (tile = cache
+  blocks a loop step x split cap; RoPE, the KV write, the folded combine, the first tile before the wait).
 
 A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then time::
 
@@ -207,12 +210,35 @@ def _decode_rows() -> list[dict[str, Any]]:
     return rows
 
 
+ATTENTION_LAUNCHES = ((1, 16, 0, 4), (1, 16, 1, 4), (2, 16, 1, 4), (4, 16, 1, 4), (4, 64, 1, 4), (8, 64, 1, 4),
+                      (8, 64, 1, 8), (8, 1, 0, 4), (8, 1, 0, 8))  # fmt: skip
+"""(blocks a loop step, split cap, skip empty splits, warps): the launches the ``serve-attention`` suite times."""
+
+
+def _attention_rows() -> list[dict[str, Any]]:
+    """The paged-attention kernel of a decode step under each launch of :data:`ATTENTION_LAUNCHES`."""
+    from mcore_infer._triton_attention import _kernel
+
+    attend = _kernel()[0]
+    types = {**dict.fromkeys(("Q", "K", "V", "Out", "COS", "SIN", "KIN", "VIN"), "*bf16"),
+             **dict.fromkeys(("PM", "PL", "PACC"), "*fp32"), **dict.fromkeys(("BT", "TSEQ", "TCTX", "SLOTS"), "*i64"),
+             **{n: "i32" for n in attend.arg_names if n.startswith("stride")}, "CNT": "*i32", "scale": "fp32"}  # fmt: skip
+    rows = []
+    for step, splits, skip, warps in ATTENTION_LAUNCHES:
+        consts = {"HEADS": 32, "HPG": 4, "HPG_PAD": 16, "D": 64, "BLOCK": 32, "SPLITS": splits, "IEEE": False,
+                  "ROT": 64, "NEW_KV": True, "GDC": True, "FOLD": splits > 1, "PRE": True, "STEP": step,
+                  "SKIP": bool(skip) and splits > 1}  # fmt: skip
+        rows.append({"kernel": f"paged attention, decode{', skip empty' if skip else ''}", "products": "-",
+                     "positions": step, "channels": splits, "warps": warps, **usage(attend, consts, warps, types)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    rows = [*_ssm_rows(), *_fp8_rows(), *_decode_rows()]
+    rows = [*_ssm_rows(), *_fp8_rows(), *_decode_rows(), *_attention_rows()]
     print("| kernel | products | tile | warps | stages | registers | spill bytes | shared bytes | programs per SM | "
           "instructions per element |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -19,7 +19,8 @@ from mcore_infer.kernels._counters import zeroed_counters
 from tests.infer._kernels import KERNEL_DEVICES as DEVICES
 
 _NEEDS = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
-_LAUNCHES = [AttentionLaunch(2, 16, 0), AttentionLaunch(4, 16, 1), AttentionLaunch(2, 8, 1), AttentionLaunch(1, 16, 1)]
+_LAUNCHES = [AttentionLaunch(2, 16, 0), AttentionLaunch(4, 16, 1), AttentionLaunch(2, 8, 1), AttentionLaunch(1, 16, 1),
+             AttentionLaunch(8, 1, 0, 8)]  # fmt: skip
 
 
 def _cache(device: str) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]:
@@ -89,10 +90,11 @@ def test_num_splits_takes_the_cap() -> None:
 
 def test_launch_parse_and_errors() -> None:
     assert AttentionLaunch.parse("4,16,1") == AttentionLaunch(4, 16, 1)
-    assert AttentionLaunch.parse("2") == AttentionLaunch(2, 16, 0)
-    assert str(AttentionLaunch(4, 32, 1)) == "4,32,1"
+    assert AttentionLaunch.parse("2") == AttentionLaunch(2, 16, 0, 4)
+    assert AttentionLaunch.parse("8,64,1,8") == AttentionLaunch(8, 64, 1, 8)
+    assert str(AttentionLaunch(4, 32, 1)) == "4,32,1,4"
     for text, what in (("3", "STEP=3"), ("4,128", "MAX_SPLITS=128"), ("4,16,2", "SKIP_EMPTY=2"), ("a", "integers"),
-                       ("1,2,3,4", "4 values")):  # fmt: skip
+                       ("1,2,0,3", "WARPS=3"), ("1,2,0,4,5", "5 values")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             AttentionLaunch.parse(text)
     plan = DecodePlan.from_dict({"preset": "row", "launches": {"attention": "4,32,1"}})

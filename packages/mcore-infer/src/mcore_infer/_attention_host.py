@@ -19,20 +19,22 @@ class AttentionLaunch(NamedTuple):
     their block ids gathered from the table in one load, so a long context takes ``step`` times fewer dependent
     round trips); ``max_splits``: the most programs that share one token's blocks in small decode batches (a power of
     two, :func:`num_splits`); ``skip_empty``: with the combine in the kernel (``fold``), splits that get no block
-    leave at once and the last of the others combines only theirs (1) instead of every split storing a state (0)."""
+    leave at once and the last of the others combines only theirs, or with a single split that has blocks (a short
+    context) writes the output itself (1), instead of every split storing a state (0); ``warps`` per program."""
 
     step: int = 1
     max_splits: int = 16
     skip_empty: int = 0
+    warps: int = 4
 
     def __str__(self) -> str:  # the form :meth:`parse` reads
         return ",".join(str(v) for v in self)
 
     @classmethod
     def parse(cls, text: str) -> AttentionLaunch:
-        """A checked launch from ``STEP[,MAX_SPLITS[,SKIP_EMPTY]]`` (integers; 16 and 0 when left out)."""
-        source = f"attention launch {text!r} (expected STEP[,MAX_SPLITS[,SKIP_EMPTY]], e.g. 4,16,1)"
-        return cls(*parse_ints(text, source, (1, 2, 3))).checked(source)
+        """A checked launch from ``STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS]]]`` (integers; 16, 0 and 4 when left out)."""
+        source = f"attention launch {text!r} (expected STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS]]], e.g. 4,16,1)"
+        return cls(*parse_ints(text, source, (1, 2, 3, 4))).checked(source)
 
     def checked(self, source: str | None = None) -> AttentionLaunch:
         """This launch, or a ValueError saying which field the kernel cannot take (``source`` opens the message)."""
@@ -42,6 +44,8 @@ class AttentionLaunch(NamedTuple):
                 raise ValueError(f"{source}: {name}={value} must be a power of two from 1 to 64")
         if self.skip_empty not in (0, 1):
             raise ValueError(f"{source}: SKIP_EMPTY={self.skip_empty} must be 0 or 1")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{source}: WARPS={self.warps} must be one of 1, 2, 4, 8, 16")
         return self
 
 

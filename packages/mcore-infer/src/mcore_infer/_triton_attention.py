@@ -259,7 +259,10 @@ def _kernel() -> Any:
         for j in range(first, last, STEP):
             k, v = _kv_tile(K, V, bt_row, j, last, offs, d, g, stride_kb, stride_ks, stride_kg, BLOCK, STEP, False)
             m_i, l_i, acc = _attend_block(q, k, v, j * BLOCK, cached, offs, m_i, l_i, acc, scale, IEEE)
-        if SPLITS == 1:
+        single = SPLITS == 1
+        if SKIP:  # one split with blocks (a short context): it writes the output itself, no partial state
+            single = active == 1
+        if single:
             denom = tl.where(l_i > 0, l_i, 1.0)
             out = acc / denom[:, None]
             tl.store(
@@ -378,8 +381,8 @@ def paged_attention_triton(
     a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead.
 
     ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: one block per loop step, at most 16
-    splits, no skipping): the blocks per loop step, the cap on :func:`num_splits` and whether a folded combine skips
-    splits that get no block."""
+    splits, no skipping, 4 warps): the blocks per loop step, the cap on :func:`num_splits`, whether a folded combine
+    skips splits that get no block, and the warps."""
     launch = AttentionLaunch() if launch is None else launch.checked()
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
@@ -410,7 +413,8 @@ def paged_attention_triton(
         out.stride(0), out.stride(1),
         HEADS=heads, HPG=hpg, HPG_PAD=max(16, _pow2(hpg)), D=d, BLOCK=block_size, SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32, ROT=rot, NEW_KV=new_kv is not None, FOLD=counters is not None,
-        PRE=new_kv is not None and splits > 1, STEP=launch.step, SKIP=counters is not None and bool(launch.skip_empty),
+        PRE=new_kv is not None and (splits > 1 or launch.step > 1), STEP=launch.step,
+        SKIP=counters is not None and bool(launch.skip_empty), num_warps=launch.warps,
         **gdc_launch(q, pdl),
     )
     # fmt: on
