@@ -250,15 +250,24 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
 }
 
 
+def _per_plan(ctx: Context, plans: dict[str, str], prefix: str, flags: list[str], timeout: float) -> list[tuple]:
+    """Each decode plan of ``plans`` through ``serve_bench.py`` (3 runs, one engine each, in turn): ``(name, step,
+    its JSON)``."""
+    runs = []
+    for i, (name, plan) in enumerate(plans.items()):
+        out = ctx.path(f"{prefix}-{i}.json")
+        step = ctx.run([PY, "bench/serve_bench.py", "--compile", *flags, "--repeats", "3", "--http-concurrency", "",
+                        "--decode-kernels", plan, "--out", out], timeout=timeout, out=out)  # fmt: skip
+        runs.append((name, step, step.data or {}))
+    return runs
+
+
 def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
     """Batch-1 decode of llama-1b under each plan of :data:`BATCH1_PLANS` (one engine each, in turn), and the MLP
     half of a decode layer through ``mlp_decode_bench.py``."""
     rows, anchor = [], None
-    for name, plan in BATCH1_PLANS.items():
-        out = ctx.path(f"batch1-{len(rows)}.json")
-        step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--concurrency", "1", "--repeats", "3",
-                        "--http-concurrency", "", "--decode-kernels", plan, "--out", out], timeout=420, out=out)  # fmt: skip
-        r = next(iter((step.data or {}).get("engine", [])), {})
+    for name, step, data in _per_plan(ctx, BATCH1_PLANS, "batch1", ["--concurrency", "1"], 420):
+        r = next(iter(data.get("engine", [])), {})
         anchor = anchor if anchor is not None else r.get("tpot_ms_p50")
         rows.append(ctx.row(step, measured=bool(r), name=name, tpot=r.get("tpot_ms_p50"), tok_s=r.get("output_tok_s"),
                             ratio=anchor / r["tpot_ms_p50"] if anchor and r.get("tpot_ms_p50") else None))  # fmt: skip
@@ -291,14 +300,11 @@ ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_E
 def serve_attention(ctx: Context) -> list[dict[str, Any]]:
     """llama-1b decode at one and 64 requests and one request after a 16k prompt under each paged-attention launch
     of :data:`ATTENTION_LAUNCHES` (the row plan, one engine each, in turn)."""
+    plans = {name: "row" if launch is None else json.dumps({"preset": "row", "launches": {"attention": launch}})
+             for name, launch in ATTENTION_LAUNCHES.items()}  # fmt: skip
+    flags = ["--concurrency", "1,64", "--context", "" if ctx.quick else "16384"]
     rows, anchor = [], None
-    for name, launch in ATTENTION_LAUNCHES.items():
-        out = ctx.path(f"attention-{len(rows)}.json")
-        plan = "row" if launch is None else json.dumps({"preset": "row", "launches": {"attention": launch}})
-        step = ctx.run([PY, "bench/serve_bench.py", "--compile", "--concurrency", "1,64", "--repeats", "3",
-                        "--context", "" if ctx.quick else "16384", "--http-concurrency", "", "--decode-kernels",
-                        plan, "--out", out], timeout=300, out=out)  # fmt: skip
-        data = step.data or {}
+    for name, step, data in _per_plan(ctx, plans, "attention", flags, 300):
         by = {r.get("concurrency"): r for r in data.get("engine", [])}
         long = next(iter(data.get("context", [])), {})
         one = by.get(1, {}).get("tpot_ms_p50")

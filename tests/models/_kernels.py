@@ -16,6 +16,7 @@ if torch.cuda.is_available() and HAS_TRITON:
     KERNEL_DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
 if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
     KERNEL_DEVICES.append("cpu")
+needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
 
 def tiny_mixer(device: str, **mamba: object) -> Any:

@@ -19,10 +19,9 @@ from tests.models._kernels import (
     assert_compiled_grads_equal,
     assert_mixers_agree,
     assert_relative_close,
+    needs_kernel,
     tiny_mixer,
 )
-
-needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

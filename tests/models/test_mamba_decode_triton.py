@@ -17,9 +17,8 @@ from mcore_models.ssm import Mamba2Mixer
 from mcore_models.ssm.decode_triton import decode_step_triton, ssm_rows_per_program
 from mcore_models.ssm.inference import decode_step, decode_step_torch, mamba_state_shapes, uses_decode_kernel
 from mcore_parallel import Group
-from tests.models._kernels import KERNEL_DEVICES
+from tests.models._kernels import KERNEL_DEVICES, needs_kernel
 
-needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 SLOTS = 9
 
 

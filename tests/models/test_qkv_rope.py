@@ -10,9 +10,7 @@ import torch
 
 from mcore_models.transformer.qkv_rope import qkv_rope, qkv_rope_backward_reference, qkv_rope_reference
 from mcore_models.transformer.rope import RotaryEmbedding, apply_rotary
-from tests.models._kernels import KERNEL_DEVICES
-
-needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
+from tests.models._kernels import KERNEL_DEVICES, needs_kernel
 
 
 def _rotary(s: int, b: int, d: int, per_sample: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:

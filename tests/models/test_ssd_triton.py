@@ -16,9 +16,8 @@ import torch.nn.functional as F
 
 from mcore_models.ssm import ssd_triton
 from mcore_models.ssm.ssd_triton import ssd_scan_triton
-from tests.models._kernels import HAS_TRITON, KERNEL_DEVICES
+from tests.models._kernels import HAS_TRITON, KERNEL_DEVICES, needs_kernel
 
-needs_kernel = pytest.mark.skipif(not KERNEL_DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 + Triton")
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
 BACKWARDS = ("heads", "groups")  # ssd_triton.BACKWARD: the gradients of B and C per head, or through dCB per group
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mcore_models.ssm._launch import channels_contiguous, check_devices
+from mcore_models.ssm._launch import channels_contiguous, check_devices, load_kernels
 
 __all__ = ["causal_conv1d_silu_triton"]
 
@@ -55,11 +55,7 @@ the conv's forward + backward took 2.229 ms with it and 2.225 ms at the sweep's 
 
 @functools.cache
 def _kernels() -> dict[str, Any]:
-    try:
-        from mcore_models.ssm._conv_kernels import KERNELS
-    except ImportError as e:
-        raise ImportError("mamba.conv_kernel=triton needs Triton (pip install mcore-models[gpu]); use torch") from e
-    return KERNELS
+    return load_kernels("_conv_kernels", "conv_kernel")
 
 
 def _grid(x: torch.Tensor, tile: tuple[int, int]) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mcore_models.ssm._launch import channels_contiguous, check_devices
+from mcore_models.ssm._launch import channels_contiguous, check_devices, load_kernels
 
 __all__ = ["gated_rms_norm_triton"]
 
@@ -41,11 +41,7 @@ mamba2-1.3b's norm at batch 4 x 4096) every entry swept timed within 3% of these
 
 @functools.cache
 def _kernels() -> dict[str, Any]:
-    try:
-        from mcore_models.ssm._norm_kernels import KERNELS
-    except ImportError as e:
-        raise ImportError("mamba.norm_kernel=triton needs Triton (pip install mcore-models[gpu]); use torch") from e
-    return KERNELS
+    return load_kernels("_norm_kernels", "norm_kernel")
 
 
 def _block(group_size: int) -> int:
