@@ -11,7 +11,7 @@ import torch
 
 from mcore_models import GPTModel, TransformerConfig, preset
 from mcore_models.errors import ConfigError
-from mcore_models.flops import num_parameters, training_flops_per_token
+from mcore_models.flops import num_parameters, padded_vocab_size, training_flops_per_token
 from mcore_models.hybrid import (
     AttentionLayer,
     MLPLayer,
@@ -144,3 +144,18 @@ def _stage_logits(pattern: str, pp: int) -> torch.Tensor:
 def test_pipeline_stages_from_the_pattern_compose_to_the_whole_model() -> None:
     """``|`` splits the layers over two stages; the stages' layers, weights and output are the one-stage model's."""
     torch.testing.assert_close(_stage_logits("M*|-M-", 2), _stage_logits("M*-M-", 1), rtol=0, atol=0)
+
+
+def test_hybrid_1b_is_llama_1b_sized() -> None:
+    """The hybrid's speed is compared with llama-1b's (bench train-mamba): both have the same width and, outside the
+    embeddings, the same parameter count within 2%."""
+    hybrid, llama = preset("hybrid-1b"), preset("llama-1b")
+
+    def body(c: TransformerConfig) -> int:
+        vocab = padded_vocab_size(c.vocab_size, 1, c.make_vocab_size_divisible_by)
+        return num_parameters(c) - vocab * c.hidden_size * (1 if c.share_embeddings_and_output_weights else 2)
+
+    assert hybrid.hidden_size == llama.hidden_size
+    assert abs(body(hybrid) / body(llama) - 1) < 0.02
+    pattern = hybrid.hybrid_pattern or ""
+    assert pattern.count("M") == 7 * pattern.count("*") > 0

@@ -51,8 +51,9 @@ _MAMBA2 = dict(
     norm_eps=1e-5,
     mamba=dict(d_state=128, d_conv=4, expand=2, head_dim=64, n_groups=1, chunk_size=256),
 )
-# 48 layers of llama-1b's width: 21 Mamba-2, 3 attention (every 16th layer, RoPE as llama-1b) and 24 SwiGLU MLPs
-_HYBRID_1B_PATTERN = ("M-" * 7 + "*-") * 3
+# llama-1b's width and parameter count (0.99 B outside the embeddings against 0.97 B) as a Nemotron-H-style hybrid:
+# 32 layers, 14 Mamba-2 and 2 attention (RoPE as llama-1b; M : * = 7 : 1), each followed by a SwiGLU MLP of 6144
+_HYBRID_1B_PATTERN = ("M-" * 3 + "*-" + "M-" * 4) * 2
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": dict(_GPT2, num_layers=12, hidden_size=768, num_attention_heads=12),
@@ -167,7 +168,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hybrid-1b": dict(
         _LLAMA_1B_BODY,
         num_layers=len(_HYBRID_1B_PATTERN),
-        ffn_hidden_size=4096,
+        ffn_hidden_size=6144,
         hybrid_pattern=_HYBRID_1B_PATTERN,
         mamba=dict(d_state=128, d_conv=4, expand=2, head_dim=64, n_groups=1, chunk_size=256),
     ),

@@ -150,7 +150,8 @@ def mamba2_1_3b() -> TrainConfig:
 
 
 def hybrid_1b() -> TrainConfig:
-    """``hybrid-1b``: llama-1b's width as 21 Mamba-2, 3 attention and 24 MLP layers; llama-1b's run."""
+    """``hybrid-1b``: llama-1b's width and parameter count as 14 Mamba-2, 2 attention and 16 MLP layers; llama-1b's
+    run."""
     return _pretraining("hybrid-1b", seq=4096, lr=3e-4, warmup=2000, micro_batch=4, global_batch=256, iters=100000,
                         eval_interval=2000, save_interval=1000)  # fmt: skip
 
