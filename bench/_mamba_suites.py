@@ -20,7 +20,16 @@ _SCAN_COLS = [("seq", "batch x seq", ""), ("chunk", "chunk", "d"), ("scan_ms", "
               ("vs_chunk", "vs the first chunk", ".2f")]  # fmt: skip
 _LOOP_COLS = [*[c for c in _TRAIN if c[0] not in ("gpus", "vs_1gpu")], ("seq", "sequence", ",d"),
               ("vs_llama", "vs llama-1b, same sequence", ".2f")]  # fmt: skip
-_LOOP_CASES = ("mamba2-1.3b/mb4", "hybrid-1b/16k", "llama-1b/16k")
+_LOOP_CASES = (
+    "mamba2-1.3b/mb4",
+    "hybrid-1b/4k",
+    "llama-1b/best-mb4",
+    "mamba2-1.3b/16k",
+    "hybrid-1b/16k",
+    "llama-1b/16k",
+)
+"""Each model at sequence 4,096 (micro-batch 4) and 16,384 (micro-batch 1), beside llama-1b at the same two."""
+_QUICK_LOOP_CASES = ("hybrid-1b/16k", "llama-1b/16k")
 _NORM_COLS = [("impl", "gated RMSNorm", ""), ("ms", "forward + backward ms", ".2f"), ("gb_s", "GB/s", ".0f"),
               ("vs_torch", "vs compiled PyTorch", ".2f")]  # fmt: skip
 _CONV_COLS = [("impl", "causal conv + SiLU", ""), ("ms", "forward + backward ms", ".2f"), ("gb_s", "GB/s", ".0f"),
@@ -74,10 +83,10 @@ def _norm_rows(ctx: Context) -> list[dict[str, Any]]:
 
 
 def train_mamba(ctx: Context) -> list[dict[str, Any]]:
-    """The scan at each chunk length; mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop at each of
-    :data:`LOOP_CHUNKS`, llama-1b at 16k beside them."""
+    """The scan at each chunk length; mamba2-1.3b and hybrid-1b at seq 4096 and 16k through the loop at each of
+    :data:`LOOP_CHUNKS`, llama-1b at the same two beside them."""
     scan, conv, norm = _scan_rows(ctx), _conv_rows(ctx), _norm_rows(ctx)
-    cases = list(_LOOP_CASES[1:] if ctx.quick else _LOOP_CASES)
+    cases = list(_QUICK_LOOP_CASES if ctx.quick else _LOOP_CASES)
     variants = [x for c in LOOP_CHUNKS[1:] for x in ("--variant", f"model.mamba.chunk_size={c}")]
     step, results = run_cases(ctx, [c for c in cases if not c.startswith("llama")], *variants, case_timeout=240)
     anchor, more = run_cases(ctx, [c for c in cases if c.startswith("llama")], case_timeout=240)
@@ -101,7 +110,7 @@ def train_mamba(ctx: Context) -> list[dict[str, Any]]:
                   "8 groups) in the same process; the scan's TFLOP/s count its products as each chunk length "
                   "performs them (the longer chunk does more)"]  # fmt: skip
     loop_notes = [_MFU_NOTE, "compiled layers, weight-gradient fusion, bf16 with fp32 master weights, mock data; "
-                  "mamba2-1.3b: micro-batch 4, global batch 16; hybrid-1b and llama-1b: micro-batch 1, global batch 8; "
+                  "sequence 4,096: micro-batch 4, global batch 16; sequence 16,384: micro-batch 1, global batch 8; "
                   "Mamba layers' FLOPs as Megatron-LM counts them (mcore_models.flops)"]  # fmt: skip
     conv_notes = ["mamba2-1.3b's convolution (4,352 channels, kernel 4) on the in-projection's layout (a view of its "
                   "8,512-wide output, whose gradient the slice's backward fills: both rows pay it), bf16, 32k tokens "
@@ -167,10 +176,10 @@ def tune_mamba(ctx: Context) -> list[dict[str, Any]]:
 
 
 MAMBA_SUITES = [
-    Suite("train-mamba", "mamba2-1.3b (seq 4096) and hybrid-1b (seq 16k) through the loop, the SSD scan alone at "
+    Suite("train-mamba", "mamba2-1.3b and hybrid-1b at seq 4096 and 16k through the loop, the SSD scan alone at "
           "chunk lengths 256 and 128, the mixer's convolution against F.conv1d and its gated norm against the compiled "
-          "PyTorch ops", "llama-1b at 16k through the loop, and causal cuDNN attention of the same width, F.conv1d, "
-          "the compiled PyTorch norm, same call", 7, 1,
+          "PyTorch ops", "llama-1b at 4096 and 16k through the loop, and causal cuDNN attention of the same width, "
+          "F.conv1d, the compiled PyTorch norm, same call", 9, 1,
           train_mamba),
     Suite("tune-mamba", "the SSD scan's tiles, warps and pipeline stages at chunk 256 and 128, and the causal conv's "
           "tiles per kernel: the fastest beside the defaults", "the defaults (ssd_triton.TILES, conv_triton.TILES), "

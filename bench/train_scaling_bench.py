@@ -110,6 +110,10 @@ CASES: dict[str, Case] = {
     # Mamba-2 and hybrid (train-mamba): the chunk length of the SSD scan is a variant (model.mamba.chunk_size)
     "mamba2-1.3b/mb4": Case(1, (*_batch(4, 16), *FAST), "mamba2-1.3b (48 Mamba-2 layers of width 2048) at sequence "
                             "4,096, micro-batch 4", preset="mamba2-1.3b"),
+    "mamba2-1.3b/16k": Case(1, (*_batch(1, 8), *FAST), "mamba2-1.3b at sequence 16,384, as llama-1b/16k",
+                            preset="mamba2-1.3b", seq=16384),
+    "hybrid-1b/4k": Case(1, (*_batch(4, 16), *FAST), "hybrid-1b at sequence 4,096, micro-batch 4, as "
+                         "llama-1b/best-mb4", preset="hybrid-1b"),
     "hybrid-1b/16k": Case(1, (*_batch(1, 8), *FAST), "hybrid-1b (14 Mamba-2, 2 attention, 16 MLP layers) at sequence "
                           "16,384, as llama-1b/16k", preset="hybrid-1b", seq=16384),
     "moe-8x4k/ep2": Case(2, ("parallel.ep=2", *_batch(4, 128), *FAST), "moe-8x4k, expert parallel 2 (dp 2)",
