@@ -324,15 +324,20 @@ CONTEXTS = "128,4096,16384"
 
 def serve_mamba(ctx: Context) -> list[dict[str, Any]]:
     """mamba2-1.3b through the engine at 1 and 64 requests with float32 and bf16 SSM states, and one request after
-    prompts of 128 to 16k tokens beside llama-1b's (attention's KV cache grows, Mamba's state does not)."""
-    runs = {"mamba2-1.3b": ["--preset", "mamba2-1.3b", "--concurrency", "1,64", "--mamba-ssm-dtype", "float32,bfloat16"],
-            "llama-1b": ["--preset", "llama-1b", "--concurrency", "1"]}  # fmt: skip
+    prompts of 128 to 16k tokens beside llama-1b's (attention's KV cache grows, Mamba's state does not); one request
+    under the attention plan, whose Mamba layers run without the row kernels, beside the default (row) plan."""
+    contexts = ["--context", "128" if ctx.quick else CONTEXTS]
+    runs = {"mamba2-1.3b": ["--preset", "mamba2-1.3b", "--concurrency", "1,64", "--mamba-ssm-dtype", "float32,bfloat16",
+                            *contexts],
+            "llama-1b": ["--preset", "llama-1b", "--concurrency", "1", *contexts],
+            "mamba2-1.3b-attention-plan": ["--preset", "mamba2-1.3b", "--concurrency", "1", "--decode-kernels",
+                                           "attention"]}  # fmt: skip
     data: dict[str, Any] = {}
     steps = {}
     for name, flags in runs.items():
         out = ctx.path(f"serve-{name}.json")
         steps[name] = ctx.run([PY, "bench/serve_bench.py", "--compile", *flags, "--repeats", "2", "--http-concurrency",
-                               "", "--context", "128" if ctx.quick else CONTEXTS, "--out", out], timeout=540, out=out)  # fmt: skip
+                               "", "--out", out], timeout=540, out=out)  # fmt: skip
         data[name] = steps[name].data or {}
     engine = []
     for key, label in (("engine", "float32"), ("engine_mamba_ssm_bfloat16", "bfloat16")):
@@ -346,9 +351,21 @@ def serve_mamba(ctx: Context) -> list[dict[str, Any]]:
         for r in data[name].get(key, []) or [{}]:
             context.append(ctx.row(steps[name], measured=bool(r), model=label, context=r.get("context"),
                                    tpot=r.get("tpot_ms_p50"), ttft=r.get("ttft_ms_p50")))  # fmt: skip
+    plans = []
+    for name, label in (("mamba2-1.3b", "row (the default): the projections as row GEMVs, the norm inside the "
+                                        "in-projection's"), ("mamba2-1.3b-attention-plan", "attention: cuBLAS "
+                                        "projections, the norm and the residual add compiled")):  # fmt: skip
+        r = next((r for r in data[name].get("engine", []) if r.get("concurrency") == 1), {})
+        plans.append(ctx.row(steps[name], measured=bool(r), plan=label, tok_s=r.get("output_tok_s"),
+                             tpot=r.get("tpot_ms_p50")))  # fmt: skip
+    if plans[0].get("tpot") and plans[1].get("tpot"):
+        plans[0]["vs_attention"] = plans[1]["tpot"] / plans[0]["tpot"]
     notes = ["random weights, bf16, 128 output tokens, greedy, compiled layers, CUDA graphs, the Triton decode step; "
              "median of 2 runs"]  # fmt: skip
     return [
+        table("serving mamba2-1.3b, one request: the decode plan's fusions on its layers", [
+            ("plan", "decode plan", ""), ("tok_s", "output tok/s", ",.0f"), ("tpot", "per token p50 ms", ".3f"),
+            ("vs_attention", "speed-up", ".3f")], plans, notes),
         table("serving mamba2-1.3b: SSM states in float32 and bf16", [
             ("states", "SSM states", ""), ("concurrency", "requests", "d"), ("tok_s", "output tok/s", ",.0f"),
             ("ttft", "TTFT p50 ms", ".1f"), ("tpot", "per token p50 ms", ".3f")], engine, notes),
@@ -371,8 +388,8 @@ SYSTEM_SUITES = [
           "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",
           "the default launch, same call", 6, 1, serve_attention),
     Suite("serve-mamba", "mamba2-1.3b serving: 1 and 64 requests with float32 and bf16 SSM states; one request after "
-          "prompts of 128 to 16k tokens beside llama-1b", "llama-1b's per-token time at the same prompt lengths, same "
-          "call", 9, 1, serve_mamba),
+          "prompts of 128 to 16k tokens beside llama-1b; one request under the attention plan (no row kernels)",
+          "llama-1b's per-token time at the same prompt lengths; the default plan, same call", 9, 1, serve_mamba),
     Suite("kernels", "attention backends, decode GEMVs, SwiGLU GEMM epilogues, the QKV/RoPE kernel, the matmul rate "
           "burst and sustained, NCCL collectives (with more than one GPU)",
           "cuBLAS, PyTorch's ops under torch.compile, the other SDPA backend, same process", 5, 1, kernels,

@@ -17,7 +17,7 @@ import torch
 
 from mcore_infer import LLM, EngineConfig, SamplingParams
 from mcore_infer.decode import DecodeKernels
-from mcore_infer.decode_layers import PlainDecodeLayer
+from mcore_infer.decode_layers import FusedDecodeLayer, FusedMambaLayer, PlainDecodeLayer
 from mcore_infer.mamba_cache import MambaCache, MambaStepView
 from mcore_infer.runner import graph_blockers
 from mcore_models import GPTModel
@@ -63,8 +63,12 @@ def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> N
     expected = [reference_greedy(model, p, 8) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(expected)  # the outputs depend on the prompt
     llm = tiny_llm(model, decode_kernels=kernels)
-    # every layer of a hybrid model is served by its own forward (no layer fusion reaches into it)
-    assert all(isinstance(w, PlainDecodeLayer) for w in llm.runner.decode.layers.values())
+    # with any fusion (every plan but none defers the residual add) each Mamba layer is a FusedMambaLayer and each
+    # attention or MLP layer a FusedDecodeLayer
+    fused = {"M": FusedMambaLayer, "*": FusedDecodeLayer, "-": FusedDecodeLayer}
+    kinds = model.config.hybrid_pattern
+    wrappers = [type(w) for w in llm.runner.decode.layers.values()]
+    assert wrappers == [PlainDecodeLayer if kernels == "none" else fused[c] for c in kinds]
     res = llm.generate(prompts, GREEDY)
     assert [r.outputs[0].token_ids for r in res] == expected
     assert llm.engine.num_lookahead_steps > 0  # steady decoding launched steps ahead, reading the same slots
@@ -78,19 +82,22 @@ def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> N
     assert [t.shape[:2] for t in mamba.stacked] == [(len(mamba.ssm), 5)] * 2  # one tensor per kind: a reset is two
 
 
-def test_compiled_layers_give_the_same_tokens() -> None:
-    """EngineConfig.compile on the hybrid model: a decode step's recurrence is traced with the layer (only the
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_compiled_layers_give_the_same_tokens(kind: str) -> None:
+    """EngineConfig.compile on the hybrid model: a decode step's recurrence is traced with the layer's wrapper (only the
     look-up of the layer's states is not), a mixed step's conv and scan stay out; tokens unchanged, and the Mamba
     layers share their compiled entries (decode or mixed, one token or many), none specialising on its layer number
     or on the step's token ranges."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
-    expected = [reference_greedy(mamba_model("hybrid"), p, 8) for p in prompts]
+    expected = [reference_greedy(mamba_model(kind), p, 8) for p in prompts]
     torch._dynamo.reset()
-    llm = tiny_llm(mamba_model("hybrid"), compile=True)
+    llm = tiny_llm(mamba_model(kind), compile=True)
     assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == expected
-    assert 1 <= len(_debug_get_cache_entry_list(mixer_inference_forward.__code__)) <= 3
+    # decode or mixed step, times the first layer (no pending residual) or a later one: never one per layer (MMM
+    # has three)
+    assert 1 <= len(_debug_get_cache_entry_list(FusedMambaLayer.forward.__code__)) <= 4
 
 
 GATE_FIRST = dict(d_conv=2, conv_bias=False, dt_limit=(0.01, 0.5), norm_before_gate=True, n_groups=1)

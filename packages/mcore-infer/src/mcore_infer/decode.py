@@ -33,8 +33,8 @@ A :class:`DecodePlan` says which apply, validated in one place (``norm_linear`` 
 kernels replace, so it excludes them, and ``fused_mlp`` excludes ``swiglu_down``); :data:`DECODE_PRESETS` names the usual ones, and ``"auto"`` resolves per
 device (:func:`requested_plan`). :func:`prepare_for_decode` builds a new module over the caller's model: it shares
 the parameters, wraps each layer (:mod:`mcore_infer.decode_layers`) and sets nothing on the caller's modules. It
-decides per layer: the layer fusions reach into the standard modules (``TransformerLayer``, ``SelfAttention``,
-``MLP``), and a layer part of another type (an MoE layer's ``mlp``, a new layer type) runs by its own forward with
+decides per layer: the layer fusions reach into the standard modules (``TransformerLayer`` or a hybrid model's
+attention and MLP layers, ``SelfAttention``, ``MLP``; a ``MambaLayer``'s projections), and a layer part of another type (an MoE layer's ``mlp``, a new layer type) runs by its own forward with
 none of the fusions that would reach into it, under any plan; the fusions of its other parts still apply.
 """
 
@@ -54,8 +54,8 @@ from torch import nn
 from mcore_infer._attention_host import AttentionLaunch
 from mcore_infer.decode_layers import (
     LAYER_FUSIONS,
-    FusedDecodeLayer,
     PlainDecodeLayer,
+    fused_layer,
     missing_for_fusions,
     skipped_fusions,
 )
@@ -69,7 +69,6 @@ from mcore_infer.kernels.small_gemv import Launch as GemvLaunch
 from mcore_infer.rope_table import RotaryTable
 from mcore_models import GPTModel
 from mcore_models.transformer.attention import InferenceContext
-from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.norm import RMSNorm
 
 __all__ = [
@@ -320,7 +319,8 @@ class DecodeModel(nn.Module):
     inference_context=ctx)`` returns logits ``[1, rows, vocab]``; ``decoder_input`` (``[tokens, 1, hidden]``, e.g.
     a VLM's word embeddings with image embeddings spliced in) replaces the embedding. ``plan`` is what applies (with ``auto``, a layer
     fusion is on where some layer takes it); each of ``layers`` is a :class:`~mcore_infer.decode_layers.
-    FusedDecodeLayer` or a :class:`~mcore_infer.decode_layers.PlainDecodeLayer`.
+    FusedDecodeLayer`, a :class:`~mcore_infer.decode_layers.FusedMambaLayer` or a
+    :class:`~mcore_infer.decode_layers.PlainDecodeLayer`.
     """
 
     def __init__(
@@ -424,8 +424,7 @@ def prepare_for_decode(
         fusions = _layer_fusions(layer, f"decoder.layers.{key}", model, wanted, strict, off)
         fusions["pdl"] &= any(fusions[k] for k in ROW_KERNELS)  # (measured with the row kernels only)
         if any(fusions.values()):
-            assert isinstance(layer, TransformerLayer)
-            wrappers[key] = FusedDecodeLayer(layer, fusions, wanted.launches)
+            wrappers[key] = fused_layer(layer, fusions, wanted.launches)
         else:
             wrappers[key] = PlainDecodeLayer(layer)
         applied = {name: on or fusions[name] for name, on in applied.items()}

@@ -6,7 +6,9 @@ with the deferred residual add, ``out + residual`` is the layer's output, added 
 reads it (with compiled wrappers the add and the norm are one kernel); otherwise ``residual`` is None and ``out`` is
 the output. :class:`FusedDecodeLayer` runs a :class:`~mcore_models.transformer.layer.TransformerLayer` with the fusions
 its plan names (an attention or MLP other than the standard module, an MoE layer's say, is called whole, never
-fused: :func:`skipped_fusions`); :class:`PlainDecodeLayer` adds a pending residual and calls any layer plainly. Both hold
+fused: :func:`skipped_fusions`), and a hybrid model's attention (``*``) and MLP (``-``) layers as the halves of one;
+:class:`FusedMambaLayer` runs a Mamba layer's two projections with them (``M``); :class:`PlainDecodeLayer` adds a
+pending residual and calls any layer plainly. Both hold
 the caller's layer as a child module: the parameters are shared, never copied, and the layer itself is unchanged.
 """
 
@@ -30,6 +32,10 @@ from mcore_infer.kernels.small_gemv import (
     swiglu_down_partials,
 )
 from mcore_models import TransformerConfig
+from mcore_models.hybrid import AttentionLayer, MLPLayer
+from mcore_models.ssm.inference import mix_projected
+from mcore_models.ssm.layer import MambaLayer
+from mcore_models.ssm.mixer import Mamba2Mixer
 from mcore_models.transformer.attention import InferenceContext, Rotary, SelfAttention
 from mcore_models.transformer.layer import TransformerLayer
 from mcore_models.transformer.mlp import MLP
@@ -38,7 +44,15 @@ from mcore_models.transformer.norm import RMSNorm
 if TYPE_CHECKING:
     from mcore_infer.decode import DecodeLaunches
 
-__all__ = ["LAYER_FUSIONS", "FusedDecodeLayer", "PlainDecodeLayer", "missing_for_fusions", "skipped_fusions"]
+__all__ = [
+    "LAYER_FUSIONS",
+    "FusedDecodeLayer",
+    "FusedMambaLayer",
+    "PlainDecodeLayer",
+    "fused_layer",
+    "missing_for_fusions",
+    "skipped_fusions",
+]
 
 LAYER_FUSIONS = (
     "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "norm_gemv", "fused_mlp", "row_fc1",
@@ -59,28 +73,52 @@ def _plain_linear(lin: Any, name: str, column: bool = False) -> list[str]:
     return problems
 
 
-def _standard_parts(layer: TransformerLayer) -> tuple[bool, bool]:
-    """Whether ``layer``'s attention and MLP are exactly the standard modules (``SelfAttention``, ``MLP``) whose
-    pieces the fused forwards call; any other module is called whole, by its own forward."""
-    return type(layer.self_attention) is SelfAttention, type(layer.mlp) is MLP
+_MAMBA_FUSIONS = ("defer_residual", "row_gemv", "norm_gemv", "proj_partials", "pdl")
+"""The fusions of a Mamba layer (:class:`FusedMambaLayer`): the residual add and the norm inside the in-projection's
+row GEMV, the out-projection as split-K partial sums, the kernels launched as programmatic dependents."""
+
+
+def _halves(layer: nn.Module) -> tuple[bool, bool] | None:
+    """Which halves of a Transformer layer ``layer`` has, (attention, MLP): both for a ``TransformerLayer``, one for
+    a hybrid model's ``*`` (``AttentionLayer``) or ``-``/``E`` (``MLPLayer``) layer; None for any other layer."""
+    return {TransformerLayer: (True, True), AttentionLayer: (True, False), MLPLayer: (False, True)}.get(type(layer))
+
+
+def _standard_parts(layer: nn.Module) -> tuple[bool, bool]:
+    """Whether ``layer`` has an attention and an MLP that are exactly the standard modules (``SelfAttention``,
+    ``MLP``) whose pieces the fused forwards call; any other module is called whole, by its own forward."""
+    has_attention, has_mlp = _halves(layer) or (False, False)
+    return (has_attention and type(layer.self_attention) is SelfAttention, has_mlp and type(layer.mlp) is MLP)
 
 
 def skipped_fusions(layer: nn.Module) -> dict[str, str]:
     """The fusions of :data:`LAYER_FUSIONS` that do not concern ``layer``, each with why: the part of the layer the
-    fusion rewrites is not the standard module (exactly ``TransformerLayer``, ``SelfAttention``, ``MLP``), so that
+    fusion rewrites is not the standard module (exactly ``TransformerLayer`` or a hybrid model's attention or MLP
+    layer, ``SelfAttention``, ``MLP``; a ``MambaLayer`` of a ``Mamba2Mixer``), or the layer has no such part, so that
     part runs its own forward. They stay off under any plan, and are never an error: a new layer type, attention or
-    MLP (an MoE layer, say) is served as it is. ``norm_linear`` only needs the standard attention: with another MLP
-    it fuses the first norm into the QKV projection and leaves the MLP and its norm alone."""
-    if type(layer) is not TransformerLayer:
+    MLP (an MoE layer, say) is served as it is. ``norm_linear`` only needs the standard attention of a whole
+    Transformer layer: with another MLP it fuses the first norm into the QKV projection and leaves the MLP and its
+    norm alone."""
+    if type(layer) is MambaLayer:
+        if type(layer.mixer) is not Mamba2Mixer:
+            return dict.fromkeys(LAYER_FUSIONS, f"its mixer is a {type(layer.mixer).__name__}, not a Mamba2Mixer")
+        return {f: "a Mamba layer has no attention or MLP" for f in LAYER_FUSIONS if f not in _MAMBA_FUSIONS}
+    halves = _halves(layer)
+    if halves is None:
         return dict.fromkeys(LAYER_FUSIONS, f"it is a {type(layer).__name__}, not a TransformerLayer")
     attn_ok, mlp_ok = _standard_parts(layer)
     skipped: dict[str, str] = {}
+    if type(layer) is not TransformerLayer:
+        skipped["norm_linear"] = f"it is a hybrid model's {type(layer).__name__} (norm_linear fuses whole layers)"
     if not attn_ok:
-        why = f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention"
-        skipped.update(dict.fromkeys(("row_gemv", "norm_gemv", "proj_partials", "norm_linear"), why))
+        why = (f"self_attention is a {type(layer.self_attention).__name__}, not a SelfAttention" if halves[0]
+               else "it has no attention")  # fmt: skip
+        skipped.update(dict.fromkeys(("row_gemv", "proj_partials", "norm_linear"), why))
+        if halves[0]:  # (without attention, norm_gemv is still the norm inside the up projection's GEMV)
+            skipped["norm_gemv"] = why
     if not mlp_ok:
-        skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp", "row_fc1"),
-                                     f"mlp is a {type(layer.mlp).__name__}, not an MLP"))  # fmt: skip
+        why = f"mlp is a {type(layer.mlp).__name__}, not an MLP" if halves[1] else "it has no MLP"
+        skipped.update(dict.fromkeys(("swiglu_down", "fused_mlp", "row_fc1"), why))
     return skipped
 
 
@@ -88,14 +126,26 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
     """For each of :data:`LAYER_FUSIONS` that concerns ``layer`` (see :func:`skipped_fusions`), what its standard
     parts lack for it (an empty list: it applies); the fusions that do not concern it map to empty lists."""
     missing: dict[str, list[str]] = {name: [] for name in LAYER_FUSIONS}
-    if type(layer) is not TransformerLayer:
-        return missing
-    attn, mlp = layer.self_attention, layer.mlp
-    attn_ok, mlp_ok = _standard_parts(layer)
 
     def sharded(what: str) -> list[str]:
         return [f"tensor parallelism (tp={tp}; {what})"] if tp > 1 else []
 
+    if type(layer) is MambaLayer and type(layer.mixer) is Mamba2Mixer:
+        mixer, ln = layer.mixer, layer.input_layernorm
+        missing["row_gemv"] = _plain_linear(mixer.in_proj, "mixer.in_proj", column=True) + sharded(
+            "tensor-parallel shards"
+        )
+        rms = [] if isinstance(ln, RMSNorm) else [f"input_layernorm is a {type(ln).__name__} (needs RMSNorm)"]
+        missing["norm_gemv"] = missing["row_gemv"] + rms
+        missing["proj_partials"] = _plain_linear(mixer.out_proj, "mixer.out_proj") + sharded(
+            "the output projection's all-reduce"
+        )
+        return missing
+    if _halves(layer) is None:
+        return missing
+    attn: Any = getattr(layer, "self_attention", None)
+    mlp: Any = getattr(layer, "mlp", None)
+    attn_ok, mlp_ok = _standard_parts(layer)
     if attn_ok:
         missing["row_gemv"] = _plain_linear(attn.linear_qkv, "linear_qkv") + sharded("tensor-parallel shards")
         norm = layer.input_layernorm
@@ -113,7 +163,8 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
         missing["row_fc1"] = _plain_linear(mlp.linear_fc1, "linear_fc1", column=True) + sharded(
             "tensor-parallel shards"
         )
-    if attn_ok:  # norm_linear: the first norm into the QKV projection, and with the standard MLP the second into fc1
+    if attn_ok and mlp is not None:  # norm_linear: the first norm into the QKV projection, and with the standard MLP
+        # the second into fc1
         norms = [("input_layernorm", layer.input_layernorm)] + ([("pre_mlp_layernorm", layer.pre_mlp_layernorm)]
                                                                  if mlp_ok else [])  # fmt: skip
         missing["norm_linear"] = [
@@ -164,9 +215,11 @@ class FusedDecodeLayer(nn.Module):
     (:func:`skipped_fusions`: the plan gives it none of the fusions that would reach into it).
     """
 
-    def __init__(self, layer: TransformerLayer, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
+    def __init__(self, layer: nn.Module, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
         super().__init__()
         self.layer = layer
+        self.has_attention, self.has_mlp = _halves(layer) or (True, True)
+        ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "pre_mlp_layernorm", None)
         # plain attributes, constants to torch.compile (no shape guard is taken for a fusion that is off)
         self.defer, self.norm_linear = fusions["defer_residual"], fusions["norm_linear"]
         self.swiglu_down, self.proj_partials, self.row_gemv = (
@@ -178,11 +231,11 @@ class FusedDecodeLayer(nn.Module):
         self.fused_mlp = fusions["fused_mlp"]
         self.row_fc1 = fusions["row_fc1"]
         # with norm_gemv and row_fc1: the add and the norm before the MLP inside the up projection's row GEMV
-        self.norm_gemv_mlp = self.norm_gemv and self.row_fc1 and isinstance(layer.pre_mlp_layernorm, RMSNorm)
-        self.norm_in_mlp = self.fused_mlp and isinstance(layer.pre_mlp_layernorm, RMSNorm)  # (the kernel's norm)
+        self.norm_gemv_mlp = self.norm_gemv and self.row_fc1 and isinstance(ln2, RMSNorm)
+        self.norm_in_mlp = self.fused_mlp and isinstance(ln2, RMSNorm)  # (the kernel's norm)
         self.pdl = fusions["pdl"]  # small steps: the norms by add_rms_norm; every kernel launched as a dependent
-        self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
-        self.pdl_norms_mlp = self.pdl and isinstance(layer.pre_mlp_layernorm, RMSNorm)
+        self.pdl_norms = self.pdl and isinstance(ln1, RMSNorm)
+        self.pdl_norms_mlp = self.pdl and isinstance(ln2, RMSNorm)
         self.standard_attention, standard_mlp = _standard_parts(layer)
         self.norm_linear_mlp = self.norm_linear and standard_mlp  # the second norm inside the up projection too
         self.launches = launches
@@ -198,7 +251,11 @@ class FusedDecodeLayer(nn.Module):
                      or self.pdl)  # fmt: skip
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         # the previous layer's output may be partial sums (swiglu_down, fused_mlp)
+        if not self.has_attention:  # a hybrid model's MLP layer: h = x + residual
+            return self._mlp_half(x, residual, small)
         proj, x = self._attention_half(x, rotary, inference_context, residual, small)
+        if not self.has_mlp:  # a hybrid model's attention layer
+            return (proj, x) if self.defer else (add_deferred(proj, x), None)
         return self._mlp_half(proj, x, small)
 
     def _attention_half(
@@ -229,13 +286,15 @@ class FusedDecodeLayer(nn.Module):
             return linear_partials(out, attn.linear_proj.weight, launches.proj_partials, pdl), x
         return attn.linear_proj(out), x
 
-    def _mlp_half(self, proj: torch.Tensor, x: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _mlp_half(
+        self, proj: torch.Tensor, x: torch.Tensor | None, small: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output after its attention: ``(out, h)`` with the deferred residual add, else ``(h + out,
-        None)``, for ``h = proj + x``."""
+        None)``, for ``h = proj + x`` (``h = proj`` without ``x``: a hybrid model's first layer)."""
         layer: Any = self.layer
         mlp: Any = layer.mlp
         launches, pdl = self.launches, self.pdl and small
-        if self.norm_in_mlp and small:  # the residual add, the norm and the MLP: its float32 sum and h
+        if self.norm_in_mlp and small and x is not None:  # the residual add, the norm and the MLP: its sum and h
             ln2 = layer.pre_mlp_layernorm
             w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
             out, x = norm_mlp_partials(proj, x, ln2.weight, ln2.eps, w1, w2, launches.fused_mlp, pdl)
@@ -284,3 +343,55 @@ class FusedDecodeLayer(nn.Module):
             act, h = norm_linear(a, h, ln2.weight, ln2.eps, mlp.linear_fc1.weight, swiglu=mlp.is_swiglu, launch=launch)
             out = mlp.linear_fc2(act if mlp.is_swiglu else mlp.act(act))
         return (out, h) if self.defer else (h + out, None)
+
+
+class FusedMambaLayer(nn.Module):
+    """A ``MambaLayer`` (of a ``Mamba2Mixer``) with the plan's fusions that concern it (the same results up to
+    rounding): in steps of at most :data:`~mcore_infer.kernels.small_gemv.FMA_MAX_ROWS` tokens the in-projection
+    runs through the one-row GEMV (``row_gemv``; with ``norm_gemv`` the residual add and the norm inside it), the
+    out-projection as split-K partial sums the next residual add sums (``proj_partials``), and with ``pdl`` these
+    and the add + norm kernel are launched as programmatic dependents. Between the projections the mixer's own
+    inference step runs (:func:`~mcore_models.ssm.inference.mix_projected`: the conv and SSM states, the gated norm).
+    Longer steps (prefill chunks) run the layer's own modules."""
+
+    def __init__(self, layer: MambaLayer, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
+        super().__init__()
+        self.layer = layer
+        self.defer, self.row_gemv, self.norm_gemv = (fusions[k] for k in ("defer_residual", "row_gemv", "norm_gemv"))
+        self.proj_partials, self.pdl = fusions["proj_partials"], fusions["pdl"]
+        self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
+        self.launches = launches
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer: Any = self.layer
+        mixer, launches = layer.mixer, self.launches
+        fused_any = self.row_gemv or self.proj_partials or self.pdl  # (flags first: see FusedDecodeLayer.forward)
+        small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
+        pdl = self.pdl and small
+        if self.norm_gemv and small:  # the add (if any) and the norm inside the in-projection
+            ln = layer.input_layernorm
+            zxbcdt, x = norm_row_linear(x, residual, ln.weight, ln.eps, mixer.in_proj.weight, launches.row_gemv, pdl)
+        else:
+            h, x = _add_norm(layer.input_layernorm, x, residual, self.pdl_norms and small)
+            if self.row_gemv and small:
+                zxbcdt = row_linear(h, mixer.in_proj.weight, launches.row_gemv, pdl)
+            else:
+                zxbcdt = mixer.in_proj(h)
+        y = mix_projected(mixer, zxbcdt[:, 0], inference_context)  # [T, 1, d]
+        if self.proj_partials and small:  # split-K partial sums, summed by the residual add
+            out = linear_partials(y, mixer.out_proj.weight, launches.proj_partials, pdl)
+        else:
+            out = mixer.out_proj(y)
+        return (out, x) if self.defer else (add_deferred(out, x), None)
+
+
+def fused_layer(layer: nn.Module, fusions: dict[str, bool], launches: DecodeLaunches) -> nn.Module:
+    """The wrapper running ``layer`` with ``fusions`` (those it takes, at least one on): a :class:`FusedMambaLayer`
+    for a Mamba layer, else a :class:`FusedDecodeLayer` (a Transformer layer or a hybrid model's half of one)."""
+    if type(layer) is MambaLayer:
+        return FusedMambaLayer(layer, fusions, launches)
+    if _halves(layer) is None:
+        raise TypeError(f"no fused decode wrapper for a {type(layer).__name__}: serve it with PlainDecodeLayer")
+    return FusedDecodeLayer(layer, fusions, launches)

@@ -57,6 +57,7 @@ __all__ = [
     "mamba_state_shapes",
     "mixer_inference_forward",
     "uses_decode_kernel",
+    "mix_projected",
 ]
 
 
@@ -147,7 +148,14 @@ def mixer_inference_forward(mixer: Mamba2Mixer, h: torch.Tensor, context: Any) -
     fused with the projections' neighbours; only the look-up of the layer's states is not traced (it reads the
     context's ``layer_number``, which compiled code must not specialise on, as attention does). A mixed step's
     conv and scan, which read host token ranges, run untraced."""
-    zxbcdt = mixer.in_proj(h)[:, 0]  # [T, 2d + 2GN + H] (this rank's blocks)
+    return mixer.out_proj(mix_projected(mixer, mixer.in_proj(h)[:, 0], context))
+
+
+def mix_projected(mixer: Mamba2Mixer, zxbcdt: torch.Tensor, context: Any) -> torch.Tensor:
+    """The mixer between its two projections over an engine step: the in-projection's output ``zxbcdt`` ``[T, 2d +
+    2GN + H]`` (this rank's blocks) → the gated norm's output ``[T, 1, d]``, the out-projection's input; the conv and
+    the scan (or the one-step recurrence) read and advance this layer's states (see :func:`mixer_inference_forward`,
+    whose projections a decode plan may run as its own kernels)."""
     d, gn, heads = mixer.d_local, mixer.gn_local, mixer.heads_local
     z, xbc, dt = zxbcdt.split([d, d + 2 * gn, heads], dim=-1)
     step: MambaStep | None = getattr(context, "mamba", None)
@@ -156,7 +164,7 @@ def mixer_inference_forward(mixer: Mamba2Mixer, h: torch.Tensor, context: Any) -
         y = decode_step(mixer, xbc, dt, step.slots, conv_state, ssm_state)
     else:
         y = _mix_states(mixer, xbc, dt, context)
-    return mixer.out_proj(mixer.norm(y[:, None], z[:, None], kernel=False))
+    return mixer.norm(y[:, None], z[:, None], kernel=False)  # type: ignore[no-any-return]
 
 
 @torch.compiler.disable

@@ -1,0 +1,75 @@
+"""The decode plan's layer fusions on a hybrid model (``M*-M-``): each Mamba layer's projections, the attention
+layer's and the MLP layers' run through the row kernels in decode steps, and the tokens stay full recompute's. On the
+CPU the kernels' ops compute with PyTorch ops; under ``TRITON_INTERPRET=1`` (the nox ``kernels`` session) the Triton
+row kernels run, on the Mamba layers' shapes too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_infer import decode_layers
+from mcore_models import GPTModel, preset
+from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_llm
+from tests.infer.test_mamba import GREEDY, PROMPT_LENGTHS
+
+
+def _weights(model: GPTModel, *names: str) -> set[int]:
+    """The storages of the parameters of ``model``'s layers at the dotted ``names`` (those each layer has)."""
+    return {p.data_ptr() for layer in model.decoder.layers.values() for n, p in layer.named_parameters() if n in names}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "compiled"),
+    [("M*-M-", False), ("M*-M-", True), ("-*M", False)],
+    ids=["mamba-first", "mamba-first-compiled", "mlp-first"],
+)
+def test_the_row_plan_fuses_every_hybrid_layer(monkeypatch: pytest.MonkeyPatch, compiled: bool, pattern: str) -> None:
+    """Under the ``row`` plan a decode step runs each Mamba layer's in-projection with the residual add and the norm
+    inside its row GEMV and its out-projection as partial sums, the attention layer's QKV and the MLP layers' up
+    projections the same way, SwiGLU inside their down projections; the tokens are full recompute's. The first
+    layer, Mamba or MLP, has no residual to add."""
+    torch._dynamo.reset()
+    cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern=pattern, num_layers=len(pattern),
+                 seed=7)  # fmt: skip
+    model = GPTModel(cfg).eval()
+    calls: dict[str, list[int]] = {}  # each call's weight, by its storage
+    for name in ("norm_row_linear", "linear_partials", "swiglu_down_partials", "row_linear"):
+        real = getattr(decode_layers, name)
+
+        def spy(x, *a, _name=name, _real=real, **k):  # type: ignore[no-untyped-def]
+            weight = next(t for t in a if isinstance(t, torch.Tensor) and t.dim() == 2)
+            calls.setdefault(_name, []).append(weight.data_ptr())
+            return _real(x, *a, **k)
+
+        monkeypatch.setattr(decode_layers, name, spy)
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
+    llm = tiny_llm(model, decode_kernels="row", compile=compiled)
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == [
+        reference_greedy(model, p, 8) for p in prompts
+    ]
+    served = llm.runner.decode.model
+    qkv, proj = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"
+    assert {*calls["norm_row_linear"]} == _weights(served, "mixer.in_proj.weight", qkv, "mlp.linear_fc1.weight")
+    assert {*calls["linear_partials"]} == _weights(served, "mixer.out_proj.weight", proj)
+    assert {*calls["swiglu_down_partials"]} == _weights(served, "mlp.linear_fc2.weight")
+    assert len(_weights(served, "mixer.in_proj.weight")) == pattern.count("M")
+    assert "row_linear" not in calls  # every row GEMV took its norm inside
+
+
+def test_a_layer_that_cannot_take_a_fusion_is_named_or_keeps_it_off() -> None:
+    """With LayerNorm the norm cannot go inside the in-projection's GEMV: the ``row`` preset (strict) names the Mamba
+    layer and why; ``auto`` on a GPU keeps that one fusion off and the layer's others on."""
+    from mcore_infer.decode import prepare_for_decode
+    from mcore_infer.decode_layers import FusedMambaLayer
+
+    cfg = preset("hybrid-tiny", vocab_size=259, hybrid_pattern="M-", num_layers=2, normalization="layernorm")
+    model = GPTModel(cfg).eval()
+    with pytest.raises(
+        ValueError, match=r"norm_gemv cannot apply to decoder\.layers\.0: input_layernorm is a LayerNorm"
+    ):
+        prepare_for_decode(model, "row", device_type="cpu")
+    decode = prepare_for_decode(model, "auto", device_type="cuda", backend="triton", compiled=True)
+    mamba = decode.layers["0"]
+    assert isinstance(mamba, FusedMambaLayer)
+    assert (mamba.row_gemv, mamba.norm_gemv, mamba.proj_partials, mamba.defer) == (True, False, True, True)
