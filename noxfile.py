@@ -83,6 +83,7 @@ KERNEL_TESTS = [
     "tests/infer/test_decode_fusions.py",
     "tests/infer/test_mamba_decode_kernel.py",
     "tests/infer/test_hybrid_decode_plan.py",
+    "tests/infer/test_gated_norm_gemv.py",
 ]
 """The test modules whose cases run the Triton kernels under ``TRITON_INTERPRET=1`` (the ``kernels`` session)."""
 

@@ -15,9 +15,10 @@ holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
 - the FP8 cast with its transpose (``mcore_parallel.fp8.cast_triton``, its rounding in float32 arithmetic or by the
   conversion instruction, ``NATIVE_ROUNDING``) with its SASS instructions per element, and the FP8 MLP's SwiGLU
   kernels that cast their own outputs (``mcore_models.transformer.fp8_swiglu``);
-- the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per step) and the
-  QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per step) at one
-  and four rows;
+- the decode MLP kernel (``mcore_infer.kernels.fused_mlp``, tile = intermediate features x inputs per step), the
+  QKV GEMV with the norm inside (``mcore_infer.kernels.norm_gemv``, tile = output features x inputs per step) and a
+  Mamba layer's out-projection GEMV with the gated norm inside (``mcore_infer.kernels.gated_norm_gemv``, at
+  ``mamba2-1.3b``'s shape) at one and four rows;
 - the paged-attention kernel of a decode step (``mcore_infer._triton_attention``) at ``llama-1b``'s heads (4 query
   heads a KV group, head dim 64, cache blocks of 32) under launches of ``mcore_infer.AttentionLaunch`` (tile = cache
   blocks a loop step x split cap; RoPE, the KV write, the folded combine, the first tile before the wait).
@@ -178,9 +179,11 @@ def _fp8_rows() -> list[dict[str, Any]]:
 
 
 def _decode_rows() -> list[dict[str, Any]]:
-    """The decode MLP kernel and the QKV GEMV with the norm inside, at one and four rows."""
+    """The decode MLP kernel, the QKV GEMV with the norm inside and the Mamba out-projection's GEMV with the gated
+    norm inside, at one and four rows."""
     from mcore_infer.kernels.fused_mlp import MlpLaunch, heuristic_mlp_launch
     from mcore_infer.kernels.fused_mlp import _kernels as mlp_kernels
+    from mcore_infer.kernels.gated_norm_gemv import _kernel as gated_norm_gemv_kernel
     from mcore_infer.kernels.norm_gemv import _kernel as norm_gemv_kernel
 
     rows = []
@@ -206,6 +209,16 @@ def _decode_rows() -> list[dict[str, Any]]:
                  "eps": "fp32", "M": "i32", "N": "i32", "K": "i32"}  # fmt: skip
         r = usage(norm_gemv_kernel(), consts, warps, types)
         rows.append({"kernel": f"norm_row_linear ({rows_} rows)", "products": "-", "positions": block_n,
+                     "channels": block_k, "warps": warps, **r})  # fmt: skip
+    for rows_, (block_n, block_k, warps) in itertools.product(
+        (1, 4), ((8, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 512, 4))
+    ):
+        # mamba2-1.3b's out-projection: d_inner 4096 in one group, hidden 2048; z a view of the in-projection's output
+        consts = {"G_PAD": 1, "M_PAD": rows_, "BLOCK_N": block_n, "BLOCK_K": block_k, "BEFORE": False, "GDC": True}
+        types = {"Y": "*bf16", "Z": "*bf16", "NW": "*bf16", "W": "*bf16", "P": "*fp32", "eps": "fp32",
+                 **dict.fromkeys(("M", "N", "K", "GS", "K_PER"), "i32")}  # fmt: skip
+        r = usage(gated_norm_gemv_kernel(), consts, warps, types)
+        rows.append({"kernel": f"gated_norm_partials ({rows_} rows)", "products": "-", "positions": block_n,
                      "channels": block_k, "warps": warps, **r})  # fmt: skip
     return rows
 

@@ -5,11 +5,14 @@ row kernels run, on the Mamba layers' shapes too."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from mcore_infer import decode_layers
+from mcore_infer import DECODE_PRESETS, decode_layers
 from mcore_models import GPTModel, preset
+from tests.infer._kernels import INTERPRETED
 from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_llm
 from tests.infer.test_mamba import GREEDY, PROMPT_LENGTHS
 
@@ -20,21 +23,26 @@ def _weights(model: GPTModel, *names: str) -> set[int]:
 
 
 @pytest.mark.parametrize(
-    ("pattern", "compiled"),
-    [("M*-M-", False), ("M*-M-", True), ("-*M", False)],
-    ids=["mamba-first", "mamba-first-compiled", "mlp-first"],
-)
-def test_the_row_plan_fuses_every_hybrid_layer(monkeypatch: pytest.MonkeyPatch, compiled: bool, pattern: str) -> None:
+    ("pattern", "compiled", "gated"),
+    [("M*-M-", False, False), ("M*-M-", True, False), ("-*M", False, False), ("M*-M-", False, True),
+     ("M*-M-", True, True)],
+    ids=["mamba-first", "mamba-first-compiled", "mlp-first", "gated-norm-gemv", "gated-norm-gemv-compiled"],
+)  # fmt: skip
+def test_the_row_plan_fuses_every_hybrid_layer(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool, pattern: str, gated: bool
+) -> None:
     """Under the ``row`` plan a decode step runs each Mamba layer's in-projection with the residual add and the norm
-    inside its row GEMV and its out-projection as partial sums, the attention layer's QKV and the MLP layers' up
-    projections the same way, SwiGLU inside their down projections; the tokens are full recompute's. The first
-    layer, Mamba or MLP, has no residual to add."""
+    inside its row GEMV and its out-projection as partial sums (with ``gated_norm_gemv``, the gated norm inside it),
+    the attention layer's QKV and the MLP layers' up projections the same way, SwiGLU inside their down projections;
+    the tokens are full recompute's. The first layer, Mamba or MLP, has no residual to add."""
+    if compiled and INTERPRETED:
+        pytest.skip("compiled: the wiring is checked on the PyTorch path; the eager cases run the interpreted kernels")
     torch._dynamo.reset()
     cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern=pattern, num_layers=len(pattern),
                  seed=7)  # fmt: skip
     model = GPTModel(cfg).eval()
     calls: dict[str, list[int]] = {}  # each call's weight, by its storage
-    for name in ("norm_row_linear", "linear_partials", "swiglu_down_partials", "row_linear"):
+    for name in ("norm_row_linear", "linear_partials", "swiglu_down_partials", "row_linear", "gated_norm_partials"):
         real = getattr(decode_layers, name)
 
         def spy(x, *a, _name=name, _real=real, **k):  # type: ignore[no-untyped-def]
@@ -44,14 +52,17 @@ def test_the_row_plan_fuses_every_hybrid_layer(monkeypatch: pytest.MonkeyPatch, 
 
         monkeypatch.setattr(decode_layers, name, spy)
     prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
-    llm = tiny_llm(model, decode_kernels="row", compile=compiled)
+    plan = replace(DECODE_PRESETS["row"], gated_norm_gemv=gated)
+    llm = tiny_llm(model, decode_kernels=plan, compile=compiled)
     assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == [
         reference_greedy(model, p, 8) for p in prompts
     ]
     served = llm.runner.decode.model
     qkv, proj = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"
     assert {*calls["norm_row_linear"]} == _weights(served, "mixer.in_proj.weight", qkv, "mlp.linear_fc1.weight")
-    assert {*calls["linear_partials"]} == _weights(served, "mixer.out_proj.weight", proj)
+    mamba_out = _weights(served, "mixer.out_proj.weight")
+    assert {*calls["linear_partials"]} == _weights(served, proj) | (set() if gated else mamba_out)
+    assert {*calls.get("gated_norm_partials", [])} == (mamba_out if gated else set())
     assert {*calls["swiglu_down_partials"]} == _weights(served, "mlp.linear_fc2.weight")
     assert len(_weights(served, "mixer.in_proj.weight")) == pattern.count("M")
     assert "row_linear" not in calls  # every row GEMV took its norm inside

@@ -24,6 +24,8 @@ number of kernels per layer, and serving removes some with fusions the training 
   batches), the last of them to finish combines their partial softmax states, instead of a second kernel;
 - ``row_fc1``: steps of at most 4 tokens run the MLP's up projection through the one-row Triton GEMV (a
   programmatic dependent with ``pdl``) instead of cuBLAS;
+- ``gated_norm_gemv``: steps of at most 4 tokens run a Mamba layer's gated RMSNorm inside its out-projection's row
+  GEMV (:mod:`mcore_infer.kernels.gated_norm_gemv`), whose partial sums the next residual add sums;
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm (the final one before the
   output layer too) are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
@@ -88,7 +90,7 @@ log = logging.getLogger(__name__)
 DecodeKernels = Literal["auto", "none", "attention", "row", "norm_linear"]
 """A preset name: ``auto`` (:func:`requested_plan`) or a key of :data:`DECODE_PRESETS`."""
 
-ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv", "row_fc1", "fused_mlp")
+ROW_KERNELS = ("swiglu_down", "proj_partials", "row_gemv", "row_fc1", "fused_mlp", "gated_norm_gemv")
 
 _EXCLUDED_BY_NORM_LINEAR = {
     "swiglu_down": "norm_linear layers bypass the MLP's down-projection kernel",
@@ -117,6 +119,8 @@ class DecodeLaunches:
     """The fused MLP kernel."""
     attention: AttentionLaunch | None = None
     """The paged-attention kernel (every step's: blocks per loop step, the split cap, skipping empty splits)."""
+    gated_norm_gemv: GemvLaunch | None = None
+    """A Mamba layer's out-projection with its gated norm inside (``gated_norm_gemv``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -158,6 +162,10 @@ class DecodePlan:
     row_fc1: bool = False
     """Steps of at most 4 tokens: the MLP's up projection with the one-row Triton GEMV (bias-free, tp=1) instead of
     cuBLAS, launched as a programmatic dependent with ``pdl``."""
+    gated_norm_gemv: bool = False
+    """Steps of at most 4 tokens: a Mamba layer's gated RMSNorm inside its out-projection's row GEMV, as split-K
+    partial sums the next residual add sums (a ``Mamba2Mixer``, bias-free, tp=1), instead of the norm kernel and
+    ``proj_partials`` (or the out-projection)."""
     pdl: bool = False
     """Steps of at most 4 tokens on Hopper and later: the row GEMVs, the attention kernels and the residual add +
     RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`; the last add and the final norm too) launched

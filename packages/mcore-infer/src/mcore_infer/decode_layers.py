@@ -21,6 +21,7 @@ from torch import nn
 
 from mcore_infer.kernels.add_norm import add_rms_norm
 from mcore_infer.kernels.fused_mlp import fused_mlp_partials, norm_mlp_partials
+from mcore_infer.kernels.gated_norm_gemv import gated_block_k, gated_norm_partials
 from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
@@ -33,7 +34,7 @@ from mcore_infer.kernels.small_gemv import (
 )
 from mcore_models import TransformerConfig
 from mcore_models.hybrid import AttentionLayer, MLPLayer
-from mcore_models.ssm.inference import mix_projected
+from mcore_models.ssm.inference import mix_projected, scan_projected
 from mcore_models.ssm.layer import MambaLayer
 from mcore_models.ssm.mixer import Mamba2Mixer
 from mcore_models.transformer.attention import InferenceContext, Rotary, SelfAttention
@@ -56,7 +57,7 @@ __all__ = [
 
 LAYER_FUSIONS = (
     "defer_residual", "norm_linear", "swiglu_down", "proj_partials", "row_gemv", "norm_gemv", "fused_mlp", "row_fc1",
-    "pdl",
+    "gated_norm_gemv", "pdl",
 )  # fmt: skip
 """The plan's fusions that change a layer's forward (RoPE and the KV write are the attention context's)."""
 
@@ -73,9 +74,10 @@ def _plain_linear(lin: Any, name: str, column: bool = False) -> list[str]:
     return problems
 
 
-_MAMBA_FUSIONS = ("defer_residual", "row_gemv", "norm_gemv", "proj_partials", "pdl")
+_MAMBA_FUSIONS = ("defer_residual", "row_gemv", "norm_gemv", "proj_partials", "gated_norm_gemv", "pdl")
 """The fusions of a Mamba layer (:class:`FusedMambaLayer`): the residual add and the norm inside the in-projection's
-row GEMV, the out-projection as split-K partial sums, the kernels launched as programmatic dependents."""
+row GEMV, the out-projection as split-K partial sums (with the gated norm inside), the kernels launched as
+programmatic dependents."""
 
 
 def _halves(layer: nn.Module) -> tuple[bool, bool] | None:
@@ -107,7 +109,7 @@ def skipped_fusions(layer: nn.Module) -> dict[str, str]:
     if halves is None:
         return dict.fromkeys(LAYER_FUSIONS, f"it is a {type(layer).__name__}, not a TransformerLayer")
     attn_ok, mlp_ok = _standard_parts(layer)
-    skipped: dict[str, str] = {}
+    skipped: dict[str, str] = {"gated_norm_gemv": "it has no Mamba mixer"}
     if type(layer) is not TransformerLayer:
         skipped["norm_linear"] = f"it is a hybrid model's {type(layer).__name__} (norm_linear fuses whole layers)"
     if not attn_ok:
@@ -140,6 +142,13 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
         missing["proj_partials"] = _plain_linear(mixer.out_proj, "mixer.out_proj") + sharded(
             "the output projection's all-reduce"
         )
+        group = mixer.norm.group_size
+        steps = (
+            []
+            if gated_block_k(1 << 30, group) >= 16
+            else [f"the gated norm's groups of {group} (need a power-of-two factor >= 16)"]
+        )
+        missing["gated_norm_gemv"] = missing["proj_partials"] + steps
         return missing
     if _halves(layer) is None:
         return missing
@@ -359,6 +368,7 @@ class FusedMambaLayer(nn.Module):
         self.layer = layer
         self.defer, self.row_gemv, self.norm_gemv = (fusions[k] for k in ("defer_residual", "row_gemv", "norm_gemv"))
         self.proj_partials, self.pdl = fusions["proj_partials"], fusions["pdl"]
+        self.gated_norm_gemv = fusions["gated_norm_gemv"]
         self.pdl_norms = self.pdl and isinstance(layer.input_layernorm, RMSNorm)
         self.launches = launches
 
@@ -367,7 +377,8 @@ class FusedMambaLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer: Any = self.layer
         mixer, launches = layer.mixer, self.launches
-        fused_any = self.row_gemv or self.proj_partials or self.pdl  # (flags first: see FusedDecodeLayer.forward)
+        # (the flags first: see FusedDecodeLayer.forward)
+        fused_any = self.row_gemv or self.proj_partials or self.gated_norm_gemv or self.pdl
         small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
         pdl = self.pdl and small
         if self.norm_gemv and small:  # the add (if any) and the norm inside the in-projection
@@ -379,6 +390,12 @@ class FusedMambaLayer(nn.Module):
                 zxbcdt = row_linear(h, mixer.in_proj.weight, launches.row_gemv, pdl)
             else:
                 zxbcdt = mixer.in_proj(h)
+        if self.gated_norm_gemv and small:  # the gated norm inside the out-projection: its partial sums
+            y, z = scan_projected(mixer, zxbcdt[:, 0], inference_context)  # [T, 1, d] each
+            norm = mixer.norm
+            out = gated_norm_partials(y, z, norm.weight, norm.eps, norm.group_size, norm.norm_before_gate,
+                                      mixer.out_proj.weight, launches.gated_norm_gemv, pdl)  # fmt: skip
+            return (out, x) if self.defer else (add_deferred(out, x), None)
         y = mix_projected(mixer, zxbcdt[:, 0], inference_context)  # [T, 1, d]
         if self.proj_partials and small:  # split-K partial sums, summed by the residual add
             out = linear_partials(y, mixer.out_proj.weight, launches.proj_partials, pdl)

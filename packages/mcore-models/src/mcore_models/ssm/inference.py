@@ -58,6 +58,7 @@ __all__ = [
     "mixer_inference_forward",
     "uses_decode_kernel",
     "mix_projected",
+    "scan_projected",
 ]
 
 
@@ -156,6 +157,13 @@ def mix_projected(mixer: Mamba2Mixer, zxbcdt: torch.Tensor, context: Any) -> tor
     2GN + H]`` (this rank's blocks) → the gated norm's output ``[T, 1, d]``, the out-projection's input; the conv and
     the scan (or the one-step recurrence) read and advance this layer's states (see :func:`mixer_inference_forward`,
     whose projections a decode plan may run as its own kernels)."""
+    y, z = scan_projected(mixer, zxbcdt, context)
+    return mixer.norm(y, z, kernel=False)  # type: ignore[no-any-return]
+
+
+def scan_projected(mixer: Mamba2Mixer, zxbcdt: torch.Tensor, context: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mix_projected` before the gated norm: ``(y, z)``, each ``[T, 1, d]`` (``z`` a view of ``zxbcdt``), for
+    a caller that runs the norm inside the out-projection."""
     d, gn, heads = mixer.d_local, mixer.gn_local, mixer.heads_local
     z, xbc, dt = zxbcdt.split([d, d + 2 * gn, heads], dim=-1)
     step: MambaStep | None = getattr(context, "mamba", None)
@@ -164,7 +172,7 @@ def mix_projected(mixer: Mamba2Mixer, zxbcdt: torch.Tensor, context: Any) -> tor
         y = decode_step(mixer, xbc, dt, step.slots, conv_state, ssm_state)
     else:
         y = _mix_states(mixer, xbc, dt, context)
-    return mixer.norm(y[:, None], z[:, None], kernel=False)  # type: ignore[no-any-return]
+    return y[:, None], z[:, None]
 
 
 @torch.compiler.disable
