@@ -57,6 +57,30 @@ def test_fp8_layers_and_linears_by_config() -> None:
     assert "layers 1-2 of 4" in describe_backend(cfg)
 
 
+def test_the_output_layer_runs_in_fp8_when_named() -> None:
+    """``output`` in fp8_modules makes the output layer an FP8 linear (the default keeps it bf16): the same parameter
+    as the bf16 model's, logits within FP8's error of the bf16 logits but not equal to them, its delayed-scaling state
+    saved with the model, and a training step updates it."""
+    mods = ("qkv", "proj", "fc1", "fc2", "output")
+    cfg = BASE.replace(fp8="hybrid", fp8_recipe="delayed", fp8_modules=mods)
+    model, plain = GPTModel(cfg), GPTModel(BASE)
+    assert isinstance(model.output_layer, Fp8ColumnParallelLinear) and model.output_layer.runs_fp8
+    assert type(GPTModel(BASE.replace(fp8="hybrid")).output_layer) is ColumnParallelLinear
+    assert torch.equal(model.output_layer.weight, plain.output_layer.weight)
+    assert "the output layer in FP8" in describe_backend(cfg) and "output layer," not in describe_backend(cfg)
+    ids = torch.randint(0, BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    head_only = GPTModel(cfg.replace(fp8_modules=("output",)))
+    with torch.no_grad():
+        ref, got = plain(ids, gather_logits=True), head_only(ids, gather_logits=True)
+    assert not torch.equal(got, ref)
+    assert (got - ref).abs().max() <= 0.1 * ref.abs().max()  # E4M3: 3 mantissa bits on each operand
+    before = model.output_layer.weight.detach().clone()
+    _train_step(model, 0)
+    assert not torch.equal(model.output_layer.weight, before)
+    state = model.runtime_state_dict()
+    assert state["output_layer.fp8_scaling.amax_history"].local.abs().sum() > 0
+
+
 def test_the_callers_spec_wins_over_the_backend() -> None:
     """A slot the caller's spec changed (ring attention, a custom linear) is kept; the backend fills the defaults."""
 
@@ -180,6 +204,10 @@ def test_delayed_scaling_state_round_trips_and_is_optional(tmp_path: Path) -> No
         (dict(fp8="hybrid", hidden_size=72, num_attention_heads=4, num_query_groups=4), "hidden_size=72 is not a multiple of 16"),
         (dict(fp8="hybrid", fp8_first_layers_bf16=2, fp8_last_layers_bf16=2), "leaves none of the 4 layers in FP8"),
         (dict(fp8="hybrid", fp8_modules=("qkv", "attn")), "unknown entries ['attn']"),
+        (dict(fp8="hybrid", fp8_modules=("qkv", "output"), share_embeddings_and_output_weights=True),
+         "fp8_modules names output but share_embeddings_and_output_weights=true"),
+        (dict(fp8="hybrid", fp8_modules=("qkv", "output"), cross_entropy_fusion=True),
+         "drop output from fp8_modules or set cross_entropy_fusion=false"),
         (dict(fp8="hybrid", fp8_amax_compute_algo="mean"), "fp8_amax_compute_algo='mean'"),
     ],
 )  # fmt: skip

@@ -83,6 +83,29 @@ def test_layouts_train_like_one_process(name: str) -> None:
         assert values == pytest.approx(ref_state[key], rel=0.2), key
 
 
+OUTPUT_FP8 = [
+    *DELAYED,
+    "model.share_embeddings_and_output_weights=false",
+    "model.fp8_modules=[qkv,proj,fc1,fc2,output]",
+]
+
+
+@pytest.mark.parametrize("name", ["tp2-sp", "pp2"])
+def test_the_output_layer_in_fp8_trains_like_one_process(name: str) -> None:
+    """``output`` in fp8_modules: the vocab-parallel output layer (split over tp, on pp's last stage) trains like one
+    process, its scaling state the whole tensor's on every rank that holds it."""
+    world, layout = LAYOUTS[name]
+    ref_losses, ref_state = _losses_and_scaling(OUTPUT_FP8)
+    assert "output_layer.fp8_scaling.amax_history" in ref_state
+    results = run_distributed(_losses_and_scaling, world, [*OUTPUT_FP8, *layout], timeout=300)
+    for losses, state in results:
+        assert losses == pytest.approx(ref_losses, abs=2e-3)
+        if "output_layer.fp8_scaling.amax_history" in state:  # (a pp stage without the output layer has none)
+            got = state["output_layer.fp8_scaling.amax_history"]
+            assert got == pytest.approx(ref_state["output_layer.fp8_scaling.amax_history"], rel=0.2)
+    assert any("output_layer.fp8_scaling.amax_history" in state for _, state in results)
+
+
 def test_packed_sequences() -> None:
     """Packed rows (per-document attention) with FP8 linears train like packed bf16 ones, to FP8 error."""
     bf16, _ = _train("data.packing=true", "training.train_iters=3")

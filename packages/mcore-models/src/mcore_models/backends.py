@@ -9,8 +9,9 @@ whose norm is fused into the following linear supplies both under the same param
 - ``torch``: mcore-parallel's linears, ``F.rms_norm`` / ``F.layer_norm``, SDPA; the spec is unchanged.
 - ``fp8``: the same modules with FP8 GEMMs (:mod:`mcore_parallel.fp8`) for the attention's ``linear_qkv`` and
   ``linear_proj`` and the MLP's ``linear_fc1`` and ``linear_fc2`` (``fp8_modules`` chooses), in every layer but the
-  first ``fp8_first_layers_bf16`` and last ``fp8_last_layers_bf16``; the norms and the core attention are torch's,
-  and so is everything else (embedding, output layer, MoE experts, Mamba mixers: bf16).
+  first ``fp8_first_layers_bf16`` and last ``fp8_last_layers_bf16``, and the output layer when ``fp8_modules``
+  names ``output`` (:func:`output_linear`); the norms and the core attention are torch's, and so is everything else
+  (embedding, MoE experts unless named, Mamba mixers: bf16).
 
 A slot the caller's spec already changed (ring attention under context parallelism, a custom linear) is kept: the
 backend replaces only the torch defaults. Every backend's modules have the torch modules' parameters (names,
@@ -47,12 +48,13 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
 
 __all__ = ["BACKENDS", "FP8_MODULES", "Backend", "backend_classes", "layer_spec", "fp8_recipe", "fp8_layers",
-           "backend_problems", "check_backend_device", "describe_backend"]  # fmt: skip
+           "output_linear", "backend_problems", "check_backend_device", "describe_backend"]  # fmt: skip
 
 BACKENDS = ("auto", "torch", "fp8")
-FP8_MODULES = ("qkv", "proj", "fc1", "fc2", "experts")
-"""The linears of a layer an FP8 backend may run in FP8 (``fp8_modules``; ``experts``: the routed experts' grouped
-GEMMs, :mod:`mcore_parallel.fp8.grouped`)."""
+FP8_MODULES = ("qkv", "proj", "fc1", "fc2", "experts", "output")
+"""The linears an FP8 backend may run in FP8 (``fp8_modules``): a layer's (``experts``: the routed experts' grouped
+GEMMs, :mod:`mcore_parallel.fp8.grouped`), and ``output``: the output layer (the logits), which published FP8 recipes
+keep in bf16 and the default does too."""
 GEMM_MULTIPLE = 16
 
 
@@ -94,6 +96,14 @@ def fp8_layers(config: TransformerConfig) -> range:
     if config.layer_backend != "fp8":
         return range(0)
     return range(config.fp8_first_layers_bf16, config.num_layers - config.fp8_last_layers_bf16)
+
+
+def output_linear(config: TransformerConfig) -> Callable[..., Any]:
+    """The class of the output layer: the FP8 column-parallel linear when the backend is fp8 and ``fp8_modules``
+    names ``output``, else the torch one."""
+    if config.layer_backend == "fp8" and "output" in config.fp8_modules:
+        return functools.partial(Fp8ColumnParallelLinear, recipe=fp8_recipe(config))
+    return ColumnParallelLinear
 
 
 def _with_linears(build: Callable[..., nn.Module], column: Any, row: Any) -> Callable[..., nn.Module]:
@@ -168,6 +178,13 @@ def backend_problems(config: TransformerConfig) -> list[str]:
                  "writes it and torch._scaled_mm needs multiples of 16; change hidden_size or set fp8=null")  # fmt: skip
     if not config.fp8_modules:
         p.append("fp8_modules is empty: no linear would run in FP8; name some of qkv, proj, fc1, fc2 or set fp8=null")
+    if "output" in config.fp8_modules:
+        if config.share_embeddings_and_output_weights:
+            p.append("fp8_modules names output but share_embeddings_and_output_weights=true: the output layer has no "
+                     "weight of its own to cast; drop output from fp8_modules or untie the embeddings")  # fmt: skip
+        if config.cross_entropy_fusion:
+            p.append("fp8_modules names output but cross_entropy_fusion=true computes the output layer inside the "
+                     "fused loss, in bf16; drop output from fp8_modules or set cross_entropy_fusion=false")  # fmt: skip
     if "experts" in config.fp8_modules and config.moe is None:
         p.append(f"fp8_modules={list(config.fp8_modules)} names experts but the model has no MoE layers (moe is not "
                  "set); drop experts from fp8_modules")  # fmt: skip
@@ -218,6 +235,10 @@ def describe_backend(config: TransformerConfig) -> str:
     if config.fp8_swiglu_fused:
         routed += "; the MLP's SwiGLU kernels write FP8 (fp8_fused_swiglu)"
     bf16_experts = "shared experts" if experts else "MoE experts"
+    output = "output" in config.fp8_modules
+    if output:
+        routed += "; the output layer in FP8"
+    layer_mods = ", ".join(m for m in config.fp8_modules if m != "output")
     return (f"backend fp8: {fp8_recipe(config).describe()}; layers {layers.start}-{layers.stop - 1} of "
-            f"{config.num_layers} ({', '.join(config.fp8_modules)}) in FP8{routed}; bf16: the other layers and "
-            f"linears, norms, core attention, embedding, output layer, {bf16_experts}, Mamba mixers")  # fmt: skip
+            f"{config.num_layers} ({layer_mods}) in FP8{routed}; bf16: the other layers and linears, norms, core "
+            f"attention, embedding, {'' if output else 'output layer, '}{bf16_experts}, Mamba mixers")  # fmt: skip

@@ -149,7 +149,8 @@ class TransformerConfig:
     fp8_modules: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     """Which linears of an FP8 layer run in FP8: qkv (attention's input projection), proj (its output projection),
     fc1, fc2 (the MLP's), experts (an MoE layer's routed experts: E4M3 grouped GEMMs with rowwise scales, on GPUs of
-    compute capability 9.0+); the others stay bf16."""
+    compute capability 9.0+), and output (the output layer, whatever fp8_last_layers_bf16 says; untied embeddings,
+    no cross_entropy_fusion); the others stay bf16."""
     fp8_first_layers_bf16: int = 1
     """The first this many layers stay bf16 (published FP8 recipes keep the first and last layers in bf16)."""
     fp8_last_layers_bf16: int = 1

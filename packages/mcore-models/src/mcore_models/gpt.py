@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_models.backends import check_backend_device, layer_spec
+from mcore_models.backends import check_backend_device, layer_spec, output_linear
 from mcore_models.config import TransformerConfig
 from mcore_models.embedding import LanguageModelEmbedding
 from mcore_models.hybrid import hybrid_spec
@@ -30,7 +30,6 @@ from mcore_models.transformer.rope import RotaryEmbedding
 from mcore_parallel import Group, ShardedTensor, shard_info
 from mcore_parallel.fp8 import DelayedScaling
 from mcore_parallel.tensor import (
-    ColumnParallelLinear,
     RNGStatesTracker,
     copy_to_tp_region,
     gather_from_sp_region,
@@ -99,7 +98,7 @@ class GPTModel(nn.Module):
         )
         if post_process:
             tied = config.share_embeddings_and_output_weights
-            self.output_layer = ColumnParallelLinear(
+            self.output_layer = output_linear(config)(  # (FP8 with output in fp8_modules)
                 config.hidden_size,
                 self.padded_vocab_size,
                 tp=tp,
