@@ -358,10 +358,11 @@ class FusedMambaLayer(nn.Module):
     """A ``MambaLayer`` (of a ``Mamba2Mixer``) with the plan's fusions that concern it (the same results up to
     rounding): in steps of at most :data:`~mcore_infer.kernels.small_gemv.FMA_MAX_ROWS` tokens the in-projection
     runs through the one-row GEMV (``row_gemv``; with ``norm_gemv`` the residual add and the norm inside it), the
-    out-projection as split-K partial sums the next residual add sums (``proj_partials``), and with ``pdl`` these
-    and the add + norm kernel are launched as programmatic dependents. Between the projections the mixer's own
-    inference step runs (:func:`~mcore_models.ssm.inference.mix_projected`: the conv and SSM states, the gated norm).
-    Longer steps (prefill chunks) run the layer's own modules."""
+    out-projection as split-K partial sums the next residual add sums (``proj_partials``; with ``gated_norm_gemv``
+    the gated norm inside it), and with ``pdl`` these and the add + norm kernel are launched as programmatic
+    dependents. Between the projections the mixer's own inference step runs
+    (:func:`~mcore_models.ssm.inference.mix_projected`: the conv and SSM states, the gated norm). Longer steps
+    (prefill chunks) run the layer's own modules."""
 
     def __init__(self, layer: MambaLayer, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
         super().__init__()
