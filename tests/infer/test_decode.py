@@ -78,6 +78,10 @@ def test_parse_decode_kernels(tmp_path: Path) -> None:
 def test_plans_round_trip_through_json_data() -> None:
     plan = replace(ROW, launches=DecodeLaunches(swiglu_down=GemvLaunch(4, 16), row_gemv=GemvLaunch(1, 8, 1024, 4)))
     assert DecodePlan.from_dict(plan.to_dict()) == plan
+    gated = replace(ROW, gated_norm_gemv=True, launches=DecodeLaunches(gated_norm_gemv=GemvLaunch(2, 8, 512, 4)))
+    assert DecodePlan.from_dict(gated.to_dict()) == gated
+    assert parse_decode_kernels('{"preset": "row", "gated_norm_gemv": true, "launches": {"gated_norm_gemv": '
+                                '"2,8,512,4"}}') == gated  # fmt: skip
     data = {"preset": "attention", "swiglu_down": True, "launches": {"swiglu_down": "8,16,256,4"}}
     assert DecodePlan.from_dict(data) == replace(
         ATTENTION, swiglu_down=True, launches=DecodeLaunches(swiglu_down=GemvLaunch(8, 16, 256, 4))
