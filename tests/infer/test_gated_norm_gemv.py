@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_infer.kernels import GemvLaunch
-from mcore_infer.kernels.gated_norm_gemv import gated_block_k, gated_norm_partials, gated_norm_reference
-from mcore_models.ssm.mixer import GatedRMSNorm
+from mcore_infer.kernels.gated_norm_gemv import gated_block_k, gated_norm_partials, takes_group
+from mcore_models.ssm.mixer import GatedRMSNorm, gated_rms_norm
 from mcore_models.transformer.context import ModelContext
 from mcore_parallel import Group
 from tests.infer._kernels import KERNEL_DEVICES
@@ -82,7 +82,7 @@ def test_pytorch_path_and_refusals() -> None:
     y, z, g, w = _inputs(2, 24, 64, torch.float64, "cpu", 0)
     parts = gated_norm_partials(y, z, g, 1e-5, 32, False, w)
     assert parts.shape == (1, 2, 1, 24)
-    torch.testing.assert_close(parts[0], F.linear(gated_norm_reference(y, z, g, 1e-5, 32, False), w).float())
+    torch.testing.assert_close(parts[0], F.linear(gated_rms_norm(y, z, g, 32, 1e-5, False), w).float())
     torch.testing.assert_close(parts[0].double(), _float64(y, z, g, w, 32, False), rtol=1e-6, atol=1e-6)
     five = torch.randn(5, 1, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="at most 4 rows, got 5"):
@@ -95,3 +95,4 @@ def test_pytorch_path_and_refusals() -> None:
     with pytest.raises(ValueError, match="do not match"):
         gated_norm_partials(y, z[..., :32], g, 1e-5, 32, False, w)
     assert [gated_block_k(1024, s) for s in (4096, 1024, 48, 96, 3072)] == [1024, 1024, 16, 32, 1024]
+    assert [takes_group(s) for s in (16, 48, 3072, 24, 8, 0)] == [True, True, True, False, False, False]

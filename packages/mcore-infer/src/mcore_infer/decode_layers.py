@@ -21,7 +21,7 @@ from torch import nn
 
 from mcore_infer.kernels.add_norm import add_rms_norm
 from mcore_infer.kernels.fused_mlp import fused_mlp_partials, norm_mlp_partials
-from mcore_infer.kernels.gated_norm_gemv import gated_block_k, gated_norm_partials
+from mcore_infer.kernels.gated_norm_gemv import gated_norm_partials, takes_group
 from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
 from mcore_infer.kernels.small_gemv import (
@@ -143,11 +143,7 @@ def missing_for_fusions(layer: nn.Module, config: TransformerConfig, tp: int) ->
             "the output projection's all-reduce"
         )
         group = mixer.norm.group_size
-        steps = (
-            []
-            if gated_block_k(1 << 30, group) >= 16
-            else [f"the gated norm's groups of {group} (need a power-of-two factor >= 16)"]
-        )
+        steps = [] if takes_group(group) else [f"the gated norm's groups of {group} (need a power-of-two factor >= 16)"]
         missing["gated_norm_gemv"] = missing["proj_partials"] + steps
         return missing
     if _halves(layer) is None:
@@ -396,12 +392,11 @@ class FusedMambaLayer(nn.Module):
             norm = mixer.norm
             out = gated_norm_partials(y, z, norm.weight, norm.eps, norm.group_size, norm.norm_before_gate,
                                       mixer.out_proj.weight, launches.gated_norm_gemv, pdl)  # fmt: skip
-            return (out, x) if self.defer else (add_deferred(out, x), None)
-        y = mix_projected(mixer, zxbcdt[:, 0], inference_context)  # [T, 1, d]
-        if self.proj_partials and small:  # split-K partial sums, summed by the residual add
+        elif self.proj_partials and small:  # split-K partial sums, summed by the residual add
+            y = mix_projected(mixer, zxbcdt[:, 0], inference_context)  # [T, 1, d]
             out = linear_partials(y, mixer.out_proj.weight, launches.proj_partials, pdl)
         else:
-            out = mixer.out_proj(y)
+            out = mixer.out_proj(mix_projected(mixer, zxbcdt[:, 0], inference_context))
         return (out, x) if self.defer else (add_deferred(out, x), None)
 
 

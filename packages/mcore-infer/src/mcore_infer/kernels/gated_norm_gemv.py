@@ -24,10 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_infer.kernels.norm_gemv import _heuristic
 from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch
-from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, Launch, _cdiv, heuristic_launch
+from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS, Launch, _cdiv
+from mcore_models.ssm.mixer import gated_rms_norm
 
-__all__ = ["gated_block_k", "gated_norm_partials", "gated_norm_reference"]
+__all__ = ["gated_block_k", "gated_norm_partials", "takes_group"]
 
 _KERNEL: Any = None
 _gated_input: Any = None  # the kernel's helpers, module globals once defined (Triton looks a kernel's callees up here)
@@ -131,33 +133,19 @@ def _kernel() -> Any:
 
 def gated_block_k(block_k: int, group_size: int) -> int:
     """The K step of the kernel: ``block_k`` lowered to the largest power of two that divides ``group_size`` (so a
-    step lies in one group); below 16 the kernel cannot take the group size."""
+    step lies in one group)."""
     return min(block_k, group_size & -group_size)
 
 
-def gated_norm_reference(
-    y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int, norm_before_gate: bool
-) -> torch.Tensor:
-    """The gated RMSNorm as :class:`~mcore_models.ssm.mixer.GatedRMSNorm` computes it (float32 math, rounded once to
-    ``y``'s dtype; float64 inputs in float64)."""
-    cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
-    h, gate = y.to(cdt), F.silu(z.to(cdt))
-    if not norm_before_gate:
-        h = h * gate
-    h = F.rms_norm(h.unflatten(-1, (-1, group_size)), (group_size,), eps=eps).flatten(-2) * norm_weight.to(cdt)
-    if norm_before_gate:
-        h = h * gate
-    return h.to(y.dtype)
+def takes_group(group_size: int) -> bool:
+    """Whether the kernel takes norm groups of ``group_size`` channels: a K step of at least 16 lies in one group."""
+    return group_size >= 1 and gated_block_k(group_size, group_size) >= 16
 
 
 def _launch(k: int, rows: int, values: list[int] | None) -> Launch:
-    """The launch an op was given, else the row kernel's heuristic for ``K`` (split in two from 4,096 inputs) with
-    its K step divided by the padded row count, as :mod:`~mcore_infer.kernels.norm_gemv`'s (at four rows and 1,024
-    inputs a step the products' tile spilled 668 bytes a thread for ``sm_90a``; ``bench/kernel_registers.py``)."""
-    if values is not None:
-        return Launch(*values)
-    base = heuristic_launch(k)
-    return base._replace(block_k=max(64, base.block_k // (1 << max(0, rows - 1).bit_length())))
+    """The launch an op was given, else the row kernel's heuristic for ``K`` (split in two from 4,096 inputs), its K
+    step divided by the padded row count as :mod:`~mcore_infer.kernels.norm_gemv`'s is."""
+    return _heuristic(k, rows, row=False) if values is None else Launch(*values)
 
 
 @torch.library.custom_op("mcore_infer::gated_norm_partials", mutates_args=())
@@ -173,9 +161,8 @@ def _gated_norm_partials_op(
     pdl: bool = False,
 ) -> torch.Tensor:
     if not _use_triton(y):
-        return F.linear(gated_norm_reference(y, z, norm_weight, eps, group_size, norm_before_gate), weight).float()[
-            None
-        ]
+        normed = gated_rms_norm(y, z, norm_weight, group_size, eps, norm_before_gate)
+        return F.linear(normed, weight).float()[None]
     n, k = weight.shape
     y2, z2 = y.reshape(-1, k), z.reshape(-1, k)
     y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
@@ -240,7 +227,7 @@ def gated_norm_partials(
     if y.shape != z.shape or y.shape[-1] != k or norm_weight.shape != (k,):
         raise ValueError(f"gated_norm_partials: y {tuple(y.shape)}, z {tuple(z.shape)}, norm weight "
                          f"{tuple(norm_weight.shape)} and weight {tuple(weight.shape)} do not match")  # fmt: skip
-    if group_size < 1 or k % group_size or gated_block_k(1 << 30, group_size) < 16:
+    if not takes_group(group_size) or k % group_size:
         raise ValueError(f"gated_norm_partials: group size {group_size} must divide {k} and have a power-of-two "
                          "factor of at least 16")  # fmt: skip
     values = None if launch is None else list(launch.checked())

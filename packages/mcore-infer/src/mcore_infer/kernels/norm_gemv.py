@@ -99,11 +99,12 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def _heuristic(k: int, rows: int) -> Launch:
-    """The row kernel's launch (:func:`~mcore_infer.kernels.small_gemv.heuristic_launch`, one split) with its K step
-    divided by the padded row count, so that the register tile of products stays 8 x 1,024 floats (at four rows 8 x
-    1,024 spilled 644 bytes a thread for ``sm_90a``; ``bench/kernel_registers.py``)."""
-    base = heuristic_launch(k, row=True)
+def _heuristic(k: int, rows: int, row: bool = True) -> Launch:
+    """The row kernel's launch (:func:`~mcore_infer.kernels.small_gemv.heuristic_launch`, one split unless ``row`` is
+    False) with its K step divided by the padded row count, so that the register tile of products stays 8 x 1,024
+    floats (at four rows 8 x 1,024 spilled 644 bytes a thread for ``sm_90a``, and 668 in the gated-norm GEMV;
+    ``bench/kernel_registers.py``)."""
+    base = heuristic_launch(k, row=row)
     m_pad = 1 << max(0, rows - 1).bit_length()
     return base._replace(block_k=max(64, base.block_k // m_pad))
 

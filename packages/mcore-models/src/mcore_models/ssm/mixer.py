@@ -45,7 +45,7 @@ from mcore_parallel.tensor.init import InitMethod
 if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
 
-__all__ = ["Mamba2Mixer", "GatedRMSNorm", "CausalConv1d", "dt_bias_init", "a_log_init"]
+__all__ = ["Mamba2Mixer", "GatedRMSNorm", "CausalConv1d", "dt_bias_init", "a_log_init", "gated_rms_norm"]
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -174,15 +174,22 @@ class GatedRMSNorm(nn.Module):
             from mcore_models.ssm.norm_triton import gated_rms_norm_triton
 
             return gated_rms_norm_triton(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
-        cdt = _compute_dtype(y)
-        h, gate = y.to(cdt), F.silu(z.to(cdt))
-        if not self.norm_before_gate:
-            h = h * gate
-        grouped = h.unflatten(-1, (-1, self.group_size))
-        h = F.rms_norm(grouped, (self.group_size,), eps=self.eps).flatten(-2) * self.weight.to(cdt)
-        if self.norm_before_gate:
-            h = h * gate
-        return h.to(y.dtype)
+        return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                   norm_before_gate: bool) -> torch.Tensor:  # fmt: skip
+    """:class:`GatedRMSNorm`'s PyTorch ops: ``rmsnorm(y * silu(z)) * weight`` over groups of ``group_size`` channels
+    (``norm_before_gate``: ``rmsnorm(y) * weight * silu(z)``) in float32 (float64 for float64 inputs), rounded once
+    to ``y``'s dtype."""
+    cdt = _compute_dtype(y)
+    h, gate = y.to(cdt), F.silu(z.to(cdt))
+    if not norm_before_gate:
+        h = h * gate
+    h = F.rms_norm(h.unflatten(-1, (-1, group_size)), (group_size,), eps=eps).flatten(-2) * weight.to(cdt)
+    if norm_before_gate:
+        h = h * gate
+    return h.to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
