@@ -84,3 +84,21 @@ def test_a_layer_that_cannot_take_a_fusion_is_named_or_keeps_it_off() -> None:
     mamba = decode.layers["0"]
     assert isinstance(mamba, FusedMambaLayer)
     assert (mamba.row_gemv, mamba.norm_gemv, mamba.proj_partials, mamba.defer) == (True, False, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gated", [False, True], ids=["row", "row-gated-norm-gemv"])
+def test_the_row_plan_on_cuda_gives_full_recompute_tokens(gated: bool) -> None:
+    """On the GPU, compiled layers under CUDA graphs, the row plan's Triton kernels on every hybrid layer (with
+    ``gated_norm_gemv``, the gated norm inside the out-projection's GEMV) give full recompute's tokens in float32."""
+    torch._dynamo.reset()
+    cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern="M*-M-", num_layers=5, seed=7)
+    model = GPTModel(cfg).eval().cuda()
+    prompts = prompts_of_lengths(*PROMPT_LENGTHS, seed=11)
+    plan = replace(DECODE_PRESETS["row"], gated_norm_gemv=gated)
+    llm = tiny_llm(model, decode_kernels=plan, compile=True, cuda_graphs=True)
+    assert llm.runner.graphs
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == [
+        reference_greedy(model, p, 8) for p in prompts
+    ]
