@@ -102,3 +102,30 @@ def test_the_row_plan_on_cuda_gives_full_recompute_tokens(gated: bool) -> None:
     assert [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)] == [
         reference_greedy(model, p, 8) for p in prompts
     ]
+
+
+def test_each_kind_of_hybrid_layer_has_its_own_compiled_graphs() -> None:
+    """``torch.compile`` keeps at most ``recompile_limit`` (8) graphs a function over all instances. The attention
+    and MLP halves of a hybrid model each have their own ``forward`` (one shared forward outgrew the limit serving
+    ``hybrid-1b`` on an H100, and the layers past it ran uncompiled): after steps of 1, 2-4 and more tokens, each
+    holds a few graphs, well under the limit; the tokens are full recompute's."""
+    if INTERPRETED:
+        pytest.skip("compiled: the graphs are counted on the PyTorch path")
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from mcore_infer.decode_layers import FusedAttentionLayer, FusedDecodeLayer, FusedMambaLayer, FusedMLPLayer
+
+    torch._dynamo.reset()
+    cfg = preset("hybrid-tiny", vocab_size=259, init_method_std=0.2, hybrid_pattern="M-M-*-M-", num_layers=8, seed=7)
+    model = GPTModel(cfg).eval()
+    llm = tiny_llm(model, decode_kernels="row", compile=True, max_num_seqs=8)
+    prompts = prompts_of_lengths(3, 5, 9, 17, 30, 2, seed=1)
+    for n in (1, 3, 6):  # decode steps of 1, 3 and 6 rows, prefill chunks of more
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts[:n], GREEDY)]
+        assert got == [reference_greedy(model, p, 8) for p in prompts[:n]]
+    wrappers = {type(w) for w in llm.runner.decode.layers.values()}
+    assert wrappers == {FusedMambaLayer, FusedAttentionLayer, FusedMLPLayer}
+    graphs = {c.__name__: len(_debug_get_cache_entry_list(c.forward.__code__)) for c in wrappers | {FusedDecodeLayer}}
+    assert graphs["FusedDecodeLayer"] == 0
+    assert 1 <= graphs["FusedAttentionLayer"] <= 4 and 1 <= graphs["FusedMLPLayer"] <= 4, graphs
+    assert graphs["FusedMambaLayer"] <= 6, graphs  # with the first layer's (no residual yet)

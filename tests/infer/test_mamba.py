@@ -17,7 +17,7 @@ import torch
 
 from mcore_infer import LLM, EngineConfig, SamplingParams
 from mcore_infer.decode import DecodeKernels
-from mcore_infer.decode_layers import FusedDecodeLayer, FusedMambaLayer, PlainDecodeLayer
+from mcore_infer.decode_layers import FusedAttentionLayer, FusedMambaLayer, FusedMLPLayer, PlainDecodeLayer
 from mcore_infer.mamba_cache import MambaCache, MambaStepView
 from mcore_infer.runner import graph_blockers
 from mcore_models import GPTModel
@@ -64,8 +64,8 @@ def test_engine_greedy_equals_full_recompute(model: GPTModel, kernels: str) -> N
     assert len({tuple(e) for e in expected}) == len(expected)  # the outputs depend on the prompt
     llm = tiny_llm(model, decode_kernels=kernels)
     # with any fusion (every plan but none defers the residual add) each Mamba layer is a FusedMambaLayer and each
-    # attention or MLP layer a FusedDecodeLayer
-    fused = {"M": FusedMambaLayer, "*": FusedDecodeLayer, "-": FusedDecodeLayer}
+    # attention or MLP layer that half of a FusedDecodeLayer
+    fused = {"M": FusedMambaLayer, "*": FusedAttentionLayer, "-": FusedMLPLayer}
     kinds = model.config.hybrid_pattern
     wrappers = [type(w) for w in llm.runner.decode.layers.values()]
     assert wrappers == [PlainDecodeLayer if kernels == "none" else fused[c] for c in kinds]

@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAYER_FUSIONS",
+    "FusedAttentionLayer",
     "FusedDecodeLayer",
+    "FusedMLPLayer",
     "FusedMambaLayer",
     "PlainDecodeLayer",
     "fused_layer",
@@ -223,7 +225,6 @@ class FusedDecodeLayer(nn.Module):
     def __init__(self, layer: nn.Module, fusions: dict[str, bool], launches: DecodeLaunches) -> None:
         super().__init__()
         self.layer = layer
-        self.has_attention, self.has_mlp = _halves(layer) or (True, True)
         ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "pre_mlp_layernorm", None)
         # plain attributes, constants to torch.compile (no shape guard is taken for a fusion that is off)
         self.defer, self.norm_linear = fusions["defer_residual"], fusions["norm_linear"]
@@ -250,18 +251,18 @@ class FusedDecodeLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.norm_linear and x.numel() // x.shape[-1] <= MAX_ROWS:
             return self._norm_linear_forward(x, rotary, inference_context, residual)
-        # (the flags first: with none set the row count is never compared, so no shape guard enters compiled graphs;
-        # norm_gemv comes with row_gemv)
+        small = self._small(x, residual)
+        proj, x = self._attention_half(x, rotary, inference_context, residual, small)
+        return self._mlp_half(proj, x, small)
+
+    def _small(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether this step takes the one-row kernels (at most ``FMA_MAX_ROWS`` tokens). The flags first: with none
+        set the row count is never compared, so no shape guard enters compiled graphs (norm_gemv comes with
+        row_gemv). The previous layer's output ``x`` may be partial sums (swiglu_down, fused_mlp): the rows are
+        counted on ``residual`` where there is one."""
         fused_any = (self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.row_fc1
                      or self.pdl)  # fmt: skip
-        small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
-        # the previous layer's output may be partial sums (swiglu_down, fused_mlp)
-        if not self.has_attention:  # a hybrid model's MLP layer: h = x + residual
-            return self._mlp_half(x, residual, small)
-        proj, x = self._attention_half(x, rotary, inference_context, residual, small)
-        if not self.has_mlp:  # a hybrid model's attention layer
-            return (proj, x) if self.defer else (add_deferred(proj, x), None)
-        return self._mlp_half(proj, x, small)
+        return fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
 
     def _attention_half(
         self,
@@ -400,11 +401,38 @@ class FusedMambaLayer(nn.Module):
         return (out, x) if self.defer else (add_deferred(out, x), None)
 
 
+class FusedAttentionLayer(FusedDecodeLayer):
+    """A hybrid model's attention layer (``*``, ``AttentionLayer``): :class:`FusedDecodeLayer`'s attention half.
+
+    Each half has its own ``forward`` because ``torch.compile`` keeps at most ``torch._dynamo.config.recompile_limit``
+    (8) graphs for one function, over every instance: the two kinds of half at their step sizes outgrew the one
+    ``forward`` they shared (``hybrid-1b`` on an H100), and the layers past the limit ran uncompiled."""
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        proj, x = self._attention_half(x, rotary, inference_context, residual, self._small(x, residual))
+        return (proj, x) if self.defer else (add_deferred(proj, x), None)
+
+
+class FusedMLPLayer(FusedDecodeLayer):
+    """A hybrid model's MLP layer (``-``/``E``, ``MLPLayer``): :class:`FusedDecodeLayer`'s MLP half, ``h = x +
+    residual`` (``h = x`` first in the model), with its own ``forward`` (see :class:`FusedAttentionLayer`)."""
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, inference_context: InferenceContext, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._mlp_half(x, residual, self._small(x, residual))
+
+
 def fused_layer(layer: nn.Module, fusions: dict[str, bool], launches: DecodeLaunches) -> nn.Module:
     """The wrapper running ``layer`` with ``fusions`` (those it takes, at least one on): a :class:`FusedMambaLayer`
-    for a Mamba layer, else a :class:`FusedDecodeLayer` (a Transformer layer or a hybrid model's half of one)."""
+    for a Mamba layer, a :class:`FusedDecodeLayer` for a Transformer layer, a :class:`FusedAttentionLayer` or
+    :class:`FusedMLPLayer` for a hybrid model's half of one."""
     if type(layer) is MambaLayer:
         return FusedMambaLayer(layer, fusions, launches)
-    if _halves(layer) is None:
+    halves = _halves(layer)
+    if halves is None:
         raise TypeError(f"no fused decode wrapper for a {type(layer).__name__}: serve it with PlainDecodeLayer")
-    return FusedDecodeLayer(layer, fusions, launches)
+    wrapper = {(True, True): FusedDecodeLayer, (True, False): FusedAttentionLayer, (False, True): FusedMLPLayer}
+    return wrapper[halves](layer, fusions, launches)
