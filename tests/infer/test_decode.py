@@ -28,6 +28,7 @@ from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_config,
 ROW = DECODE_PRESETS["row"]
 ATTENTION = DECODE_PRESETS["attention"]
 FAST = dict(device_type="cuda", backend="triton", compiled=True)  # where auto turns the row kernels on
+GPT_ROW = replace(ROW, gated_norm_gemv=False)  # auto on a GPU for a model with no Mamba layer to take it
 
 
 def test_preset_names_and_plan_validation() -> None:
@@ -35,7 +36,7 @@ def test_preset_names_and_plan_validation() -> None:
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
     assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True, norm_gemv=True,
-                          combine_in_attention=True, row_fc1=True) == ROW  # fmt: skip
+                          combine_in_attention=True, row_fc1=True, gated_norm_gemv=True) == ROW  # fmt: skip
     with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, row_fc1, "):
         replace(ATTENTION, pdl=True)
     assert replace(ATTENTION, row_fc1=True, pdl=True).pdl  # the up projection alone is a row kernel
@@ -131,15 +132,15 @@ def test_auto_resolves_as_the_device_and_model_allow() -> None:
     each row kernel (tp=1, bias-free, SwiGLU for swiglu_down) and never an error where it does not; without compiled
     layers or on the plain backend no row kernels, and on the plain backend no RoPE or KV write in attention."""
     m = tiny_model(num_layers=2)
-    assert _plan(m) == ROW
+    assert _plan(m) == GPT_ROW
     assert _plan(m, compiled=False) == ATTENTION
     assert _plan(m, backend="plain") == _plan(m, device_type="cpu", backend="plain") == DecodePlan(defer_residual=True)
-    assert _plan(tiny_model(num_layers=2, activation="gelu")) == replace(ROW, swiglu_down=False)
+    assert _plan(tiny_model(num_layers=2, activation="gelu")) == replace(GPT_ROW, swiglu_down=False)
     assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == replace(ATTENTION, combine_in_attention=True)
     # a bias on the QKV projection only: the row GEMV (which adds no bias) stays off for it
-    assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(ROW, row_gemv=False, norm_gemv=False)
+    assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(GPT_ROW, row_gemv=False, norm_gemv=False)
     assert _plan(m, "none") == DecodePlan()
-    no_qkv = replace(ROW, row_gemv=False, norm_gemv=False)
+    no_qkv = replace(GPT_ROW, row_gemv=False, norm_gemv=False)
     assert _plan(m, no_qkv) == no_qkv
 
 
@@ -261,7 +262,7 @@ def test_another_layer_type_serves_through_the_plain_path() -> None:
     assert llm.runner.plan.defer_residual
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
-    assert _plan(model) == ROW  # auto on a GPU: every fusion, on the layers that take it
+    assert _plan(model) == GPT_ROW  # auto on a GPU: every fusion, on the layers that take it
     for kernels in ("attention", "row", DecodePlan(defer_residual=True), "none"):
         llm = tiny_llm(model, decode_kernels=kernels)
         assert isinstance(llm.runner.decode.layers["1"], PlainDecodeLayer)
@@ -303,8 +304,8 @@ def test_a_standard_layer_with_another_mlp_keeps_the_attention_fusions() -> None
     """Decided per layer part: every preset leaves the other MLP to its own forward (no swiglu_down; norm_linear
     fuses only the first norm into the QKV projection) and keeps the attention's fusions."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(mlp=GeluMLP)).eval()
-    assert _plan(model) == replace(ROW, swiglu_down=False, row_fc1=False)
-    assert _plan(model, "row") == replace(ROW, swiglu_down=False, row_fc1=False)
+    assert _plan(model) == replace(GPT_ROW, swiglu_down=False, row_fc1=False)
+    assert _plan(model, "row") == replace(GPT_ROW, swiglu_down=False, row_fc1=False)
     assert _plan(model, "norm_linear") == DECODE_PRESETS["norm_linear"]
     prompts = prompts_of_lengths(5, 20, seed=2)
     expected = [reference_greedy(model, p, 5) for p in prompts]

@@ -248,6 +248,7 @@ DECODE_PRESETS: Mapping[str, DecodePlan] = MappingProxyType(
             norm_gemv=True,
             combine_in_attention=True,
             row_fc1=True,
+            gated_norm_gemv=True,
         ),
         "norm_linear": replace(_ATTENTION, norm_linear=True),
     }
