@@ -89,9 +89,10 @@ def _graph_seconds(fn: Callable[[dict[int, torch.Tensor]], None], xs: dict[int, 
 
 def measure(tokens: list[int], iters: int) -> list[dict[str, Any]]:
     weights = _weights()
-    paths = _paths(weights)
     rows = []
     for m in tokens:
+        torch._dynamo.reset()  # each batch size its own compiled casts (one function, many shapes: the 8-graph limit)
+        paths = _paths(weights)
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {k for k, _ in SHAPES.values()}}
         base = None
         for name, fn in paths.items():
