@@ -196,6 +196,14 @@ def _add_norm(
     return norm(h), h
 
 
+def _small_step(fused_any: bool, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether a layer with a row-kernel fusion on (``fused_any``) takes the one-row kernels in this step: at most
+    ``FMA_MAX_ROWS`` tokens. The flag first: with no fusion on the row count is never compared, so no shape guard
+    enters compiled graphs. The previous layer's output ``x`` may be partial sums (``[splits, *h.shape]``): the rows
+    are counted on ``residual`` where there is one."""
+    return fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
+
+
 class PlainDecodeLayer(nn.Module):
     """Any layer, run by its own forward (after the previous layer's deferred residual add, if any)."""
 
@@ -256,13 +264,10 @@ class FusedDecodeLayer(nn.Module):
         return self._mlp_half(proj, x, small)
 
     def _small(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether this step takes the one-row kernels (at most ``FMA_MAX_ROWS`` tokens). The flags first: with none
-        set the row count is never compared, so no shape guard enters compiled graphs (norm_gemv comes with
-        row_gemv). The previous layer's output ``x`` may be partial sums (swiglu_down, fused_mlp): the rows are
-        counted on ``residual`` where there is one."""
+        # (norm_gemv comes with row_gemv)
         fused_any = (self.row_gemv or self.proj_partials or self.swiglu_down or self.fused_mlp or self.row_fc1
                      or self.pdl)  # fmt: skip
-        return fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
+        return _small_step(fused_any, x, residual)
 
     def _attention_half(
         self,
@@ -375,9 +380,7 @@ class FusedMambaLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer: Any = self.layer
         mixer, launches = layer.mixer, self.launches
-        # (the flags first: see FusedDecodeLayer.forward)
-        fused_any = self.row_gemv or self.proj_partials or self.gated_norm_gemv or self.pdl
-        small = fused_any and (residual if residual is not None else x).numel() // x.shape[-1] <= FMA_MAX_ROWS
+        small = _small_step(self.row_gemv or self.proj_partials or self.gated_norm_gemv or self.pdl, x, residual)
         pdl = self.pdl and small
         if self.norm_gemv and small:  # the add (if any) and the norm inside the in-projection
             ln = layer.input_layernorm
