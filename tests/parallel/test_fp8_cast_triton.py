@@ -123,16 +123,49 @@ def test_delayed_scaling_casts_and_records_in_one_pass(device: str, monkeypatch:
         assert qt is not None and rqt is not None
         assert torch.equal(_bytes(q.data), _bytes(rq.data)) and torch.equal(_bytes(qt.data), _bytes(rqt.data))
         assert torch.equal(q.scale_inv, rq.scale_inv)
-    assert torch.equal(fused.amax, plain.amax) and fused.amax[2].item() == pytest.approx(g.abs().max().item() / 0.25)
+    got = fused.step_amax()
+    assert torch.equal(got, plain.step_amax()) and got[2].item() == pytest.approx(g.abs().max().item() / 0.25)
     assert plain.scale_for(1, g, None).item() == 1.0  # a maximum of 0 in every step: scale 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_kernel_casts_keep_the_step_maxima_exact(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused casts fold unweighted maxima into amax_raw: a new gradient weight mid-way (a step that raised, then
+    another layout's weight) folds them under the old weight first, an evaluation (not recording) leaves them alone,
+    and the cached scales follow a roll and a checkpoint load."""
+    monkeypatch.setattr(scaling, "_triton", lambda t: True)
+    s = scaling.DelayedScaling(4, "max", 0, (E4M3, E4M3, E5M2), device)
+    s.roll(torch.tensor([8.0, 1.0, 64.0], device=device))
+    g = _tensor(32, 16, device, torch.float32, seed=5)
+    big = g.abs().max().item()
+    s.grad_weight = 0.25
+    q, _ = s.quantize(2, g, None, False)
+    assert q.scale_inv.item() == pytest.approx(1 / (57344 / 64 / 0.25))
+    s.grad_weight = 0.5  # folds the first cast's maximum per unit weight
+    s.quantize(2, g * 0.5, None, False)
+    assert s.step_amax()[2].item() == pytest.approx(big / 0.25)  # max(big / 0.25, 0.5 big / 0.5)
+    s.recording = False
+    s.quantize(0, g * 1000, None, False)
+    assert s.step_amax()[0].item() == 0.0
+    s.recording = True
+    s.roll(s.step_amax())
+    assert s.amax_raw.tolist() == [0.0, 0.0, 0.0]
+    assert s.quantize(2, g, None, False)[0].scale_inv.item() == pytest.approx(big / 0.25 / 57344 * 0.5)
+    state = {k: v.clone() for k, v in s.state_dict().items()}
+    state["scale"] = torch.tensor([2.0, 2.0, 2.0], device=device)
+    s.load_state_dict(state)  # in place: the cached scales are recomputed
+    assert s.quantize(0, g, None, False)[0].scale_inv.item() == 0.5
 
 
 def test_native_rounding_is_for_16_bit_sources_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from mcore_parallel.fp8 import cast_triton as module
 
     monkeypatch.setattr(module, "NATIVE_ROUNDING", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for source, native in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
         assert module.quantize_args(torch.float8_e4m3fn, source)["NATIVE"] is native
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter's conversion does not round as the GPU's does
+    assert module.quantize_args(torch.float8_e4m3fn, torch.bfloat16)["NATIVE"] is False
     monkeypatch.setattr(module, "NATIVE_ROUNDING", False)
     assert module.quantize_args(torch.float8_e5m2, torch.bfloat16) == {"EMIN": 127 - 14, "MBITS": 2, "NATIVE": False}
 

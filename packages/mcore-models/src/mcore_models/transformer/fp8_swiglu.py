@@ -165,10 +165,8 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         xq, xt = plan1.quantize(x2, 0, plan1.x_group, grad)
         h = scaled_mm(xq, cast1.weight, x.dtype, fast_accum=True)
         fmt = s2.formats[0]
-        scale, amax = s2.kernel_scale(0, x.device)
+        scale, inv, amax = s2.kernel_scale(0)
         aq, at = swiglu_quantize(h, scale, fmt, amax, transpose=grad)
-        s2.record_kernel_amax(0, amax)
-        inv = scale.reciprocal()
         y = scaled_mm(Fp8Tensor(aq, inv, fmt), cast2.weight, x.dtype, fast_accum=True)
         if grad:
             assert xt is not None and at is not None
@@ -193,10 +191,8 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_w2 = fp8_weight_grad(gt, Fp8Tensor(at_data, a_inv, ctx.a_fmt), ctx.owner2, plan2.fuse, ctx.dtypes[1])
         fmt = s1.formats[2]
-        scale, amax = s1.kernel_scale(2, g.device)
+        scale, inv, amax = s1.kernel_scale(2)
         dhq, dht = swiglu_backward_quantize(h, da, scale, fmt, amax)
-        s1.record_kernel_amax(2, amax)
-        inv = scale.reciprocal()
         grad_x = None
         if ctx.needs_input_grad[0]:
             transposed1 = ctx.cast1.transposed

@@ -53,7 +53,7 @@ def roll_delayed_scaling(layers: Iterable[Fp8Linear], group: Group | None = None
     states = [m.fp8_scaling for m in layers if m.fp8_scaling is not None]
     if not states:
         return
-    amax = torch.stack([s.amax for s in states])
+    amax = torch.stack([s.step_amax() for s in states])
     if group is not None and group.size > 1:
         _comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
     for s, a in zip(states, amax, strict=True):
