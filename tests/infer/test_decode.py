@@ -330,3 +330,27 @@ def test_a_standard_layer_with_another_attention_keeps_the_deferred_add() -> Non
     assert all(isinstance(w, FusedDecodeLayer) and w.defer for w in llm.runner.decode.layers.values())
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
+
+
+def test_graph_steps_take_every_attention_option_of_the_plan() -> None:
+    """A CUDA graph's step builds its attention context through the runner as an eager step does: the plan's
+    attention launch and fusions reach the kernels in both (the graphs once dropped the launch, so launches timed
+    through the graphs all ran the default)."""
+    from mcore_infer import AttentionLaunch
+    from mcore_infer.graphs import _context
+
+    launch = AttentionLaunch(8, 1, 1, 8)
+    plan = replace(GPT_ROW, launches=DecodeLaunches(attention=launch))
+    llm = tiny_llm(tiny_model(), decode_kernels=plan)
+    runner = llm.runner
+    st = {k: torch.zeros(4, dtype=torch.int64) for k in ("slots", "tseq", "tctx")} | {"bt": torch.zeros(4, 3).long()}
+    graph = _context(runner, st, 2, 2, None, decode=True)
+    eager = runner.attention_context(st["slots"][:2], st["bt"][:2], st["tseq"][:2], st["tctx"][:2], None, "triton",
+                                     True, None)  # fmt: skip
+    assert graph.attention_launch == launch
+    for name in ("attention_launch", "fuses_rotary", "fuse_kv_write", "pdl", "fold_combine", "kv_index", "backend"):
+        assert getattr(graph, name) == getattr(eager, name), name
+    p = runner.plan
+    assert (graph.fuse_kv_write, graph.fold_combine, graph.fuses_rotary, graph.pdl) == (
+        p.kv_write_in_attention, p.combine_in_attention, p.rope_in_attention, p.pdl)  # fmt: skip
+    assert runner.plan.launches.attention == launch

@@ -100,22 +100,9 @@ def _capture_one(runner: ModelRunner, ctx: PagedAttentionContext, ids: torch.Ten
 
 def _context(runner: ModelRunner, st: dict[str, torch.Tensor], t: int, rows: int, logits: torch.Tensor | None,
              decode: bool, state_slots: torch.Tensor | None = None) -> PagedAttentionContext:  # fmt: skip
-    return PagedAttentionContext(
-        runner.cache,
-        runner.model.layer_numbers.start,
-        st["slots"][:t],
-        st["bt"][:rows],
-        st["tseq"][:t],
-        st["tctx"][:t],
-        logits,
-        backend="triton",
-        fuse_rotary=runner.plan.rope_in_attention,
-        fuse_kv_write=decode and runner.plan.kv_write_in_attention,  # decode: one new token per request
-        pdl=runner.plan.pdl,
-        fold_combine=runner.plan.combine_in_attention,
-        kv_layers=runner.kv_layers,
-        mamba=None if runner.mamba is None or state_slots is None else MambaStepView(runner.mamba, state_slots),
-    )
+    mamba = None if runner.mamba is None or state_slots is None else MambaStepView(runner.mamba, state_slots)
+    return runner.attention_context(st["slots"][:t], st["bt"][:rows], st["tseq"][:t], st["tctx"][:t], logits, "triton",
+                                    decode, mamba)  # fmt: skip
 
 
 def _capture_steps(runner: ModelRunner, pool: Any) -> Any:

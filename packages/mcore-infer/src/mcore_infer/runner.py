@@ -333,7 +333,33 @@ class ModelRunner:
         logits_index = dev[5 * n : 5 * n + r]
         state_slots = dev[5 * n + r : 5 * n + r + s]
         block_tables = dev[5 * n + r + s :].view(s, width)
-        ctx = PagedAttentionContext(
+        ctx = self.attention_context(slots, block_tables, tseq, tctx, logits_index, self.backend, batch.decode_only,
+                                     self._mamba_step(batch, state_slots), batch.segments, batch.block_tables)  # fmt: skip
+        hidden = None
+        if images is not None:  # the word embeddings with the image rows replaced (LlavaModel's own splice)
+            assert self.vlm is not None
+            hidden = self.vlm.splice(ids[None], images.embeds, images.index, positions[None])
+        out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx, decoder_input=hidden)
+        return out[0]
+
+    def attention_context(
+        self,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        tseq: torch.Tensor,
+        tctx: torch.Tensor,
+        logits_index: torch.Tensor | None,
+        backend: str,
+        decode: bool,
+        mamba: MambaStepView | None,
+        segments: list[Segment] | None = None,
+        block_tables_host: list[list[int]] | None = None,
+    ) -> PagedAttentionContext:
+        """The attention context of one step, eager or captured in a CUDA graph (:mod:`mcore_infer.graphs`): the
+        step's device tensors with every option the decode plan sets, from this one place, so both paths run the
+        same kernels (the graphs once dropped the plan's attention launch). ``decode``: each token is the one new
+        token of its request (the KV write inside the attention kernel where the plan says so)."""
+        return PagedAttentionContext(
             self.cache,
             self.model.layer_numbers.start,
             slots,
@@ -341,23 +367,17 @@ class ModelRunner:
             tseq,
             tctx,
             logits_index,
-            backend=self.backend,
-            segments=batch.segments,
-            block_tables_host=batch.block_tables,
+            backend=backend,
+            segments=segments,
+            block_tables_host=block_tables_host,
             fuse_rotary=self.plan.rope_in_attention,
-            fuse_kv_write=self.plan.kv_write_in_attention and batch.decode_only,
+            fuse_kv_write=decode and self.plan.kv_write_in_attention,
             pdl=self.plan.pdl,
             fold_combine=self.plan.combine_in_attention,
             attention_launch=self.plan.launches.attention,
             kv_layers=self.kv_layers,
-            mamba=self._mamba_step(batch, state_slots),
+            mamba=mamba,
         )
-        hidden = None
-        if images is not None:  # the word embeddings with the image rows replaced (LlavaModel's own splice)
-            assert self.vlm is not None
-            hidden = self.vlm.splice(ids[None], images.embeds, images.index, positions[None])
-        out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx, decoder_input=hidden)
-        return out[0]
 
     def _mamba_step(self, batch: StepBatch, state_slots: torch.Tensor) -> MambaStepView | None:
         """The step's view of the Mamba states (None without Mamba layers), after zeroing the fresh requests'."""
