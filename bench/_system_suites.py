@@ -286,7 +286,7 @@ def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
     return tables
 
 
-ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_EMPTY,WARPS) compared; the default first
+ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_EMPTY,WARPS[,MIN_BLOCKS]); the default first
     "1,16,0,4 (default)": None,
     "1,16,1,4": "1,16,1,4",
     "2,16,1,4": "2,16,1,4",
@@ -294,6 +294,8 @@ ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_E
     "4,64,1,4": "4,64,1,4",
     "8,64,1,8": "8,64,1,8",
     "8,1,0,8": "8,1,0,8",
+    "4,16,1,4,4": "4,16,1,4,4",
+    "8,16,1,8,8": "8,16,1,8,8",
 }
 
 
@@ -312,7 +314,7 @@ def serve_attention(ctx: Context) -> list[dict[str, Any]]:
         rows.append(ctx.row(step, measured=bool(by), name=name, tpot=one, ratio=anchor / one if anchor and one else None,
                             tok64=by.get(64, {}).get("output_tok_s"), long=long.get("tpot_ms_p50")))  # fmt: skip
     return [table("paged-attention launches, llama-1b decode, one engine per launch", [
-        ("name", "launch (blocks a step, split cap, skip empty, warps)", ""), ("tpot", "batch 1 ms/token", ".3f"),
+        ("name", "launch (blocks a step, split cap, skip empty, warps, fewest blocks a split)", ""), ("tpot", "batch 1 ms/token", ".3f"),
         ("ratio", "batch-1 speed vs default", ".3f"), ("tok64", "64 requests tok/s", ",.0f"),
         ("long", "after a 16k prompt ms/token", ".3f")], rows,
         ["random weights, bf16, prompt 128 + 128 output tokens, greedy, compiled layers, CUDA graphs, the row plan; "

@@ -223,9 +223,11 @@ def _decode_rows() -> list[dict[str, Any]]:
     return rows
 
 
-ATTENTION_LAUNCHES = ((1, 16, 0, 4), (1, 16, 1, 4), (2, 16, 1, 4), (4, 16, 1, 4), (4, 64, 1, 4), (8, 64, 1, 4),
-                      (8, 64, 1, 8), (8, 1, 0, 4), (8, 1, 0, 8))  # fmt: skip
-"""(blocks a loop step, split cap, skip empty splits, warps): the launches the ``serve-attention`` suite times."""
+ATTENTION_LAUNCHES = ((1, 16, 0, 4, 1), (1, 16, 1, 4, 1), (2, 16, 1, 4, 1), (4, 16, 1, 4, 1), (4, 64, 1, 4, 1),
+                      (8, 64, 1, 4, 1), (8, 64, 1, 8, 1), (8, 1, 0, 4, 1), (8, 1, 0, 8, 1), (4, 16, 1, 4, 4),
+                      (8, 16, 1, 8, 8))  # fmt: skip
+"""(blocks a loop step, split cap, skip empty splits, warps, fewest blocks a split): the launches the
+``serve-attention`` suite times."""
 
 
 def _attention_rows() -> list[dict[str, Any]]:
@@ -237,11 +239,14 @@ def _attention_rows() -> list[dict[str, Any]]:
              **dict.fromkeys(("PM", "PL", "PACC"), "*fp32"), **dict.fromkeys(("BT", "TSEQ", "TCTX", "SLOTS"), "*i64"),
              **{n: "i32" for n in attend.arg_names if n.startswith("stride")}, "CNT": "*i32", "scale": "fp32"}  # fmt: skip
     rows = []
-    for step, splits, skip, warps in ATTENTION_LAUNCHES:
+    for step, splits, skip, warps, min_blocks in ATTENTION_LAUNCHES:
         consts = {"HEADS": 32, "HPG": 4, "HPG_PAD": 16, "D": 64, "BLOCK": 32, "SPLITS": splits, "IEEE": False,
                   "ROT": 64, "NEW_KV": True, "GDC": True, "FOLD": splits > 1, "PRE": True, "STEP": step,
-                  "SKIP": bool(skip) and splits > 1}  # fmt: skip
-        rows.append({"kernel": f"paged attention, decode{', skip empty' if skip else ''}", "products": "-",
+                  "SKIP": bool(skip) and splits > 1, "MIN_PER": min_blocks}  # fmt: skip
+        name = (
+            f"paged attention, decode{', skip empty' if skip else ''}{f', min {min_blocks}' if min_blocks > 1 else ''}"
+        )
+        rows.append({"kernel": name, "products": "-",
                      "positions": step, "channels": splits, "warps": warps, **usage(attend, consts, warps, types)})  # fmt: skip
     return rows
 

@@ -20,7 +20,9 @@ from tests.infer._kernels import KERNEL_DEVICES as DEVICES
 
 _NEEDS = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
 _LAUNCHES = [AttentionLaunch(2, 16, 0), AttentionLaunch(4, 16, 1), AttentionLaunch(2, 8, 1), AttentionLaunch(1, 16, 1),
-             AttentionLaunch(8, 1, 0, 8)]  # fmt: skip
+             AttentionLaunch(8, 1, 0, 8), AttentionLaunch(2, 16, 1, 4, 4), AttentionLaunch(1, 16, 0, 4, 3),
+             AttentionLaunch(8, 16, 1, 8, 8)]  # fmt: skip
+"""(the last three: splits of at least 4, 3 and 8 blocks, so the 7-block context goes to 2, 3 and 1 of them)"""
 
 
 def _cache(device: str) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]:
@@ -92,9 +94,12 @@ def test_launch_parse_and_errors() -> None:
     assert AttentionLaunch.parse("4,16,1") == AttentionLaunch(4, 16, 1)
     assert AttentionLaunch.parse("2") == AttentionLaunch(2, 16, 0, 4)
     assert AttentionLaunch.parse("8,64,1,8") == AttentionLaunch(8, 64, 1, 8)
-    assert str(AttentionLaunch(4, 32, 1)) == "4,32,1,4"
+    assert str(AttentionLaunch(4, 32, 1)) == "4,32,1,4,1"
+    assert AttentionLaunch.parse("8,16,1,8,8") == AttentionLaunch(8, 16, 1, 8, 8)
+    with pytest.raises(ValueError, match="MIN_BLOCKS=0 must be from 1 to 4096"):
+        AttentionLaunch.parse("8,16,1,8,0")
     for text, what in (("3", "STEP=3"), ("4,128", "MAX_SPLITS=128"), ("4,16,2", "SKIP_EMPTY=2"), ("a", "integers"),
-                       ("1,2,0,3", "WARPS=3"), ("1,2,0,4,5", "5 values")):  # fmt: skip
+                       ("1,2,0,3", "WARPS=3"), ("1,2,0,4,5,1", "6 values")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             AttentionLaunch.parse(text)
     plan = DecodePlan.from_dict({"preset": "row", "launches": {"attention": "4,32,1"}})
@@ -128,3 +133,33 @@ def test_engine_takes_the_plans_attention_launch(monkeypatch: pytest.MonkeyPatch
     res = LLM(model=model, config=cfg).generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
     assert seen and set(seen) == {launch}
+
+
+@_NEEDS
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+@pytest.mark.parametrize("min_blocks,active", [(1, 7), (2, 4), (4, 2), (8, 1)])
+def test_min_blocks_sends_a_short_context_to_fewer_splits(device: str, min_blocks: int, active: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A 7-block decode context over 8 splits, empty splits skipped: splits of at least ``min_blocks`` blocks leave
+    ``active`` of them with blocks, and only those store a partial state (one alone writes the output itself); the
+    output equals the reference either way."""
+    from mcore_infer import _triton_attention
+
+    kc, vc, tables, bt = _cache(device)
+    scratch: list[torch.Tensor] = []
+
+    def nan_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, heads, d = out.shape
+        pm = torch.full((t, heads, splits), float("nan"), device=out.device)
+        scratch.append(pm)
+        return pm, torch.full_like(pm, float("nan")), torch.full((t, heads, splits, d), float("nan"), device=out.device)
+
+    monkeypatch.setattr(_triton_attention, "_split_scratch", nan_scratch)
+    q = torch.randn(1, 8, 64, device=device)
+    tseq, tctx = torch.tensor([0], device=device), torch.tensor([103], device=device)
+    launch = AttentionLaunch(1, 16, 1, 4, min_blocks)
+    out = paged_attention_triton(q, kc, vc, bt, tseq, tctx, 0.125, splits=8, fold=True, launch=launch)
+    ref = plain_paged_attention(q, kc, vc, [Segment(0, 1, 0, 103)], tables)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    written = (~scratch[0][0, 0].isnan()).nonzero().flatten().tolist()
+    assert written == ([] if active == 1 else list(range(active)))

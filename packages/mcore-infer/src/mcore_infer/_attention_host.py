@@ -20,21 +20,27 @@ class AttentionLaunch(NamedTuple):
     round trips); ``max_splits``: the most programs that share one token's blocks in small decode batches (a power of
     two, :func:`num_splits`); ``skip_empty``: with the combine in the kernel (``fold``), splits that get no block
     leave at once and the last of the others combines only theirs, or with a single split that has blocks (a short
-    context) writes the output itself (1), instead of every split storing a state (0); ``warps`` per program."""
+    context) writes the output itself (1), instead of every split storing a state (0); ``warps`` per program;
+    ``min_blocks``: the fewest blocks a split takes, so that a short context goes to fewer splits (with
+    ``skip_empty``, the others leave at once: at 8 blocks and ``min_blocks`` 8 one program a KV group attends and
+    writes the output, no partial state, no combine) while a long one still spreads over ``max_splits``."""
 
     step: int = 1
     max_splits: int = 16
     skip_empty: int = 0
     warps: int = 4
+    min_blocks: int = 1
 
     def __str__(self) -> str:  # the form :meth:`parse` reads
         return ",".join(str(v) for v in self)
 
     @classmethod
     def parse(cls, text: str) -> AttentionLaunch:
-        """A checked launch from ``STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS]]]`` (integers; 16, 0 and 4 when left out)."""
-        source = f"attention launch {text!r} (expected STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS]]], e.g. 4,16,1)"
-        return cls(*parse_ints(text, source, (1, 2, 3, 4))).checked(source)
+        """A checked launch from ``STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS[,MIN_BLOCKS]]]]`` (integers; 16, 0, 4 and 1
+        when left out)."""
+        source = (f"attention launch {text!r} (expected STEP[,MAX_SPLITS[,SKIP_EMPTY[,WARPS[,MIN_BLOCKS]]]], e.g. "
+                  "4,16,1)")  # fmt: skip
+        return cls(*parse_ints(text, source, (1, 2, 3, 4, 5))).checked(source)
 
     def checked(self, source: str | None = None) -> AttentionLaunch:
         """This launch, or a ValueError saying which field the kernel cannot take (``source`` opens the message)."""
@@ -46,6 +52,8 @@ class AttentionLaunch(NamedTuple):
             raise ValueError(f"{source}: SKIP_EMPTY={self.skip_empty} must be 0 or 1")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{source}: WARPS={self.warps} must be one of 1, 2, 4, 8, 16")
+        if not 1 <= self.min_blocks <= 4096:
+            raise ValueError(f"{source}: MIN_BLOCKS={self.min_blocks} must be from 1 to 4096")
         return self
 
 

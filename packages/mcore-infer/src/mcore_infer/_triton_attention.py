@@ -193,6 +193,7 @@ def _kernel() -> Any:
         PRE: tl.constexpr,
         STEP: tl.constexpr,
         SKIP: tl.constexpr,
+        MIN_PER: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
@@ -209,6 +210,8 @@ def _kernel() -> Any:
             cached = ctx  # keys read from the cache
         num_blocks = (cached + BLOCK - 1) // BLOCK
         per_split = (num_blocks + SPLITS - 1) // SPLITS  # this program's share of the token's blocks
+        if MIN_PER > 1:  # a short context goes to fewer splits (the rest have no block)
+            per_split = tl.maximum(per_split, MIN_PER)
         if STEP > 1:  # whole tiles: a split's last tile ends at its last block or at the context's end
             per_split = (per_split + STEP - 1) // STEP * STEP
         first = split * per_split
@@ -381,8 +384,9 @@ def paged_attention_triton(
     a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead.
 
     ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: one block per loop step, at most 16
-    splits, no skipping, 4 warps): the blocks per loop step, the cap on :func:`num_splits`, whether a folded combine
-    skips splits that get no block, and the warps."""
+    splits, no skipping, 4 warps, splits of one block or more): the blocks per loop step, the cap on
+    :func:`num_splits`, whether a folded combine skips splits that get no block, the warps and the fewest blocks a
+    split takes."""
     launch = AttentionLaunch() if launch is None else launch.checked()
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
@@ -414,7 +418,7 @@ def paged_attention_triton(
         HEADS=heads, HPG=hpg, HPG_PAD=max(16, _pow2(hpg)), D=d, BLOCK=block_size, SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32, ROT=rot, NEW_KV=new_kv is not None, FOLD=counters is not None,
         PRE=new_kv is not None and (splits > 1 or launch.step > 1), STEP=launch.step,
-        SKIP=counters is not None and bool(launch.skip_empty), num_warps=launch.warps,
+        SKIP=counters is not None and bool(launch.skip_empty), MIN_PER=launch.min_blocks, num_warps=launch.warps,
         **gdc_launch(q, pdl),
     )
     # fmt: on
