@@ -270,7 +270,8 @@ class DelayedScaling(nn.Module):
         return scale[role], inv[role], slot
 
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (id(self.scale), self.scale._version, self._grad_weight)
+        # (inference mode in the key: scales made under it are inference tensors, which a training step cannot save)
+        key = (id(self.scale), self.scale._version, self._grad_weight, torch.is_inference_mode_enabled())
         if self._kernel_scales is None or self._kernel_scales[0] != key:
             with torch.no_grad():
                 weights = torch.tensor([1.0, 1.0, self._grad_weight], dtype=self.scale.dtype, device=self.scale.device)
