@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mcore_infer import DECODE_PRESETS, LLM, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams
+from mcore_infer import DECODE_PRESETS, LLM, AttentionLaunch, DecodeLaunches, DecodePlan, EngineConfig, SamplingParams
 from mcore_infer._triton_attention import num_splits, paged_attention_triton, store_kv_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
 from mcore_infer.kernels import GemvLaunch, NormLinearLaunch
@@ -204,6 +204,12 @@ GEMV_PLANS = {
         DECODE_PRESETS["row"], swiglu_down=False, row_fc1=False, fused_mlp=True, norm_gemv=True
     ),
     "norm_linear-launch": replace(DECODE_PRESETS["norm_linear"], launches=LAUNCHES),
+    **{
+        f"row-attention-{a}": replace(
+            DECODE_PRESETS["row"], launches=DecodeLaunches(attention=AttentionLaunch.parse(a))
+        )
+        for a in ("8,16,1,8,8", "4,16,1,4,4", "4,64,1,4")
+    },  # (the graphs take the plan's attention launch)
 }
 
 
