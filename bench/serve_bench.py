@@ -77,6 +77,7 @@ def build_llm(args: argparse.Namespace, mamba_decode: str | None = None, ssm_dty
         memory_fraction=0.6,
         compile=args.compile,
         lookahead=args.lookahead,
+        side_stream_copies=args.side_stream_copies,
         decode_kernels=decode_kernels(args.decode_kernels),
         mamba_ssm_dtype=ssm_dtype or args.mamba_ssm_dtype[0],
     )
@@ -169,6 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
     ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.lookahead (default on): overlap host and GPU steps")  # fmt: skip
+    ap.add_argument("--side-stream-copies", action="store_true",
+                    help="EngineConfig.side_stream_copies: two decode input sets, the copies off the step's stream")  # fmt: skip
     ap.add_argument("--decode-kernels", default="auto", metavar="PRESET|PLAN.json|JSON",
                     help="EngineConfig.decode_kernels: auto (default), none, attention, row, norm_linear, or a decode "
                     "plan as JSON (a file or inline)")  # fmt: skip

@@ -82,3 +82,24 @@ def test_a_kernel_that_cannot_run_falls_back_once(
     assert [r.getMessage() for r in caplog.records].count(
         "the argmax kernel failed (RuntimeError: no such instruction); greedy draws use torch.argmax"
     ) == 1
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "torch"] if DEVICES else ["torch"])
+def test_out_receives_the_tokens(device: str) -> None:
+    """``out=``: the tokens are written into the caller's buffer (the next decode step's input ids) and returned,
+    by the kernel and by torch's argmax alike; the greedy draw passes it through; a wrong buffer is refused."""
+    from mcore_infer import SamplingParams
+    from mcore_infer.sampling import Sampler, SampleRow
+
+    dev = "cpu" if device == "torch" else device
+    x = _cases(dev, torch.float32, 5000) if device != "torch" else torch.randn(7, 5000, dtype=torch.float64)
+    buf = torch.full((9,), -1, dtype=torch.int64, device=dev)
+    got = row_argmax(x, out=buf[1:8])
+    assert got.data_ptr() == buf[1:8].data_ptr()
+    assert buf.tolist() == [-1, *x.cpu().argmax(-1).tolist(), -1]
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1, 2], [], None, []) for _ in range(x.shape[0])]
+    buf.fill_(-1)
+    drawn = Sampler(dev).draw(x, rows, out=buf[:7])
+    assert drawn.result().tokens == x.cpu().argmax(-1).tolist() == buf[:7].tolist()
+    with pytest.raises(ValueError, match=r"out must be contiguous int64 \[7\]"):
+        row_argmax(x, out=buf[:6])

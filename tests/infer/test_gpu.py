@@ -168,6 +168,29 @@ def test_lookahead_with_cuda_graphs_matches_recompute() -> None:
     assert llm.engine.num_lookahead_steps > 0
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_side_stream_copies_match_recompute(compiled: bool) -> None:
+    """EngineConfig.side_stream_copies: two decode input sets used in turn, lookahead inputs uploaded on a side
+    stream, greedy tokens drawn straight into the next step's ids and copied out on another stream. Requests that
+    end at different lengths (the lookahead keeps a subset) and, in a second batch, rows with logprobs (the draw
+    writes a tensor of its own) give the recompute loop's tokens."""
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    eager = tiny_model().cuda()
+    lengths = [10, 4, 12, 7, 10, 1]
+    expected = [reference_greedy(eager, p, n) for p, n in zip(prompts, lengths)]
+    cfg = EngineConfig(block_size=16, num_blocks=96, max_num_seqs=6, max_num_batched_tokens=256, compile=compiled,
+                       side_stream_copies=True)  # fmt: skip
+    llm = LLM(model=tiny_model().cuda(), config=cfg)
+    sets = llm.runner.decode_sets
+    assert sets is not None and len(sets.sets) == 2 and sets.upload_stream is not None
+    for _ in range(2):  # twice: the second batch starts on whichever set the first left next
+        res = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+        assert [r.outputs[0].token_ids for r in res] == expected
+    assert llm.engine.num_lookahead_steps > 0
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2))
+    assert [r.outputs[0].token_ids for r in res] == [reference_greedy(eager, p, 10) for p in prompts]
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["", "deferred_residual"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_rope_engine_matches_recompute(compiled: bool, residual: bool) -> None:

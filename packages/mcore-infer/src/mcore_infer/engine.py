@@ -106,6 +106,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.lookahead = cfg.lookahead and runner.tp.size == 1
         self._ahead: tuple[list[Scheduled], torch.Tensor] | None = None
+        sets = runner.decode_sets
+        # (EngineConfig.side_stream_copies: the sampled tokens go to the host on a stream of their own)
+        self._copy_stream = torch.cuda.Stream(runner.device) if sets is not None and len(sets.sets) > 1 else None
         self.num_lookahead_steps = 0
         self.num_steps = 0
         self.num_aborted = 0
@@ -271,7 +274,8 @@ class LLMEngine:
             for s in sample_seqs
         ]  # fmt: skip
         try:
-            drawn = self.sampler.draw(sel, rows)
+            out = self.runner.next_decode_ids(len(rows)) if self.lookahead else None
+            drawn = self.sampler.draw(sel, rows, out=out, copy_stream=self._copy_stream)
         except Exception:
             log.warning("sampling a batch of %d failed; drawing its rows one by one", len(rows), exc_info=True)
             picks = self._sample_each(sel, rows, sample_seqs, outputs)

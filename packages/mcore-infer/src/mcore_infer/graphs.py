@@ -32,7 +32,7 @@ from mcore_infer.mamba_cache import MambaStepView
 if TYPE_CHECKING:
     from mcore_infer.runner import ModelRunner, StepBatch
 
-__all__ = ["StaticInputs", "capture_graphs", "replay_decode", "replay_step", "step_graph_fits"]
+__all__ = ["DecodeSets", "StaticInputs", "capture_graphs", "replay_decode", "replay_step", "step_graph_fits"]
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,34 @@ class StaticInputs:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def upload(self, used: int) -> None:
-        self.device_buf[:used].copy_(self.host_buf[:used], non_blocking=True)
+    def upload(self, used: int, start: int = 0) -> torch.cuda.Event:
+        """Copy the mirror's entries ``[start, used)`` on the current stream; the event that marks the copy done."""
+        self.device_buf[start:used].copy_(self.host_buf[start:used], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
+        return self._copied
+
+
+class DecodeSets:
+    """The decode graphs over one input buffer, or over two used in turn (``EngineConfig.side_stream_copies``):
+    then a lookahead step's inputs go up on ``upload_stream`` while the step before it runs (into the buffer that
+    step does not read), and the step's stream only waits for that copy's event."""
+
+    def __init__(self, sets: list[tuple[StaticInputs, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]]],
+                 upload_stream: torch.cuda.Stream | None) -> None:  # fmt: skip
+        self.sets = sets
+        self.upload_stream = upload_stream
+        self.next = 0
+        """The set the next decode step replays."""
+        self.replayed: list[torch.cuda.Event | None] = [None] * len(sets)
+        """Per set, its last replay's end (an upload into the set waits for it)."""
+
+    def next_ids(self, n: int) -> torch.Tensor | None:
+        """Where a draw of ``n`` tokens may write them for the next decode step to read (two sets only)."""
+        if len(self.sets) < 2:
+            return None
+        inputs, graphs = self.sets[self.next]
+        return inputs.view["ids"][:n] if n <= max(graphs) else None
 
 
 def _fill_tables(inputs: StaticInputs, tables: list[list[int]], rows: int) -> None:
@@ -122,34 +146,45 @@ def _capture_steps(runner: ModelRunner, pool: Any) -> Any:
 
 
 def capture_graphs(runner: ModelRunner) -> None:
-    """Capture the step graphs, then the decode graphs, into one pool (the caller checked that graphs apply)."""
+    """Capture the step graphs, then the decode graphs (over two input buffers with
+    ``EngineConfig.side_stream_copies``), into one pool (the caller checked that graphs apply)."""
     sizes = runner.config.graph_sizes()
     mx, w = sizes[-1], runner.max_blocks_per_seq
     fields = {k: mx for k in ("ids", "pos", "slots", "tseq", "tctx", "state_slots")}
-    runner.decode_inputs = inputs = StaticInputs(fields, mx, w, runner.device)
-    st = inputs.view
-    st["tseq"].copy_(torch.arange(mx, device=runner.device))
-    inputs.host_field("tseq")[:] = np.arange(mx)
+    two = runner.config.side_stream_copies and runner.config.lookahead and runner.tp.size == 1
+    sets = []
     with torch.inference_mode():
         pool = _capture_steps(runner, None)
-        for b in sorted(sizes, reverse=True):
-            ctx = _context(runner, st, b, b, None, decode=True, state_slots=st["state_slots"][:b])
-            graph, out = _capture_one(runner, ctx, st["ids"][:b], st["pos"][:b], pool)
-            pool = graph.pool()
-            runner.graphs[b] = (graph, out)
+        for _ in range(2 if two else 1):
+            inputs = StaticInputs(fields, mx, w, runner.device)
+            st = inputs.view
+            st["tseq"].copy_(torch.arange(mx, device=runner.device))
+            inputs.host_field("tseq")[:] = np.arange(mx)
+            graphs = {}
+            for b in sorted(sizes, reverse=True):
+                ctx = _context(runner, st, b, b, None, decode=True, state_slots=st["state_slots"][:b])
+                graph, out = _capture_one(runner, ctx, st["ids"][:b], st["pos"][:b], pool)
+                pool = graph.pool()
+                graphs[b] = (graph, out)
+            sets.append((inputs, graphs))
     torch.cuda.synchronize(runner.device)
+    runner.decode_inputs, runner.graphs = sets[0]
+    runner.decode_sets = DecodeSets(sets, torch.cuda.Stream(runner.device) if two else None)
     runner._graph_sizes = sorted(runner.graphs)
-    log.info("captured CUDA graphs: decode batch sizes %s, steps of up to %s tokens", runner._graph_sizes,
-             sorted(runner.step_graphs))  # fmt: skip
+    log.info("captured CUDA graphs: decode batch sizes %s%s, steps of up to %s tokens", runner._graph_sizes,
+             " (two input buffers)" if two else "", sorted(runner.step_graphs))  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------- replay
 def replay_decode(runner: ModelRunner, batch: StepBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode-only step of ``n`` tokens through the graph of the next batch size up."""
+    """A decode-only step of ``n`` tokens through the graph of the next batch size up (of the next input set)."""
     n = len(batch.tokens)
     b = next(s for s in runner._graph_sizes if s >= n)
-    inputs = runner.decode_inputs
-    assert inputs is not None
+    sets = runner.decode_sets
+    assert sets is not None
+    i = sets.next
+    sets.next = (i + 1) % len(sets.sets)
+    inputs, graphs = sets.sets[i]
     inputs.wait_copied()
     f = inputs.host_field
     for name, values in (("ids", batch.tokens), ("pos", batch.positions), ("slots", batch.slots),
@@ -160,13 +195,29 @@ def replay_decode(runner: ModelRunner, batch: StepBatch, device_ids: torch.Tenso
     ctx[:b] = 0  # padded rows attend to nothing
     ctx[:n] = np.asarray(batch.positions) + 1
     _fill_tables(inputs, batch.block_tables, b)
-    inputs.upload(inputs.offset["bt"] + b * inputs.width)
-    if device_ids is not None:
-        inputs.view["ids"][:n].copy_(device_ids)
+    used = inputs.offset["bt"] + b * inputs.width
+    ids = inputs.view["ids"][:n]
+    if device_ids is not None and sets.upload_stream is not None:
+        # off the step's stream, into the set the running step does not read (the ids come from the device)
+        main = torch.cuda.current_stream(runner.device)
+        with torch.cuda.stream(sets.upload_stream):
+            last = sets.replayed[i]
+            if last is not None:
+                sets.upload_stream.wait_event(last)
+            uploaded = inputs.upload(used, inputs.offset["pos"])
+        main.wait_event(uploaded)
+    else:
+        inputs.upload(used)
+    if device_ids is not None and device_ids.data_ptr() != ids.data_ptr():  # (a greedy draw wrote them in place)
+        ids.copy_(device_ids)
     if runner.mamba is not None and batch.fresh_slots:  # (one-token prompts) zeroed before the graph runs
         runner.mamba.reset(torch.tensor(batch.fresh_slots, device=runner.device))
-    graph, out = runner.graphs[b]
+    graph, out = graphs[b]
     graph.replay()
+    if sets.upload_stream is not None:
+        done = torch.cuda.Event()
+        done.record()
+        sets.replayed[i] = done
     if len(batch.logits_index) == n:
         return out[:n]
     return out[torch.tensor(batch.logits_index, device=out.device)]

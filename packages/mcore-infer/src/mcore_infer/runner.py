@@ -44,7 +44,7 @@ from mcore_infer._triton_attention import triton_available
 from mcore_infer.attention import PagedAttentionContext, Segment
 from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
-from mcore_infer.graphs import StaticInputs, capture_graphs, replay_decode, replay_step, step_graph_fits
+from mcore_infer.graphs import DecodeSets, StaticInputs, capture_graphs, replay_decode, replay_step, step_graph_fits
 from mcore_infer.images import ImageSplice, VisionInfo, vision_info
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
@@ -194,6 +194,8 @@ class ModelRunner:
         """Step graphs by token count: the graph, its logits and how many logits rows it makes."""
         self._graph_sizes: list[int] = []
         self.decode_inputs: StaticInputs | None = None
+        self.decode_sets: DecodeSets | None = None
+        """The decode graphs' input sets (one, or two used in turn: ``EngineConfig.side_stream_copies``)."""
         self.step_inputs: StaticInputs | None = None
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
 
@@ -341,6 +343,11 @@ class ModelRunner:
             hidden = self.vlm.splice(ids[None], images.embeds, images.index, positions[None])
         out = self.decode(ids[None], positions[None], gather_logits=True, inference_context=ctx, decoder_input=hidden)
         return out[0]
+
+    def next_decode_ids(self, n: int) -> torch.Tensor | None:
+        """Where a draw of ``n`` tokens may write them for the next decode step's graph to read in place (two input
+        sets, ``EngineConfig.side_stream_copies``); None otherwise."""
+        return None if self.decode_sets is None else self.decode_sets.next_ids(n)
 
     def attention_context(
         self,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -140,7 +141,8 @@ class Drawn:
     batch 1: 1.28 ms per token with the copy in ``result``, 0.916 ms with it here; the GPU is busy 0.89 ms a step).
     """
 
-    def __init__(self, tokens: torch.Tensor, rows: list[SampleRow], logp: torch.Tensor | None) -> None:
+    def __init__(self, tokens: torch.Tensor, rows: list[SampleRow], logp: torch.Tensor | None,
+                 copy_stream: Any = None) -> None:  # fmt: skip
         self.tokens, self.rows = tokens, rows
         parts = [tokens]
         if logp is not None:
@@ -148,11 +150,23 @@ class Drawn:
             parts.append(logp.gather(1, tokens[:, None])[:, 0])
             top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
             parts += [top_v, top_i]
-        self._host = [_start_host_copy(t) for t in parts]
         self._ready: torch.cuda.Event | None = None
-        if tokens.is_cuda:
+        if not tokens.is_cuda or copy_stream is None:
+            self._host = [_start_host_copy(t) for t in parts]
+            if tokens.is_cuda:
+                self._ready = torch.cuda.Event()
+                self._ready.record(torch.cuda.current_stream(tokens.device))
+            return
+        # the copies on their own stream, after the draw: the step's stream goes on to the next step without them
+        drawn = torch.cuda.Event()
+        drawn.record(torch.cuda.current_stream(tokens.device))
+        with torch.cuda.stream(copy_stream):
+            copy_stream.wait_event(drawn)
+            self._host = [_start_host_copy(t) for t in parts]
             self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(tokens.device))
+            self._ready.record(copy_stream)
+        for t in parts:
+            t.record_stream(copy_stream)  # (their memory is not reused before the copies have read it)
 
     def result(self) -> SampleResult:
         """The tokens (and log-probabilities) on the host: waits for the copies started at construction."""
@@ -210,13 +224,18 @@ class Sampler:
         """``logits``: ``[len(rows), vocab]`` (any float dtype, any device)."""
         return self.draw(logits, rows).result()
 
-    def draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> Drawn:
-        """Choose the tokens on the device without waiting for them (``Drawn.tokens``); ``.result()`` fetches them."""
+    def draw(self, logits: torch.Tensor, rows: list[SampleRow], out: torch.Tensor | None = None,
+             copy_stream: Any = None) -> Drawn:  # fmt: skip
+        """Choose the tokens on the device without waiting for them (``Drawn.tokens``); ``.result()`` fetches them.
+
+        ``out`` (int64 ``[rows]``): where a batch of only plain greedy rows writes its tokens (the engine passes the
+        next decode step's input ids); other batches draw into a tensor of their own. ``copy_stream``: the CUDA
+        stream that copies the tokens to the host (None: the current stream, in order with the step)."""
         n = len(rows)
         assert logits.shape[0] == n
         fast = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in rows)
-        if fast and not any(r.banned for r in rows):
-            return Drawn(row_argmax(logits), rows, None)  # (one Triton kernel on the GPU: torch's argmax exactly)
+        if fast and not any(r.banned for r in rows):  # (one Triton kernel on the GPU: torch's argmax exactly)
+            return Drawn(row_argmax(logits, out=out), rows, None, copy_stream)
         x = logits.float().clone()
         self._penalise(x, rows)
         x = _finite(x)
@@ -240,7 +259,7 @@ class Sampler:
             tokens[g_idx] = _argmax(x[g_idx], logits[g_idx])
             x_d = x[d_idx]
             tokens[d_idx] = self._draw(x_d, [rows[i] for i in drawn], _argmax(x_d, logits[d_idx]))
-        return Drawn(tokens, rows, logp)
+        return Drawn(tokens, rows, logp, copy_stream)
 
     # ---------------------------------------------------------------------------------------------------------
     def _penalise(self, x: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -69,26 +69,37 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[rows, vocab]`` logits (int64 ``[rows]``): the first index of each row's largest
-    value, or of its first NaN."""
+    value, or of its first NaN. ``out`` (int64 ``[rows]``, contiguous): written and returned instead of a new
+    tensor (the engine passes the next decode step's input ids, so the step needs no copy of them)."""
     global _FAILED
+    if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64 or not out.is_contiguous()):
+        raise ValueError(f"row_argmax: out must be contiguous int64 [{logits.shape[0]}], got {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
     if _FAILED is not None or logits.dim() != 2 or not _use_triton(logits) or 0 in logits.shape:
-        return logits.argmax(-1)
+        return _torch_argmax(logits, out)
     rows, v = logits.shape
     counters = zeroed_counters(logits.device, rows, "argmax")
     if counters is None or logits.stride(-1) != 1:
-        return logits.argmax(-1)
+        return _torch_argmax(logits, out)
     chunks = -(-v // BLOCK)
     pv = torch.empty(rows, chunks, device=logits.device, dtype=torch.float32)
     pi = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     pn = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
-    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    if out is None:
+        out = torch.empty(rows, device=logits.device, dtype=torch.int64)
     try:
         _kernel()[(rows, chunks)](logits, pv, pi, pn, counters, out, v, chunks, logits.stride(0), BLOCK=BLOCK,
                                   CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)  # fmt: skip
     except Exception as e:  # a Triton that cannot compile it: torch's argmax from now on, said once
         _FAILED = f"{type(e).__name__}: {e}"
         log.warning("the argmax kernel failed (%s); greedy draws use torch.argmax", _FAILED)
-        return logits.argmax(-1)
+        return _torch_argmax(logits, out)
     return out
+
+
+def _torch_argmax(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return logits.argmax(-1)
+    return torch.argmax(logits, -1, out=out)
