@@ -247,17 +247,19 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     "row without row_fc1": '{"preset": "row", "row_fc1": false}',
     "row GEMVs alone (none of the three)": '{"preset": "row", "norm_gemv": false, "combine_in_attention": false, '
     '"row_fc1": false}',
+    "row, the copies off the step's stream (side_stream_copies)": ("row", ["--side-stream-copies"]),
 }
 
 
-def _per_plan(ctx: Context, plans: dict[str, str], prefix: str, flags: list[str], timeout: float) -> list[tuple]:
-    """Each decode plan of ``plans`` through ``serve_bench.py`` (3 runs, one engine each, in turn): ``(name, step,
-    its JSON)``."""
+def _per_plan(ctx: Context, plans: dict[str, Any], prefix: str, flags: list[str], timeout: float) -> list[tuple]:
+    """Each decode plan of ``plans`` (a plan, or a plan and more ``serve_bench.py`` flags) through ``serve_bench.py``
+    (3 runs, one engine each, in turn): ``(name, step, its JSON)``."""
     runs = []
-    for i, (name, plan) in enumerate(plans.items()):
+    for i, (name, entry) in enumerate(plans.items()):
+        plan, more = entry if isinstance(entry, tuple) else (entry, [])
         out = ctx.path(f"{prefix}-{i}.json")
-        step = ctx.run([PY, "bench/serve_bench.py", "--compile", *flags, "--repeats", "3", "--http-concurrency", "",
-                        "--decode-kernels", plan, "--out", out], timeout=timeout, out=out)  # fmt: skip
+        step = ctx.run([PY, "bench/serve_bench.py", "--compile", *flags, *more, "--repeats", "3", "--http-concurrency",
+                        "", "--decode-kernels", plan, "--out", out], timeout=timeout, out=out)  # fmt: skip
         runs.append((name, step, step.data or {}))
     return runs
 
@@ -393,8 +395,8 @@ SYSTEM_SUITES = [
           "the engine's host time per step", "Hugging Face generate() with a static cache and torch.compile, same "
           "call", 7, 1, serve),
     Suite("serve-batch1", "llama-1b batch-1 decode under the row plan without each of its fusions (norm inside the "
-          "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three) and the MLP "
-          "half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
+          "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three), with the "
+          "copies off the step's stream (side_stream_copies), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
           1, serve_batch1),
     Suite("serve-attention", "llama-1b decode at 1 and 64 requests and after a 16k prompt under paged-attention "
           "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",
