@@ -354,3 +354,22 @@ def test_graph_steps_take_every_attention_option_of_the_plan() -> None:
     assert (graph.fuse_kv_write, graph.fold_combine, graph.fuses_rotary, graph.pdl) == (
         p.kv_write_in_attention, p.combine_in_attention, p.rope_in_attention, p.pdl)  # fmt: skip
     assert runner.plan.launches.attention == launch
+
+
+def test_decode_sets_offer_the_next_sets_ids_with_two_sets_only() -> None:
+    """``DecodeSets.next_ids``: with two input sets a draw may write its tokens into the ids of the set the next decode
+    step replays (up to the largest graph's rows); with one set (the default) it may not, so the draw keeps its own
+    tensor and the step copies it."""
+    from types import SimpleNamespace
+
+    from mcore_infer.graphs import DecodeSets
+
+    bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(2)]
+    sets = [(SimpleNamespace(view={"ids": b}), {1: None, 4: None}) for b in bufs]
+    two = DecodeSets(sets, upload_stream=None)  # type: ignore[arg-type]
+    assert two.next_ids(3) is not None and two.next_ids(3).data_ptr() == bufs[0].data_ptr()  # type: ignore[union-attr]
+    two.next = 1
+    got = two.next_ids(4)
+    assert got is not None and got.data_ptr() == bufs[1].data_ptr() and got.shape == (4,)
+    assert two.next_ids(5) is None  # beyond the largest graph: the step runs another way
+    assert DecodeSets(sets[:1], upload_stream=None).next_ids(3) is None  # type: ignore[arg-type]
