@@ -168,7 +168,7 @@ def capture_graphs(runner: ModelRunner) -> None:
                 graphs[b] = (graph, out)
             sets.append((inputs, graphs))
     torch.cuda.synchronize(runner.device)
-    runner.decode_inputs, runner.graphs = sets[0]
+    runner.graphs = sets[0][1]
     runner.decode_sets = DecodeSets(sets, torch.cuda.Stream(runner.device) if two else None)
     runner._graph_sizes = sorted(runner.graphs)
     log.info("captured CUDA graphs: decode batch sizes %s%s, steps of up to %s tokens", runner._graph_sizes,

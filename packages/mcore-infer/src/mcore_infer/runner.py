@@ -193,7 +193,6 @@ class ModelRunner:
         self.step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
         """Step graphs by token count: the graph, its logits and how many logits rows it makes."""
         self._graph_sizes: list[int] = []
-        self.decode_inputs: StaticInputs | None = None
         self.decode_sets: DecodeSets | None = None
         """The decode graphs' input sets (one, or two used in turn: ``EngineConfig.side_stream_copies``)."""
         self.step_inputs: StaticInputs | None = None

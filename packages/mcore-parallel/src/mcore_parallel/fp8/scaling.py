@@ -234,11 +234,7 @@ class DelayedScaling(nn.Module):
             self.record(role, a / weight)
             return scale_from_amax(a, fmt, self.margin)
         self.record(role, amax_of(t) / weight)
-        return self._stored(role, weight)
-
-    def _stored(self, role: int, weight: float) -> torch.Tensor:
-        stored = self.scale[role]
-        return torch.where(stored > 0, stored / weight, torch.ones_like(stored))
+        return self._scales()[0][role]
 
     def quantize(
         self, role: int, t: torch.Tensor, group: Group | None, transpose: bool
@@ -274,8 +270,7 @@ class DelayedScaling(nn.Module):
         key = (id(self.scale), self.scale._version, self._grad_weight, torch.is_inference_mode_enabled())
         if self._kernel_scales is None or self._kernel_scales[0] != key:
             with torch.no_grad():
-                weights = torch.tensor([1.0, 1.0, self._grad_weight], dtype=self.scale.dtype, device=self.scale.device)
-                scale = torch.where(self.scale > 0, self.scale / weights, torch.ones_like(self.scale))
+                scale = torch.where(self.scale > 0, self.scale / self._role_weights(), torch.ones_like(self.scale))
                 self._kernel_scales = (key, scale, scale.reciprocal())
         return self._kernel_scales[1], self._kernel_scales[2]
 
@@ -287,8 +282,11 @@ class DelayedScaling(nn.Module):
 
     def step_amax(self) -> torch.Tensor:
         """This step's maxima so far (``[3]``, per unit of loss weight): :attr:`amax` and the kernels' maxima."""
-        weights = torch.tensor([1.0, 1.0, self._grad_weight], dtype=self.amax.dtype, device=self.amax.device)
-        return torch.maximum(self.amax, self.amax_raw / weights)
+        return torch.maximum(self.amax, self.amax_raw / self._role_weights())
+
+    def _role_weights(self) -> torch.Tensor:
+        """Each role's loss weight (``[3]``): 1 for the input and the weight, the gradient weight for the gradient."""
+        return torch.tensor([1.0, 1.0, self._grad_weight], dtype=self.scale.dtype, device=self.scale.device)
 
     def roll(self, amax: torch.Tensor) -> None:
         """End of a step: push ``amax`` (``[3]``, this step's maxima reduced over the ranks; non-finite entries
