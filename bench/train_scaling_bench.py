@@ -121,6 +121,18 @@ CASES: dict[str, Case] = {
 }  # fmt: skip
 
 
+def _first_traceback(out: str, keep: int = 6000) -> str:
+    """The first traceback of ``out`` through its exception line (the middle frames cut to ``keep`` characters), or
+    the last ``keep`` characters without one."""
+    first = out.find("Traceback (most recent call last)")
+    if first < 0:
+        return out[-keep:]
+    lines = out[first:].splitlines()
+    end = next((i for i, line in enumerate(lines[1:], 1) if line and not line[0].isspace()), len(lines) - 1)
+    text = "\n".join(lines[: end + 1])
+    return text if len(text) <= keep else text[: keep // 2] + "\n...\n" + text[-keep // 2 :]
+
+
 def run_case(label: str, case: Case, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     run_dir = workdir / label.replace("/", "_").replace("=", "-")
     iters = args.steps + (args.steps // 2 if args.profile else 0)  # profiling: one more window, the last one clean
@@ -144,8 +156,7 @@ def run_case(label: str, case: Case, extra: list[str], args: argparse.Namespace,
     wall = time.perf_counter() - start
     if proc.returncode != 0:  # the first traceback is the training process's own (torchrun's wrapper follows it)
         out = proc.stdout + proc.stderr
-        first = out.find("Traceback (most recent call last)")
-        return {**head, "error": out[first : first + 3000] if first >= 0 else out[-3000:]}
+        return {**head, "error": _first_traceback(out)}
     if args.profile and (run_dir / "profile-rank0.md").exists():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         shutil.copy(run_dir / "profile-rank0.md", Path(args.profile) / f"profile-{run_dir.name}.md")
