@@ -104,6 +104,20 @@ def test_delayed_scaling_history_and_scales() -> None:
     assert s.amax_history[:, 0].tolist() == [1.0, 1.0, 2.0] and s.scale[0].item() == 448 / 2
 
 
+def test_kernel_scales_sit_at_16_byte_aligned_addresses() -> None:
+    """cuBLAS refuses a ``torch._scaled_mm`` scale at an address not a multiple of 16 bytes
+    (CUBLAS_STATUS_NOT_SUPPORTED): every role's cached scale and reciprocal is its own aligned element."""
+    s = _state()
+    s.roll(torch.tensor([4.0, 2.0, 1.0]))
+    s.grad_weight = 0.5
+    for role, expected in enumerate([448 / 4, 448 / 2, 57344 / 1 / 0.5]):
+        scale, inv, _ = s.kernel_scale(role)
+        assert scale.dim() == 0 and inv.dim() == 0
+        assert scale.item() == pytest.approx(expected) and inv.item() == pytest.approx(1 / expected)
+        assert scale.data_ptr() % 16 == 0 and inv.data_ptr() % 16 == 0, role
+        assert s.scale_for(role, torch.ones(2, 16), None).data_ptr() % 16 == 0
+
+
 def test_delayed_scaling_most_recent_and_margin() -> None:
     s = _state(length=4, algo="most_recent", margin=1)
     s.roll(torch.tensor([8.0, 8.0, 8.0]))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+import torch.nn.functional as F
 
 from mcore_parallel.fp8 import cast_triton
 from mcore_parallel.fp8.recipe import Fp8Format
@@ -271,7 +272,10 @@ class DelayedScaling(nn.Module):
         if self._kernel_scales is None or self._kernel_scales[0] != key:
             with torch.no_grad():
                 scale = torch.where(self.scale > 0, self.scale / self._role_weights(), torch.ones_like(self.scale))
-                self._kernel_scales = (key, scale, scale.reciprocal())
+                # each role's scale 16 bytes from the next: cuBLAS takes a scale (scale_inv to torch._scaled_mm)
+                # at a 16-byte aligned address only (CUBLAS_STATUS_NOT_SUPPORTED at offset 4 or 8)
+                padded = F.pad(torch.stack([scale, scale.reciprocal()])[..., None], (0, 3))
+                self._kernel_scales = (key, padded[0, :, 0], padded[1, :, 0])
         return self._kernel_scales[1], self._kernel_scales[2]
 
     def _fold_raw(self) -> None:
