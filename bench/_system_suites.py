@@ -247,7 +247,7 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     "row without row_fc1": '{"preset": "row", "row_fc1": false}',
     "row GEMVs alone (none of the three)": '{"preset": "row", "norm_gemv": false, "combine_in_attention": false, '
     '"row_fc1": false}',
-    "row, the copies off the step's stream (side_stream_copies)": ("row", ["--side-stream-copies"]),
+    "row, the copies on the step's stream (side_stream_copies off)": ("row", ["--no-side-stream-copies"]),
 }
 
 
@@ -289,7 +289,8 @@ def serve_batch1(ctx: Context) -> list[dict[str, Any]]:
 
 
 ATTENTION_LAUNCHES = {  # the paged attention's launches (STEP,MAX_SPLITS,SKIP_EMPTY,WARPS[,MIN_BLOCKS]); the default first
-    "1,16,0,4 (default)": None,
+    "default (8,16,1,8,8 for steps of up to 4 tokens, else 1,16,0,4)": None,
+    "1,16,0,4": "1,16,0,4",
     "1,16,1,4": "1,16,1,4",
     "2,16,1,4": "2,16,1,4",
     "4,16,1,4": "4,16,1,4",
@@ -396,7 +397,7 @@ SYSTEM_SUITES = [
           "call", 7, 1, serve),
     Suite("serve-batch1", "llama-1b batch-1 decode under the row plan without each of its fusions (norm inside the "
           "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three), with the "
-          "copies off the step's stream (side_stream_copies), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
+          "copies on the step's stream (side_stream_copies off), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
           1, serve_batch1),
     Suite("serve-attention", "llama-1b decode at 1 and 64 requests and after a 16k prompt under paged-attention "
           "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",

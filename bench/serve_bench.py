@@ -170,8 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile each layer")
     ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.lookahead (default on): overlap host and GPU steps")  # fmt: skip
-    ap.add_argument("--side-stream-copies", action="store_true",
-                    help="EngineConfig.side_stream_copies: two decode input sets, the copies off the step's stream")  # fmt: skip
+    ap.add_argument("--side-stream-copies", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.side_stream_copies (default on): two decode input sets, the copies off the "
+                    "step's stream")  # fmt: skip
     ap.add_argument("--decode-kernels", default="auto", metavar="PRESET|PLAN.json|JSON",
                     help="EngineConfig.decode_kernels: auto (default), none, attention, row, norm_linear, or a decode "
                     "plan as JSON (a file or inline)")  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcore_infer import AttentionLaunch, DecodePlan
-from mcore_infer._attention_host import num_splits
+from mcore_infer._attention_host import SMALL_STEP_LAUNCH, default_launch, num_splits
 from mcore_infer._triton_attention import paged_attention_triton, triton_available
 from mcore_infer.attention import Segment, plain_paged_attention
 from mcore_infer.kernels._counters import zeroed_counters
@@ -135,17 +135,11 @@ def test_engine_takes_the_plans_attention_launch(monkeypatch: pytest.MonkeyPatch
     assert seen and set(seen) == {launch}
 
 
-@_NEEDS
-@pytest.mark.parametrize("device", DEVICES or ["cpu"])
-@pytest.mark.parametrize("min_blocks,active", [(1, 7), (2, 4), (4, 2), (8, 1)])
-def test_min_blocks_sends_a_short_context_to_fewer_splits(device: str, min_blocks: int, active: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """A 7-block decode context over 8 splits, empty splits skipped: splits of at least ``min_blocks`` blocks leave
-    ``active`` of them with blocks, and only those store a partial state (one alone writes the output itself); the
-    output equals the reference either way."""
+def _nan_scratch(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The kernel's split scratch (partial maxima, sums, outputs) filled with NaN, each maxima tensor appended to the
+    list returned, so a test sees which splits stored a partial state."""
     from mcore_infer import _triton_attention
 
-    kc, vc, tables, bt = _cache(device)
     scratch: list[torch.Tensor] = []
 
     def nan_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,6 +149,19 @@ def test_min_blocks_sends_a_short_context_to_fewer_splits(device: str, min_block
         return pm, torch.full_like(pm, float("nan")), torch.full((t, heads, splits, d), float("nan"), device=out.device)
 
     monkeypatch.setattr(_triton_attention, "_split_scratch", nan_scratch)
+    return scratch
+
+
+@_NEEDS
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+@pytest.mark.parametrize("min_blocks,active", [(1, 7), (2, 4), (4, 2), (8, 1)])
+def test_min_blocks_sends_a_short_context_to_fewer_splits(device: str, min_blocks: int, active: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A 7-block decode context over 8 splits, empty splits skipped: splits of at least ``min_blocks`` blocks leave
+    ``active`` of them with blocks, and only those store a partial state (one alone writes the output itself); the
+    output equals the reference either way."""
+    kc, vc, tables, bt = _cache(device)
+    scratch = _nan_scratch(monkeypatch)
     q = torch.randn(1, 8, 64, device=device)
     tseq, tctx = torch.tensor([0], device=device), torch.tensor([103], device=device)
     launch = AttentionLaunch(1, 16, 1, 4, min_blocks)
@@ -163,3 +170,24 @@ def test_min_blocks_sends_a_short_context_to_fewer_splits(device: str, min_block
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     written = (~scratch[0][0, 0].isnan()).nonzero().flatten().tolist()
     assert written == ([] if active == 1 else list(range(active)))
+
+
+@_NEEDS
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+def test_small_steps_take_the_small_step_launch_by_default(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a launch from the plan, a step of at most four tokens runs :data:`SMALL_STEP_LAUNCH` (splits of at
+    least 8 blocks: a 7-block context goes to one split, which writes the output itself) and a larger step
+    ``AttentionLaunch()`` (every split stores its partial state, empty ones too); both equal the reference."""
+    assert [default_launch(t) for t in (1, 4, 5, 64)] == [SMALL_STEP_LAUNCH] * 2 + [AttentionLaunch()] * 2
+    assert AttentionLaunch.parse("8,16,1,8,8") == SMALL_STEP_LAUNCH
+    kc, vc, tables, bt = _cache(device)
+    scratch = _nan_scratch(monkeypatch)
+    for tokens in (4, 5):
+        q = torch.randn(tokens, 8, 64, device=device)
+        tseq = torch.zeros(tokens, dtype=torch.int64, device=device)
+        tctx = torch.full((tokens,), 103, device=device)
+        out = paged_attention_triton(q, kc, vc, bt, tseq, tctx, 0.125, splits=8, fold=True)
+        ref = plain_paged_attention(q, kc, vc, [Segment(i, i + 1, 0, 103) for i in range(tokens)], tables)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    small, large = ((~pm[:, 0].isnan()).any(0).nonzero().flatten().tolist() for pm in scratch)
+    assert small == [] and large == list(range(8))

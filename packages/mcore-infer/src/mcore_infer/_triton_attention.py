@@ -27,6 +27,7 @@ from mcore_infer._attention_host import (
     _rotary_rows,
     _sm_count,
     _split_scratch,
+    default_launch,
     num_splits,
 )
 from mcore_infer.errors import MissingDependencyError
@@ -383,14 +384,13 @@ def paged_attention_triton(
     counters are zeroed once per device and kept (:func:`~mcore_infer.kernels._counters.zeroed_counters`). Inside
     a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead.
 
-    ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: one block per loop step, at most 16
-    splits, no skipping, 4 warps, splits of one block or more): the blocks per loop step, the cap on
-    :func:`num_splits`, whether a folded combine skips splits that get no block, the warps and the fewest blocks a
-    split takes."""
-    launch = AttentionLaunch() if launch is None else launch.checked()
+    ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: :func:`default_launch` of the step's
+    token count): the blocks per loop step, the cap on :func:`num_splits`, whether a folded combine skips splits that
+    get no block, the warps and the fewest blocks a split takes."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
+    launch = default_launch(t) if launch is None else launch.checked()
     heads = hpg * groups
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     if t == 0:

@@ -44,9 +44,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each layer (fused elementwise ops); default: on for a CUDA device")  # fmt: skip
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each decode step before reading the last one (default on; one TP rank)")  # fmt: skip
-    p.add_argument("--side-stream-copies", action="store_true",
+    p.add_argument("--side-stream-copies", action=argparse.BooleanOptionalAction, default=True,
                    help="with --lookahead and CUDA graphs: two decode input buffers, the copies off the steps' stream "
-                   "(EngineConfig.side_stream_copies; not yet timed)")  # fmt: skip
+                   "(EngineConfig.side_stream_copies; default on)")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
     p.add_argument("--mamba-ssm-dtype", default="float32", choices=list(MAMBA_SSM_DTYPES),
                    help="Mamba and hybrid models: each request's SSM state in float32 (exact) or 16 bits (half its "

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from mcore_parallel.fp8 import cast_triton
 from mcore_parallel.fp8.recipe import Fp8Format
