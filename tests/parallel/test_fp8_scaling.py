@@ -8,7 +8,7 @@ import torch
 
 from mcore_parallel import ParallelConfigError
 from mcore_parallel.fp8 import E4M3, E5M2, DelayedScaling, Fp8Recipe, amax_of, current_scale, quantize
-from mcore_parallel.fp8.scaling import quantize_with_transpose, scale_from_amax
+from mcore_parallel.fp8.scaling import quantize_with_transpose, roll_all, scale_from_amax, step_amaxes
 
 
 def test_formats_are_torchs() -> None:
@@ -116,6 +116,42 @@ def test_kernel_scales_sit_at_16_byte_aligned_addresses() -> None:
         assert scale.item() == pytest.approx(expected) and inv.item() == pytest.approx(1 / expected)
         assert scale.data_ptr() % 16 == 0 and inv.data_ptr() % 16 == 0, role
         assert s.scale_for(role, torch.ones(2, 16), None).data_ptr() % 16 == 0
+
+
+def test_roll_all_rolls_each_state_as_its_own_roll_would() -> None:
+    """States of several history lengths, algorithms and margins rolled together (``roll_all``, batched by kind)
+    against each one's history and scales computed here in float64, over steps with zeros, NaN and inf; the step's
+    maxima (``step_amaxes``: the kernels' raw maxima divided by the gradient weight) and ``roll`` of one state."""
+    kinds = [(4, "max", 0), (4, "max", 0), (2, "most_recent", 1), (4, "max", 2), (1, "max", 0), (4, "max", 0)]
+    states = [_state(n, algo, m) for n, algo, m in kinds]
+    fmax = torch.tensor([448.0, 448.0, 57344.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    hist = [torch.zeros(n, 3, dtype=torch.float64) for n, _, _ in kinds]
+    scale = [torch.zeros(3, dtype=torch.float64) for _ in kinds]
+    for step in range(6):
+        amax = torch.rand(len(states), 3, generator=g, dtype=torch.float64) * 10
+        raw = torch.rand(len(states), 3, generator=g, dtype=torch.float64) * 10
+        amax[1, 0], amax[2, 1], amax[3, 2] = 0.0, float("nan"), float("inf")  # count as 0: the scale stays
+        weight = [1.0, 0.5, 0.25][step % 3]
+        for s, a, r in zip(states, amax, raw, strict=True):
+            s.grad_weight = weight
+            s.amax.copy_(a), s.amax_raw.copy_(r)
+        expected_step = torch.maximum(amax, raw / torch.tensor([1.0, 1.0, weight], dtype=torch.float64))
+        got_step = step_amaxes(states)
+        assert torch.allclose(got_step.double(), expected_step.float().double(), rtol=1e-6, equal_nan=True)
+        if step == 5:
+            states[0].roll(got_step[0])
+            roll_all(states[1:], got_step[1:])
+        else:
+            roll_all(states, got_step)
+        for i, ((_n, algo, margin), s) in enumerate(zip(kinds, states, strict=True)):
+            a = torch.nan_to_num(got_step[i].double(), nan=0.0, posinf=0.0, neginf=0.0)
+            hist[i] = torch.cat([a[None], hist[i][:-1]])
+            ref = hist[i].amax(0) if algo == "max" else hist[i][0]
+            scale[i] = torch.where(ref > 0, fmax / 2.0**margin / ref, scale[i])
+            assert torch.allclose(s.amax_history.double(), hist[i], rtol=1e-6), (step, i)
+            assert torch.allclose(s.scale.double(), scale[i], rtol=1e-6), (step, i)
+            assert s.ready() and not s.amax.any() and not s.amax_raw.any()
 
 
 def test_delayed_scaling_most_recent_and_margin() -> None:

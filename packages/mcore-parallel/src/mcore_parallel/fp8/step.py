@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore_parallel.fp8.layers import Fp8Linear
+from mcore_parallel.fp8.scaling import roll_all, step_amaxes
 from mcore_parallel.state import Group
 from mcore_parallel.tensor import _comm
 
@@ -53,11 +54,10 @@ def roll_delayed_scaling(layers: Iterable[Fp8Linear], group: Group | None = None
     states = [m.fp8_scaling for m in layers if m.fp8_scaling is not None]
     if not states:
         return
-    amax = torch.stack([s.step_amax() for s in states])
+    amax = step_amaxes(states)
     if group is not None and group.size > 1:
         _comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
-    for s, a in zip(states, amax, strict=True):
-        s.roll(a)
+    roll_all(states, amax)
 
 
 @contextmanager
