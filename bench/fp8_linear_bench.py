@@ -9,6 +9,7 @@ gradient's quantisation, by the Triton casts and by the ``torch.compile``-genera
 
     python3 bench/fp8_linear_bench.py --out fp8_linear.json
     python3 bench/fp8_linear_bench.py --tune-casts   # the Triton cast's tile shapes, fastest first
+    python3 bench/fp8_linear_bench.py --tune-swiglu  # the fused SwiGLU casts' tiles (forward and backward), fastest first
     python3 bench/fp8_linear_bench.py --mlp          # the whole MLP: bf16, FP8 (delayed), FP8 + fused SwiGLU casts
 """
 
@@ -129,6 +130,33 @@ def tune_casts(tokens: int, iters: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["tensor"], r["ms"]))
 
 
+def tune_swiglu(tokens: int, iters: int) -> list[dict[str, Any]]:
+    """The fused SwiGLU casts of llama-1b's MLP (``h`` ``[tokens, 2 x 8192]`` bf16): the forward's activation with
+    its transpose (E4M3) and the backward's input gradient with its transpose (E5M2), at each tile of
+    ``fp8_swiglu.TILES``: ms and GB/s (bytes read and written), fastest first."""
+    from mcore_models.transformer import fp8_swiglu
+
+    default = (fp8_swiglu.FWD_TILE, fp8_swiglu.BWD_TILE)
+    ffn = 8192
+    h = torch.randn(tokens, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16) * 1e-2
+    amax = torch.zeros(1, device="cuda")
+    scale = torch.tensor(30.0, device="cuda")
+    casts = {  # name -> (call, bytes moved: bf16 reads, two FP8 writes)
+        "forward (activation)": (lambda: fp8_swiglu.swiglu_quantize(h, scale, E4M3, amax), tokens * ffn * (4 + 2)),
+        "backward (input gradient)": (lambda: fp8_swiglu.swiglu_backward_quantize(h, g, scale, E5M2, amax),
+                                      tokens * ffn * (4 + 2 + 4)),
+    }  # fmt: skip
+    rows = []
+    for (name, (call, moved)), tile in itertools.product(casts.items(), fp8_swiglu.TILES):
+        fp8_swiglu.FWD_TILE = fp8_swiglu.BWD_TILE = tile
+        s = cuda_seconds(call, iters)
+        rows.append({"cast": name, "rows": tile[0], "cols": tile[1], "warps": tile[2], "ms": s * 1e3,
+                     "gb_s": moved / s / 1e9, "default": tile == (default[0] if "forward" in name else default[1])})  # fmt: skip
+    fp8_swiglu.FWD_TILE, fp8_swiglu.BWD_TILE = default
+    return sorted(rows, key=lambda r: (r["cast"], r["ms"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per micro-batch (llama-1b/best: 8 x 4096)")
@@ -136,6 +164,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune-casts", action="store_true", help="time the Triton cast's tiles instead (CAST_TILES)")
+    ap.add_argument("--tune-swiglu", action="store_true", help="time the fused SwiGLU casts' tiles instead")
     ap.add_argument("--mlp", action="store_true", help="time llama-1b's whole MLP instead (MLP_CASES)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -149,12 +178,13 @@ def main() -> None:
                 json.dumps({"tokens": args.tokens, "micro": args.micro, "mlp": mlp_rows}, indent=1)
             )
         return
-    if args.tune_casts:
-        tuned = tune_casts(args.tokens, max(args.iters, 10))
+    if args.tune_casts or args.tune_swiglu:
+        key = "tune_casts" if args.tune_casts else "tune_swiglu"
+        tuned = (tune_casts if args.tune_casts else tune_swiglu)(args.tokens, max(args.iters, 10))
         for r in tuned:
             print(json.dumps(r), flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps({"tokens": args.tokens, "tune_casts": tuned}, indent=1))
+            Path(args.out).write_text(json.dumps({"tokens": args.tokens, key: tuned}, indent=1))
         return
     rows = [measure(name, args.tokens, args.micro, args.iters) for name in SHAPES]
     heads = ["bf16", *RECIPES]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models import GPTModel
+from mcore_models.transformer import fp8_swiglu
 from mcore_models.transformer.fp8_swiglu import swiglu_backward_quantize, swiglu_quantize
 from mcore_models.transformer.mlp import MLP
 from mcore_models.transformer.swiglu import swiglu_backward_reference
@@ -111,6 +112,27 @@ def test_swiglu_backward_quantize_equals_the_backward_then_the_cast(
     _assert_codes_match(q, ref, "dh")
     _assert_codes_match(qt, ref_t, "dhᵀ")
     torch.testing.assert_close(amax[0].cpu(), dh.float().abs().max().cpu(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile", fp8_swiglu.TILES, ids=str)
+def test_every_tuned_tile_gives_the_same_codes(device: str, tile: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both casts at each tile the tune bench may pick (shapes off the tiles), forward and backward: the codes of
+    the default tiles' casts (the reference tests above pin those), and the same maximum."""
+    h = _h(130, 200, device, torch.bfloat16, seed=4)
+    g = (torch.randn(130, 200, generator=torch.Generator().manual_seed(5)) * 1e-2).to(device, torch.bfloat16)
+    scale_a, scale_d = torch.tensor(30.0, device=device), torch.tensor(4000.0, device=device)
+    outs = []
+    for fwd, bwd in ((fp8_swiglu.FWD_TILE, fp8_swiglu.BWD_TILE), (tile, tile)):
+        monkeypatch.setattr(fp8_swiglu, "FWD_TILE", fwd)
+        monkeypatch.setattr(fp8_swiglu, "BWD_TILE", bwd)
+        amax_a, amax_d = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        q, qt = swiglu_quantize(h, scale_a, E4M3, amax_a)
+        dq, dqt = swiglu_backward_quantize(h, g, scale_d, E5M2, amax_d)
+        assert qt is not None
+        outs.append([t.view(torch.uint8) for t in (q, qt, dq, dqt)] + [amax_a, amax_d])
+    for mine, theirs in zip(outs[1], outs[0], strict=True):
+        assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

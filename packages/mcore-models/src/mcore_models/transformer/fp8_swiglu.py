@@ -42,8 +42,22 @@ if TYPE_CHECKING:
 
 __all__ = ["swiglu_quantize", "swiglu_backward_quantize", "fp8_swiglu_mlp", "fusion_problem"]
 
-_BM, _BN, _WARPS = 64, 128, 8
-_BWD_BN = 64
+FWD_TILE = (64, 128, 8)
+"""(rows, columns of the activation, warps) per program of the forward cast (``swiglu_cast``);
+``bench/fp8_linear_bench.py --tune-swiglu`` times others."""
+BWD_TILE = (64, 64, 8)
+"""(rows, columns of each half, warps) per program of the backward cast (``swiglu_bwd_cast``)."""
+TILES = [
+    (64, 64, 8),
+    (64, 128, 8),
+    (64, 128, 16),
+    (32, 128, 4),
+    (32, 256, 8),
+    (128, 64, 8),
+    (128, 128, 16),
+    (64, 256, 16),
+]
+"""The tiles ``bench/fp8_linear_bench.py --tune-swiglu`` times for both casts (each tested against the reference)."""
 _KERNELS: dict[str, Any] = {}
 _quantize: Any = None  # cast_triton's helpers (installed here: Triton looks a kernel's callees up among its globals)
 _tile_amax: Any = None
@@ -126,10 +140,11 @@ def swiglu_quantize(
     q = torch.empty(rows, ffn, dtype=fmt.dtype, device=h.device)
     qt = torch.empty(ffn, rows, dtype=fmt.dtype, device=h.device) if transpose else None
     if rows and ffn:
-        grid = (-(-rows // _BM), -(-ffn // _BN))
+        bm, bn, warps = FWD_TILE
+        grid = (-(-rows // bm), -(-ffn // bn))
         _kernels()["swiglu_cast"][grid](h2, scale.reshape(1).to(torch.float32), q, q if qt is None else qt, amax, rows,
-                                        ffn, h2.stride(0), float(fmt.max), TRANSPOSE=transpose, BM=_BM, BN=_BN,
-                                        num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
+                                        ffn, h2.stride(0), float(fmt.max), TRANSPOSE=transpose, BM=bm, BN=bn,
+                                        num_warps=warps, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
     return q, qt
 
 
@@ -146,10 +161,11 @@ def swiglu_backward_quantize(
     q = torch.empty(rows, 2 * ffn, dtype=fmt.dtype, device=h.device)
     qt = torch.empty(2 * ffn, rows, dtype=fmt.dtype, device=h.device)
     if rows and ffn:
-        grid = (-(-rows // _BM), -(-ffn // _BWD_BN))
+        bm, bn, warps = BWD_TILE
+        grid = (-(-rows // bm), -(-ffn // bn))
         _kernels()["swiglu_bwd_cast"][grid](h2, g2, scale.reshape(1).to(torch.float32), q, qt, amax, rows, ffn,
-                                            h2.stride(0), g2.stride(0), float(fmt.max), BM=_BM, BN=_BWD_BN,
-                                            num_warps=_WARPS, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
+                                            h2.stride(0), g2.stride(0), float(fmt.max), BM=bm, BN=bn,
+                                            num_warps=warps, **cast_triton.quantize_args(fmt.dtype, h.dtype))  # fmt: skip
     return q, qt
 
 
