@@ -248,6 +248,7 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     "row GEMVs alone (none of the three)": '{"preset": "row", "norm_gemv": false, "combine_in_attention": false, '
     '"row_fc1": false}',
     "row, the copies on the step's stream (side_stream_copies off)": ("row", ["--no-side-stream-copies"]),
+    "row, the output projection's weight prefetched into L2 (l2_prefetch)": ("row", ["--l2-prefetch"]),
 }
 
 
@@ -397,7 +398,8 @@ SYSTEM_SUITES = [
           "call", 7, 1, serve),
     Suite("serve-batch1", "llama-1b batch-1 decode under the row plan without each of its fusions (norm inside the "
           "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three), with the "
-          "copies on the step's stream (side_stream_copies off), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
+          "copies on the step's stream (side_stream_copies off), with the output projection's weight prefetched into "
+          "L2 by the attention (l2_prefetch), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
           1, serve_batch1),
     Suite("serve-attention", "llama-1b decode at 1 and 64 requests and after a 16k prompt under paged-attention "
           "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",

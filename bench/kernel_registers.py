@@ -237,14 +237,17 @@ def _attention_rows() -> list[dict[str, Any]]:
     attend = _kernel()[0]
     types = {**dict.fromkeys(("Q", "K", "V", "Out", "COS", "SIN", "KIN", "VIN"), "*bf16"),
              **dict.fromkeys(("PM", "PL", "PACC"), "*fp32"), **dict.fromkeys(("BT", "TSEQ", "TCTX", "SLOTS"), "*i64"),
-             **{n: "i32" for n in attend.arg_names if n.startswith("stride")}, "CNT": "*i32", "scale": "fp32"}  # fmt: skip
+             **{n: "i32" for n in attend.arg_names if n.startswith("stride")}, "CNT": "*i32", "scale": "fp32",
+             "PF": "*bf16", "pf_bytes": "i32"}  # fmt: skip
     rows = []
-    for step, splits, skip, warps, min_blocks in ATTENTION_LAUNCHES:
+    for (step, splits, skip, warps, min_blocks), pf in [*((a, False) for a in ATTENTION_LAUNCHES),
+                                                        ((8, 16, 1, 8, 8), True)]:  # fmt: skip
         consts = {"HEADS": 32, "HPG": 4, "HPG_PAD": 16, "D": 64, "BLOCK": 32, "SPLITS": splits, "IEEE": False,
                   "ROT": 64, "NEW_KV": True, "GDC": True, "FOLD": splits > 1, "PRE": True, "STEP": step,
-                  "SKIP": bool(skip) and splits > 1, "MIN_PER": min_blocks}  # fmt: skip
+                  "SKIP": bool(skip) and splits > 1, "MIN_PER": min_blocks, "PF_ON": pf, "PF_ASM": pf}  # fmt: skip
         name = (
             f"paged attention, decode{', skip empty' if skip else ''}{f', min {min_blocks}' if min_blocks > 1 else ''}"
+            f"{', L2 prefetch row' if pf else ''}"
         )
         rows.append({"kernel": name, "products": "-",
                      "positions": step, "channels": splits, "warps": warps, **usage(attend, consts, warps, types)})  # fmt: skip

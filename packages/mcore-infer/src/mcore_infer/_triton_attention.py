@@ -31,12 +31,14 @@ from mcore_infer._attention_host import (
     num_splits,
 )
 from mcore_infer.errors import MissingDependencyError
+from mcore_infer.kernels import l2_prefetch
 from mcore_infer.kernels._counters import zeroed_counters
 from mcore_infer.kernels.norm_linear import gdc_launch
 
 __all__ = ["num_splits", "paged_attention_triton", "store_kv_triton", "triton_available"]
 
 _KERNEL: Any = None
+_prefetch_l2: Any = None  # l2_prefetch's helper (set when the kernels are made: Triton looks callees up in globals)
 
 
 def triton_available() -> bool:
@@ -146,6 +148,7 @@ def _kernel() -> Any:
     globals()["_combine_group"] = _combine_group
     globals()["_attend_block"] = _attend_block
     globals()["_kv_tile"] = _kv_tile
+    globals()["_prefetch_l2"] = l2_prefetch.helper()
 
     @triton.jit  # type: ignore[misc]
     def attend(  # type: ignore[no-untyped-def]
@@ -165,6 +168,8 @@ def _kernel() -> Any:
         VIN,
         SLOTS,
         CNT,
+        PF,
+        pf_bytes,
         scale,
         stride_qt,
         stride_qg,
@@ -195,12 +200,20 @@ def _kernel() -> Any:
         STEP: tl.constexpr,
         SKIP: tl.constexpr,
         MIN_PER: tl.constexpr,
+        PF_ON: tl.constexpr,
+        PF_ASM: tl.constexpr,
     ):
         t = tl.program_id(0)
         g = tl.program_id(1)
         split = tl.program_id(2)
         if GDC:  # (a programmatic dependent launch: the step's metadata is read before the wait, q after it)
             gdc_launch_dependents()
+        if PF_ON:  # noqa: SIM102  (the grid's last row: the next kernel's weight into L2 while the others attend)
+            if t == tl.num_programs(0) - 1:
+                if GDC:
+                    gdc_wait()  # (not before: the kernel before this one streams its own weight)
+                _prefetch_l2(PF, pf_bytes, g * SPLITS + split, tl.num_programs(1) * SPLITS, PF_ASM)
+                return
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
         offs = tl.arange(0, STEP * BLOCK)  # token offsets of a loop step's tile of STEP blocks
@@ -362,6 +375,7 @@ def paged_attention_triton(
     pdl: bool = False,
     fold: bool = False,
     launch: AttentionLaunch | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -371,22 +385,20 @@ def paged_attention_triton(
     ``splits`` (a power of two; default :func:`num_splits`) divides each token's blocks among that many programs,
     whose partial softmax states a second kernel combines: small decode batches then keep every SM busy.
     ``rotary`` (cos, sin of each token's position, ``[T, 1, 1, rot]``) rotates the queries as they are loaded.
-
     ``new_kv`` (keys, values ``[T, groups, d]``, cache slots ``[T]``), for decode steps only (each token the one new
     token of its request): the tokens' own keys/values are taken from there (rotated with ``rotary``) and written to
     the cache by the same kernel, instead of a :func:`store_kv_triton` call first.
-
     ``pdl``: both kernels launched as programmatic dependents on Hopper and later (each starts while the kernel
     before it finishes, and reads that kernel's output after waiting for it).
-
     ``fold``: with splits, the last split of each (token, group) to finish combines the group's partial states
     (a per-(token, group) counter taken with an atomic add, reset by that program), so no second kernel runs; the
     counters are zeroed once per device and kept (:func:`~mcore_infer.kernels._counters.zeroed_counters`). Inside
     a CUDA-graph capture that finds no counters large enough, the combine kernel runs instead.
-
     ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: :func:`default_launch` of the step's
     token count): the blocks per loop step, the cap on :func:`num_splits`, whether a folded combine skips splits that
-    get no block, the warps and the fewest blocks a split takes."""
+    get no block, the warps and the fewest blocks a split takes.
+    ``prefetch``: a tensor (the next kernel's weight) that a row of programs added to the grid pulls into L2 while
+    the others attend (:mod:`~mcore_infer.kernels.l2_prefetch`; no value changes)."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -408,18 +420,18 @@ def paged_attention_triton(
     attend, combine, _ = _kernel()
     pm, pl, pacc = _split_scratch(out, splits)
     counters = zeroed_counters(q.device, t * groups, "attention") if fold and splits > 1 else None
+    pf = l2_prefetch.prefetch_args(prefetch, out)
     # fmt: off
-    attend[(t, groups, splits)](
+    attend[(t + pf["PF_ON"], groups, splits)](
         q, k_cache, v_cache, out, pm, pl, pacc, block_tables, token_seq, token_ctx, cos, sin, k_in, v_in, slots,
-        counters if counters is not None else slots, scale, q.stride(0), stride_qg, stride_qh, stride_ct,
-        k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        counters if counters is not None else slots, pf.pop("PF"), pf.pop("pf_bytes"), scale, q.stride(0),
+        stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         HEADS=heads, HPG=hpg, HPG_PAD=max(16, _pow2(hpg)), D=d, BLOCK=block_size, SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32, ROT=rot, NEW_KV=new_kv is not None, FOLD=counters is not None,
         PRE=new_kv is not None and (splits > 1 or launch.step > 1), STEP=launch.step,
         SKIP=counters is not None and bool(launch.skip_empty), MIN_PER=launch.min_blocks, num_warps=launch.warps,
-        **gdc_launch(q, pdl),
+        **pf, **gdc_launch(q, pdl),
     )
     # fmt: on
     if splits > 1 and counters is None:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mcore_infer._attention_host import AttentionLaunch
+from mcore_infer._attention_host import SMALL_STEP_TOKENS, AttentionLaunch
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
 from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS
 from mcore_infer.kv_cache import KVCache
@@ -54,6 +54,7 @@ class PagedAttentionContext:
         pdl: bool = False,
         fold_combine: bool = False,
         attention_launch: AttentionLaunch | None = None,
+        prefetch: dict[int, torch.Tensor] | None = None,
         kv_layers: list[int] | None = None,
         mamba: Any = None,
     ) -> None:
@@ -83,6 +84,14 @@ class PagedAttentionContext:
         # split attention combined by the last split to finish, not a second kernel (DecodePlan.combine_in_attention)
         self.fold_combine = fold_combine and backend == "triton"
         self.attention_launch = attention_launch  # the Triton kernel's (DecodeLaunches.attention; None: its defaults)
+        # layer number -> the weight its attention pulls into L2 in steps of at most 4 tokens (EngineConfig.l2_prefetch)
+        self.prefetch = prefetch if backend == "triton" else None
+
+    def _prefetch(self, tokens: int) -> torch.Tensor | None:
+        """The weight this layer's attention pulls into L2 (small steps only: a long step's attention is busy)."""
+        if self.prefetch is None or tokens > SMALL_STEP_TOKENS:
+            return None
+        return self.prefetch.get(self.layer_number)
 
     @torch.compiler.disable
     def attention(
@@ -113,7 +122,7 @@ class PagedAttentionContext:
             out = paged_attention_triton(q[:, 0], k_cache, v_cache, self.block_tables, self.token_seq,
                                          self.token_ctx, scale, rotary=rotary, new_kv=new_kv,
                                          pdl=self.pdl and t <= FMA_MAX_ROWS, fold=self.fold_combine,
-                                         launch=self.attention_launch)  # fmt: skip
+                                         launch=self.attention_launch, prefetch=self._prefetch(t))  # fmt: skip
             return out.view(t, 1, heads * d)
         q = q.reshape(t, 1, heads, d)
         if rotary is not None:

@@ -47,6 +47,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--side-stream-copies", action=argparse.BooleanOptionalAction, default=True,
                    help="with --lookahead and CUDA graphs: two decode input buffers, the copies off the steps' stream "
                    "(EngineConfig.side_stream_copies; default on)")  # fmt: skip
+    p.add_argument("--l2-prefetch", action="store_true",
+                   help="small steps: each attention kernel also pulls its layer's output-projection weight into L2 "
+                   "(EngineConfig.l2_prefetch; Hopper; not yet timed)")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
     p.add_argument("--mamba-ssm-dtype", default="float32", choices=list(MAMBA_SSM_DTYPES),
                    help="Mamba and hybrid models: each request's SSM state in float32 (exact) or 16 bits (half its "
@@ -122,6 +125,7 @@ def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
         compile=args.compile if args.compile is not None else str(device).startswith("cuda"),
         lookahead=args.lookahead,
         side_stream_copies=args.side_stream_copies,
+        l2_prefetch=args.l2_prefetch,
         attention_backend=args.attention,
         decode_kernels=args.decode_kernels,
         mamba_ssm_dtype=args.mamba_ssm_dtype,

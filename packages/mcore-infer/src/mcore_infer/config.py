@@ -55,6 +55,11 @@ class EngineConfig:
     ran the argmax, the tokens' copy out, the inputs' copy in and the ids' copy. On by default: on one H100
     (llama-1b, same call) batch 1 took 0.970 against 0.987 ms a token and 64 requests 38,005 against 37,622 and
     37,922 tokens/s; the decode graphs' capture takes twice as long."""
+    l2_prefetch: bool = False
+    """Steps of at most 4 tokens with the Triton attention on Hopper or later: a row of programs added to each
+    attention kernel pulls the layer's output-projection weight into L2 while the others attend (a short context's
+    attention leaves HBM idle for its few microseconds), so the projection reads it from there
+    (:mod:`mcore_infer.kernels.l2_prefetch`; no value changes). Off until a GPU times it against the default."""
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
     SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes stay outside the graphs. Off by default

@@ -46,6 +46,7 @@ from mcore_infer.config import EngineConfig
 from mcore_infer.decode import prepare_for_decode
 from mcore_infer.graphs import DecodeSets, StaticInputs, capture_graphs, replay_decode, replay_step, step_graph_fits
 from mcore_infer.images import ImageSplice, VisionInfo, vision_info
+from mcore_infer.kernels import l2_prefetch
 from mcore_infer.kv_cache import BlockManager, KVCache, blocks_for
 from mcore_infer.mamba_cache import MambaCache, MambaStepView, SlotManager, attention_layer_numbers, mamba_mixers
 from mcore_infer.tp_images import DriverImages, DropImages, FollowerImages
@@ -196,7 +197,20 @@ class ModelRunner:
         self.decode_sets: DecodeSets | None = None
         """The decode graphs' input sets (one, or two used in turn: ``EngineConfig.side_stream_copies``)."""
         self.step_inputs: StaticInputs | None = None
+        self.prefetch = self._prefetch_weights(model) if config.l2_prefetch and backend == "triton" else None
+        """Layer number -> the output-projection weight its attention pulls into L2 (``EngineConfig.l2_prefetch``)."""
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
+
+    @staticmethod
+    def _prefetch_weights(model: GPTModel) -> dict[int, torch.Tensor] | None:
+        """Each attention layer's output-projection weight by layer number, where the device can prefetch it."""
+        found = {}
+        for key, layer in model.decoder.layers.items():
+            proj = getattr(getattr(layer, "self_attention", None), "linear_proj", None)
+            weight = getattr(proj, "weight", None)
+            if isinstance(weight, torch.Tensor) and l2_prefetch.supported(weight):
+                found[int(key)] = weight
+        return found or None
 
     # ------------------------------------------------------------------------------------------------- sizing
     def _init_mamba(self, model: GPTModel) -> None:
@@ -381,6 +395,7 @@ class ModelRunner:
             pdl=self.plan.pdl,
             fold_combine=self.plan.combine_in_attention,
             attention_launch=self.plan.launches.attention,
+            prefetch=self.prefetch,
             kv_layers=self.kv_layers,
             mamba=mamba,
         )

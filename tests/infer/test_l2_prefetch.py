@@ -1,0 +1,99 @@
+"""The paged attention's L2 prefetch of the next kernel's weight (``EngineConfig.l2_prefetch``,
+:mod:`mcore_infer.kernels.l2_prefetch`): the row of programs it adds to the grid changes no output, leaves the
+folded combine's counters at zero and takes effect in small steps only; an engine with it passes each attention layer's
+output-projection weight and gives the recompute loop's tokens. Under ``TRITON_INTERPRET=1`` the added programs
+return without prefetching (the interpreter runs no PTX); ``tests/infer/test_gpu.py`` runs the prefetch itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mcore_infer import AttentionLaunch
+from mcore_infer._triton_attention import paged_attention_triton, triton_available
+from mcore_infer.attention import Segment, plain_paged_attention
+from mcore_infer.kernels._counters import zeroed_counters
+from mcore_infer.kernels.l2_prefetch import prefetch_args
+from tests.infer._kernels import KERNEL_DEVICES as DEVICES
+
+_NEEDS = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITON_INTERPRET=1 with Triton")
+
+
+def test_prefetch_args() -> None:
+    """A weight gives the kernel its bytes and the added row; none (or a misaligned view) gives neither."""
+    w, unused = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(4)
+    on = prefetch_args(w, unused)
+    assert on["PF"] is w and on["pf_bytes"] == 64 * 32 * 2 and on["PF_ON"]
+    assert on["PF_ASM"] == (os.environ.get("TRITON_INTERPRET") != "1")
+    for off in (prefetch_args(None, unused), prefetch_args(w.view(-1)[1:], unused)):
+        assert off["PF"] is unused and off["pf_bytes"] == 0 and not off["PF_ON"] and not off["PF_ASM"]
+
+
+@_NEEDS
+@pytest.mark.parametrize("device", DEVICES or ["cpu"])
+@pytest.mark.parametrize("launch", [None, AttentionLaunch(8, 16, 1, 8, 8), AttentionLaunch(2, 8, 0)], ids=str)
+@pytest.mark.parametrize("fold", [False, True])
+def test_the_prefetch_row_changes_no_output(device: str, launch: AttentionLaunch | None, fold: bool) -> None:
+    """Decode rows of 7 blocks and of 3 tokens with the kernel writing their own keys and values, split 4 ways:
+    the outputs and the cache equal those without the prefetch, twice (the counters return to zero)."""
+    torch.manual_seed(7)
+    groups, d, block = 2, 64, 16
+    kc = torch.randn(24, block, groups, d, device=device)
+    vc = torch.randn_like(kc)
+    tables = [[1, 5, 9, 11, 13, 7, 8], [2]]
+    bt = torch.zeros(2, 8, dtype=torch.int64, device=device)
+    for i, row in enumerate(tables):
+        bt[i, : len(row)] = torch.tensor(row)
+    positions = [102, 2]
+    slots = torch.tensor([tables[i][p // block] * block + p % block for i, p in enumerate(positions)], device=device)
+    tseq, tctx = torch.tensor([0, 1], device=device), torch.tensor([p + 1 for p in positions], device=device)
+    qkv = torch.randn(2, groups, 6, d, device=device)
+    weight = torch.randn(256, 512, device=device, dtype=torch.bfloat16)
+    outs, caches = [], []
+    for prefetch in (None, weight, weight):
+        k2, v2 = kc.clone(), vc.clone()
+        new_kv = (qkv[:, :, 4], qkv[:, :, 5], slots)
+        outs.append(paged_attention_triton(qkv[:, :, :4], k2, v2, bt, tseq, tctx, 0.125, splits=4, new_kv=new_kv,
+                                           fold=fold, launch=launch, prefetch=prefetch))  # fmt: skip
+        caches.append((k2, v2))
+    for out, (k2, v2) in zip(outs[1:], caches[1:], strict=True):
+        assert torch.equal(out, outs[0]) and torch.equal(k2, caches[0][0]) and torch.equal(v2, caches[0][1])
+    ref = plain_paged_attention(qkv[:1, :, :4].reshape(1, 8, d), caches[0][0], caches[0][1],
+                                [Segment(0, 1, 0, 103)], tables)  # fmt: skip
+    torch.testing.assert_close(outs[1][:1], ref, atol=1e-4, rtol=1e-4)
+    counters = zeroed_counters(torch.device(device), 1, "attention")
+    assert counters is not None and int(counters.abs().sum()) == 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 and Triton",
+)
+def test_engine_passes_each_layers_output_projection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EngineConfig(l2_prefetch=True)``: small steps' attention calls get their layer's ``linear_proj`` weight,
+    a prefill of more than 4 tokens none; the greedy tokens equal the recompute loop's."""
+    from mcore_infer import LLM, EngineConfig, SamplingParams, attention
+    from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
+
+    model = tiny_model()
+    prompts = prompts_of_lengths(5, 37, 2)
+    expected = [reference_greedy(model, p, 4) for p in prompts]
+    cfg = EngineConfig(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
+                       attention_backend="triton", l2_prefetch=True)  # fmt: skip
+    seen: list[tuple[int, torch.Tensor | None]] = []
+    real = attention.paged_attention_triton
+    monkeypatch.setattr(attention, "paged_attention_triton",
+                        lambda q, *a, **k: seen.append((q.shape[0], k["prefetch"])) or real(q, *a, **k))  # fmt: skip
+    llm = LLM(model=model, config=cfg)
+    weights = {n: layer.self_attention.linear_proj.weight for n, layer in
+               ((int(k), v) for k, v in model.decoder.layers.items())}  # fmt: skip
+    assert llm.runner.prefetch is not None and llm.runner.prefetch.keys() == weights.keys()
+    assert all(llm.runner.prefetch[n] is w for n, w in weights.items())
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == expected
+    small = [w for t, w in seen if t <= 4]
+    assert small and all(any(w is x for x in weights.values()) for w in small)
+    assert {id(w) for w in small} == {id(w) for w in weights.values()}  # every layer's, in turn
+    assert all(w is None for t, w in seen if t > 4) and any(t > 4 for t, _ in seen)
