@@ -249,6 +249,7 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     '"row_fc1": false}',
     "row, the copies on the step's stream (side_stream_copies off)": ("row", ["--no-side-stream-copies"]),
     "row, the output projection's weight prefetched into L2 (l2_prefetch)": ("row", ["--l2-prefetch"]),
+    "row, l2_prefetch and the up projection's first 16 MB": ("row", ["--l2-prefetch", "--l2-prefetch-up-mb", "16"]),
 }
 
 

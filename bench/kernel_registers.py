@@ -238,16 +238,16 @@ def _attention_rows() -> list[dict[str, Any]]:
     types = {**dict.fromkeys(("Q", "K", "V", "Out", "COS", "SIN", "KIN", "VIN"), "*bf16"),
              **dict.fromkeys(("PM", "PL", "PACC"), "*fp32"), **dict.fromkeys(("BT", "TSEQ", "TCTX", "SLOTS"), "*i64"),
              **{n: "i32" for n in attend.arg_names if n.startswith("stride")}, "CNT": "*i32", "scale": "fp32",
-             "PF": "*bf16", "pf_bytes": "i32"}  # fmt: skip
+             "PF": "*bf16", "pf_bytes": "i32", "PF2": "*bf16", "pf2_bytes": "i32"}  # fmt: skip
     rows = []
-    for (step, splits, skip, warps, min_blocks), pf in [*((a, False) for a in ATTENTION_LAUNCHES),
-                                                        ((8, 16, 1, 8, 8), True)]:  # fmt: skip
+    for (step, splits, skip, warps, min_blocks), pf in [*((a, 0) for a in ATTENTION_LAUNCHES),
+                                                        ((8, 16, 1, 8, 8), 2)]:  # fmt: skip
         consts = {"HEADS": 32, "HPG": 4, "HPG_PAD": 16, "D": 64, "BLOCK": 32, "SPLITS": splits, "IEEE": False,
                   "ROT": 64, "NEW_KV": True, "GDC": True, "FOLD": splits > 1, "PRE": True, "STEP": step,
-                  "SKIP": bool(skip) and splits > 1, "MIN_PER": min_blocks, "PF_ON": pf, "PF_ASM": pf}  # fmt: skip
+                  "SKIP": bool(skip) and splits > 1, "MIN_PER": min_blocks, "PF_ROWS": pf, "PF_ASM": pf > 0}  # fmt: skip
         name = (
             f"paged attention, decode{', skip empty' if skip else ''}{f', min {min_blocks}' if min_blocks > 1 else ''}"
-            f"{', L2 prefetch row' if pf else ''}"
+            f"{', two L2 prefetch rows' if pf else ''}"
         )
         rows.append({"kernel": name, "products": "-",
                      "positions": step, "channels": splits, "warps": warps, **usage(attend, consts, warps, types)})  # fmt: skip

@@ -79,6 +79,7 @@ def build_llm(args: argparse.Namespace, mamba_decode: str | None = None, ssm_dty
         lookahead=args.lookahead,
         side_stream_copies=args.side_stream_copies,
         l2_prefetch=args.l2_prefetch,
+        l2_prefetch_up_mb=args.l2_prefetch_up_mb,
         decode_kernels=decode_kernels(args.decode_kernels),
         mamba_ssm_dtype=ssm_dtype or args.mamba_ssm_dtype[0],
     )
@@ -176,6 +177,8 @@ def _parser() -> argparse.ArgumentParser:
                     "step's stream")  # fmt: skip
     ap.add_argument("--l2-prefetch", action="store_true",
                     help="EngineConfig.l2_prefetch: the attention pulls the output projection's weight into L2")  # fmt: skip
+    ap.add_argument("--l2-prefetch-up-mb", type=float, default=0.0,
+                    help="EngineConfig.l2_prefetch_up_mb: also the first MB of the up projection's weight")  # fmt: skip
     ap.add_argument("--decode-kernels", default="auto", metavar="PRESET|PLAN.json|JSON",
                     help="EngineConfig.decode_kernels: auto (default), none, attention, row, norm_linear, or a decode "
                     "plan as JSON (a file or inline)")  # fmt: skip

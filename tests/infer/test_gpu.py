@@ -191,17 +191,19 @@ def test_side_stream_copies_match_recompute(compiled: bool) -> None:
     assert [r.outputs[0].token_ids for r in res] == [reference_greedy(eager, p, 10) for p in prompts]
 
 
+@pytest.mark.parametrize("up_mb", [0.0, 0.01], ids=["proj", "proj+up"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_l2_prefetch_matches_recompute(compiled: bool) -> None:
+def test_l2_prefetch_matches_recompute(compiled: bool, up_mb: float) -> None:
     """EngineConfig.l2_prefetch: each small step's attention kernel also prefetches its layer's output-projection
-    weight into L2 (``cp.async.bulk.prefetch.L2`` on Hopper, in CUDA graphs): the recompute loop's tokens."""
+    weight (and the up projection's first bytes) into L2 (``cp.async.bulk.prefetch.L2`` on Hopper, in CUDA graphs):
+    the recompute loop's tokens."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
     prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
     eager = tiny_model().cuda()
     expected = [reference_greedy(eager, p, 10) for p in prompts]
     cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, compile=compiled,
-                       l2_prefetch=True)  # fmt: skip
+                       l2_prefetch=True, l2_prefetch_up_mb=up_mb)  # fmt: skip
     llm = LLM(model=tiny_model().cuda(), config=cfg)
     assert llm.runner.prefetch is not None and len(llm.runner.prefetch) == len(eager.decoder.layers)
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))

@@ -22,13 +22,18 @@ _NEEDS = pytest.mark.skipif(not DEVICES, reason="needs CUDA and Triton, or TRITO
 
 
 def test_prefetch_args() -> None:
-    """A weight gives the kernel its bytes and the added row; none (or a misaligned view) gives neither."""
-    w, unused = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(4)
-    on = prefetch_args(w, unused)
-    assert on["PF"] is w and on["pf_bytes"] == 64 * 32 * 2 and on["PF_ON"]
-    assert on["PF_ASM"] == (os.environ.get("TRITON_INTERPRET") != "1")
-    for off in (prefetch_args(None, unused), prefetch_args(w.view(-1)[1:], unused)):
-        assert off["PF"] is unused and off["pf_bytes"] == 0 and not off["PF_ON"] and not off["PF_ASM"]
+    """Each region gives the kernel its tensor, its bytes (at most the tensor's) and a row; none, a misaligned view
+    or no bytes give none; three regions are refused."""
+    w, w2, unused = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(8, 8), torch.zeros(4)
+    two = prefetch_args([(w, 10**9), (w2, 100)], unused)
+    assert two["PF"] is w and two["pf_bytes"] == 64 * 32 * 2 and two["PF2"] is w2 and two["pf2_bytes"] == 100
+    assert two["PF_ROWS"] == 2 and two["PF_ASM"] == (os.environ.get("TRITON_INTERPRET") != "1")
+    one = prefetch_args([(w.view(-1)[1:], 64), (w2, 0), (w2, 16)], unused)
+    assert one["PF"] is w2 and one["pf_bytes"] == 16 and one["PF2"] is unused and one["PF_ROWS"] == 1
+    off = prefetch_args(None, unused)
+    assert off["PF"] is off["PF2"] is unused and off["PF_ROWS"] == 0 and not off["PF_ASM"]
+    with pytest.raises(ValueError, match="two at most"):
+        prefetch_args([(w, 16)] * 3, unused)
 
 
 @_NEEDS
@@ -37,7 +42,8 @@ def test_prefetch_args() -> None:
 @pytest.mark.parametrize("fold", [False, True])
 def test_the_prefetch_row_changes_no_output(device: str, launch: AttentionLaunch | None, fold: bool) -> None:
     """Decode rows of 7 blocks and of 3 tokens with the kernel writing their own keys and values, split 4 ways:
-    the outputs and the cache equal those without the prefetch, twice (the counters return to zero)."""
+    the outputs and the cache equal those without the prefetch, with one region and with two (the counters return
+    to zero)."""
     torch.manual_seed(7)
     groups, d, block = 2, 64, 16
     kc = torch.randn(24, block, groups, d, device=device)
@@ -51,8 +57,9 @@ def test_the_prefetch_row_changes_no_output(device: str, launch: AttentionLaunch
     tseq, tctx = torch.tensor([0, 1], device=device), torch.tensor([p + 1 for p in positions], device=device)
     qkv = torch.randn(2, groups, 6, d, device=device)
     weight = torch.randn(256, 512, device=device, dtype=torch.bfloat16)
+    up = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
     outs, caches = [], []
-    for prefetch in (None, weight, weight):
+    for prefetch in (None, [(weight, weight.numel() * 2)], [(weight, 4096), (up, 10**6)]):
         k2, v2 = kc.clone(), vc.clone()
         new_kv = (qkv[:, :, 4], qkv[:, :, 5], slots)
         outs.append(paged_attention_triton(qkv[:, :, :4], k2, v2, bt, tseq, tctx, 0.125, splits=4, new_kv=new_kv,
@@ -72,8 +79,9 @@ def test_the_prefetch_row_changes_no_output(device: str, launch: AttentionLaunch
     reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 and Triton",
 )
 def test_engine_passes_each_layers_output_projection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``EngineConfig(l2_prefetch=True)``: small steps' attention calls get their layer's ``linear_proj`` weight,
-    a prefill of more than 4 tokens none; the greedy tokens equal the recompute loop's."""
+    """``EngineConfig(l2_prefetch=True, l2_prefetch_up_mb=...)``: small steps' attention calls get their layer's
+    whole ``linear_proj`` weight and the first bytes of its ``linear_fc1`` weight, a prefill of more than 4 tokens
+    none; the greedy tokens equal the recompute loop's."""
     from mcore_infer import LLM, EngineConfig, SamplingParams, attention
     from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_model
 
@@ -81,19 +89,23 @@ def test_engine_passes_each_layers_output_projection(monkeypatch: pytest.MonkeyP
     prompts = prompts_of_lengths(5, 37, 2)
     expected = [reference_greedy(model, p, 4) for p in prompts]
     cfg = EngineConfig(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
-                       attention_backend="triton", l2_prefetch=True)  # fmt: skip
+                       attention_backend="triton", l2_prefetch=True, l2_prefetch_up_mb=1 / 1024)  # fmt: skip
     seen: list[tuple[int, torch.Tensor | None]] = []
     real = attention.paged_attention_triton
     monkeypatch.setattr(attention, "paged_attention_triton",
                         lambda q, *a, **k: seen.append((q.shape[0], k["prefetch"])) or real(q, *a, **k))  # fmt: skip
     llm = LLM(model=model, config=cfg)
-    weights = {n: layer.self_attention.linear_proj.weight for n, layer in
-               ((int(k), v) for k, v in model.decoder.layers.items())}  # fmt: skip
-    assert llm.runner.prefetch is not None and llm.runner.prefetch.keys() == weights.keys()
-    assert all(llm.runner.prefetch[n] is w for n, w in weights.items())
+    layers = {int(k): v for k, v in model.decoder.layers.items()}
+    want = {n: [(x.self_attention.linear_proj.weight, x.self_attention.linear_proj.weight.numel() * 4),
+                (x.mlp.linear_fc1.weight, 1024)] for n, x in layers.items()}  # fmt: skip
+    got = llm.runner.prefetch
+    assert got is not None and got.keys() == want.keys()
+    for n, regions in want.items():
+        assert [(id(t), b) for t, b in got[n]] == [(id(t), b) for t, b in regions]  # (float32 weights: 4 bytes)
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == expected
-    small = [w for t, w in seen if t <= 4]
-    assert small and all(any(w is x for x in weights.values()) for w in small)
-    assert {id(w) for w in small} == {id(w) for w in weights.values()}  # every layer's, in turn
-    assert all(w is None for t, w in seen if t > 4) and any(t > 4 for t, _ in seen)
+    small = [regions for t, regions in seen if t <= 4]
+    assert small and {id(r[0][0]) for r in small} == {id(r[0][0]) for r in want.values()}  # every layer's, in turn
+    wanted = [[(id(t), b) for t, b in r] for r in want.values()]
+    assert all([(id(t), b) for t, b in r] in wanted for r in small)
+    assert all(r is None for t, r in seen if t > 4) and any(t > 4 for t, _ in seen)

@@ -15,6 +15,7 @@ steps wrote those, so the block's two dependent loads (block table, then cache) 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -170,6 +171,8 @@ def _kernel() -> Any:
         CNT,
         PF,
         pf_bytes,
+        PF2,
+        pf2_bytes,
         scale,
         stride_qt,
         stride_qg,
@@ -200,7 +203,7 @@ def _kernel() -> Any:
         STEP: tl.constexpr,
         SKIP: tl.constexpr,
         MIN_PER: tl.constexpr,
-        PF_ON: tl.constexpr,
+        PF_ROWS: tl.constexpr,
         PF_ASM: tl.constexpr,
     ):
         t = tl.program_id(0)
@@ -208,11 +211,15 @@ def _kernel() -> Any:
         split = tl.program_id(2)
         if GDC:  # (a programmatic dependent launch: the step's metadata is read before the wait, q after it)
             gdc_launch_dependents()
-        if PF_ON:  # noqa: SIM102  (the grid's last row: the next kernel's weight into L2 while the others attend)
-            if t == tl.num_programs(0) - 1:
+        if PF_ROWS > 0:
+            first_pf = tl.num_programs(0) - PF_ROWS
+            if t >= first_pf:
                 if GDC:
                     gdc_wait()  # (not before: the kernel before this one streams its own weight)
-                _prefetch_l2(PF, pf_bytes, g * SPLITS + split, tl.num_programs(1) * SPLITS, PF_ASM)
+                if t == first_pf:
+                    _prefetch_l2(PF, pf_bytes, g * SPLITS + split, tl.num_programs(1) * SPLITS, PF_ASM)
+                else:
+                    _prefetch_l2(PF2, pf2_bytes, g * SPLITS + split, tl.num_programs(1) * SPLITS, PF_ASM)
                 return
         seq = tl.load(TSEQ + t)
         ctx = tl.load(TCTX + t)
@@ -375,7 +382,7 @@ def paged_attention_triton(
     pdl: bool = False,
     fold: bool = False,
     launch: AttentionLaunch | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: Sequence[l2_prefetch.Region] | None = None,
 ) -> torch.Tensor:
     """``q`` ``[T, heads, d]`` or grouped ``[T, groups, heads / groups, d]`` (any strides but a unit-stride head dim:
     a view into the QKV projection's output is read in place); caches ``[blocks, block_size, groups, d]``;
@@ -397,8 +404,8 @@ def paged_attention_triton(
     ``launch`` (:class:`~mcore_infer._attention_host.AttentionLaunch`; None: :func:`default_launch` of the step's
     token count): the blocks per loop step, the cap on :func:`num_splits`, whether a folded combine skips splits that
     get no block, the warps and the fewest blocks a split takes.
-    ``prefetch``: a tensor (the next kernel's weight) that a row of programs added to the grid pulls into L2 while
-    the others attend (:mod:`~mcore_infer.kernels.l2_prefetch`; no value changes)."""
+    ``prefetch``: up to two (tensor, bytes) regions (the next kernels' weights) that rows of programs added to the
+    grid pull into L2 while the others attend (:mod:`~mcore_infer.kernels.l2_prefetch`; no value changes)."""
     _, block_size, groups, _ = k_cache.shape
     q, hpg, stride_qg, stride_qh = _query_layout(q, groups)
     t, d = q.shape[0], q.shape[-1]
@@ -422,9 +429,10 @@ def paged_attention_triton(
     counters = zeroed_counters(q.device, t * groups, "attention") if fold and splits > 1 else None
     pf = l2_prefetch.prefetch_args(prefetch, out)
     # fmt: off
-    attend[(t + pf["PF_ON"], groups, splits)](
+    attend[(t + pf["PF_ROWS"], groups, splits)](
         q, k_cache, v_cache, out, pm, pl, pacc, block_tables, token_seq, token_ctx, cos, sin, k_in, v_in, slots,
-        counters if counters is not None else slots, pf.pop("PF"), pf.pop("pf_bytes"), scale, q.stride(0),
+        counters if counters is not None else slots, *(pf.pop(k) for k in ("PF", "pf_bytes", "PF2", "pf2_bytes")),
+        scale, q.stride(0),
         stride_qg, stride_qh, stride_ct, k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         HEADS=heads, HPG=hpg, HPG_PAD=max(16, _pow2(hpg)), D=d, BLOCK=block_size, SPLITS=splits,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mcore_infer._attention_host import SMALL_STEP_TOKENS, AttentionLaunch
 from mcore_infer._triton_attention import paged_attention_triton, store_kv_triton
+from mcore_infer.kernels.l2_prefetch import Region
 from mcore_infer.kernels.small_gemv import FMA_MAX_ROWS
 from mcore_infer.kv_cache import KVCache
 from mcore_models.transformer.rope import apply_rotary
@@ -54,7 +55,7 @@ class PagedAttentionContext:
         pdl: bool = False,
         fold_combine: bool = False,
         attention_launch: AttentionLaunch | None = None,
-        prefetch: dict[int, torch.Tensor] | None = None,
+        prefetch: dict[int, list[Region]] | None = None,
         kv_layers: list[int] | None = None,
         mamba: Any = None,
     ) -> None:
@@ -84,11 +85,11 @@ class PagedAttentionContext:
         # split attention combined by the last split to finish, not a second kernel (DecodePlan.combine_in_attention)
         self.fold_combine = fold_combine and backend == "triton"
         self.attention_launch = attention_launch  # the Triton kernel's (DecodeLaunches.attention; None: its defaults)
-        # layer number -> the weight its attention pulls into L2 in steps of at most 4 tokens (EngineConfig.l2_prefetch)
+        # layer number -> the weights its attention pulls into L2 in steps of at most 4 tokens (EngineConfig.l2_prefetch)
         self.prefetch = prefetch if backend == "triton" else None
 
-    def _prefetch(self, tokens: int) -> torch.Tensor | None:
-        """The weight this layer's attention pulls into L2 (small steps only: a long step's attention is busy)."""
+    def _prefetch(self, tokens: int) -> list[Region] | None:
+        """The weights this layer's attention pulls into L2 (small steps only: a long step's attention is busy)."""
         if self.prefetch is None or tokens > SMALL_STEP_TOKENS:
             return None
         return self.prefetch.get(self.layer_number)

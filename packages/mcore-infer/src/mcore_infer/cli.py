@@ -50,6 +50,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l2-prefetch", action="store_true",
                    help="small steps: each attention kernel also pulls its layer's output-projection weight into L2 "
                    "(EngineConfig.l2_prefetch; Hopper; not yet timed)")  # fmt: skip
+    p.add_argument("--l2-prefetch-up-mb", type=float, default=0.0,
+                   help="with --l2-prefetch: also the first this many MB of the up projection's weight")  # fmt: skip
     p.add_argument("--attention", default="auto", choices=["auto", "plain", "triton"])
     p.add_argument("--mamba-ssm-dtype", default="float32", choices=list(MAMBA_SSM_DTYPES),
                    help="Mamba and hybrid models: each request's SSM state in float32 (exact) or 16 bits (half its "
@@ -126,6 +128,7 @@ def _engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
         lookahead=args.lookahead,
         side_stream_copies=args.side_stream_copies,
         l2_prefetch=args.l2_prefetch,
+        l2_prefetch_up_mb=args.l2_prefetch_up_mb,
         attention_backend=args.attention,
         decode_kernels=args.decode_kernels,
         mamba_ssm_dtype=args.mamba_ssm_dtype,

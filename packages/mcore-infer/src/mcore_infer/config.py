@@ -60,6 +60,9 @@ class EngineConfig:
     attention kernel pulls the layer's output-projection weight into L2 while the others attend (a short context's
     attention leaves HBM idle for its few microseconds), so the projection reads it from there
     (:mod:`mcore_infer.kernels.l2_prefetch`; no value changes). Off until a GPU times it against the default."""
+    l2_prefetch_up_mb: float = 0.0
+    """With ``l2_prefetch``: a second row of programs also pulls the first this many MB (2^20 bytes) of the layer's
+    up projection's weight into L2, for the first programs of that GEMV (llama-1b's is 64 MB; L2 holds 50)."""
     compile: bool = False
     """``torch.compile`` each transformer layer (dynamic token count) before capturing CUDA graphs: the norms, RoPE,
     SwiGLU and residual adds become a few fused kernels; attention and KV-cache writes stay outside the graphs. Off by default
@@ -135,6 +138,8 @@ class EngineConfig:
             problems.append(f"attention_backend={self.attention_backend!r}: use auto, plain or triton")
         if self.mamba_ssm_dtype not in MAMBA_SSM_DTYPES:
             problems.append(f"mamba_ssm_dtype={self.mamba_ssm_dtype!r}: use {', '.join(MAMBA_SSM_DTYPES)}")
+        if not self.l2_prefetch_up_mb >= 0:
+            problems.append(f"l2_prefetch_up_mb={self.l2_prefetch_up_mb} must be >= 0")
         if self.max_images < 0:
             problems.append(f"max_images={self.max_images} must be >= 0")
         if (self.image_mean is None) != (self.image_std is None):

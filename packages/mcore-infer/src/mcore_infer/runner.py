@@ -197,19 +197,26 @@ class ModelRunner:
         self.decode_sets: DecodeSets | None = None
         """The decode graphs' input sets (one, or two used in turn: ``EngineConfig.side_stream_copies``)."""
         self.step_inputs: StaticInputs | None = None
-        self.prefetch = self._prefetch_weights(model) if config.l2_prefetch and backend == "triton" else None
-        """Layer number -> the output-projection weight its attention pulls into L2 (``EngineConfig.l2_prefetch``)."""
+        self.prefetch = self._prefetch_weights(model, config) if config.l2_prefetch and backend == "triton" else None
+        """Layer number -> the weights its attention pulls into L2 (``EngineConfig.l2_prefetch``)."""
         log.info("KV cache: %d blocks of %d tokens, attention %s", num_blocks, self.block_size, backend)
 
     @staticmethod
-    def _prefetch_weights(model: GPTModel) -> dict[int, torch.Tensor] | None:
-        """Each attention layer's output-projection weight by layer number, where the device can prefetch it."""
+    def _prefetch_weights(model: GPTModel, config: EngineConfig) -> dict[int, list[l2_prefetch.Region]] | None:
+        """By layer number, each attention layer's output-projection weight (whole) and, with
+        ``l2_prefetch_up_mb``, the first bytes of its MLP's up-projection weight, where the device can prefetch."""
         found = {}
+        up_bytes = int(config.l2_prefetch_up_mb * 2**20)
         for key, layer in model.decoder.layers.items():
             proj = getattr(getattr(layer, "self_attention", None), "linear_proj", None)
             weight = getattr(proj, "weight", None)
-            if isinstance(weight, torch.Tensor) and l2_prefetch.supported(weight):
-                found[int(key)] = weight
+            if not (isinstance(weight, torch.Tensor) and l2_prefetch.supported(weight)):
+                continue
+            regions = [(weight, weight.numel() * weight.element_size())]
+            up = getattr(getattr(getattr(layer, "mlp", None), "linear_fc1", None), "weight", None)
+            if up_bytes and isinstance(up, torch.Tensor):
+                regions.append((up, up_bytes))
+            found[int(key)] = regions
         return found or None
 
     # ------------------------------------------------------------------------------------------------- sizing

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["helper", "prefetch_args", "supported"]
+__all__ = ["Region", "helper", "prefetch_args", "supported"]
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -31,15 +32,23 @@ def supported(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
-def prefetch_args(weight: torch.Tensor | None, unused: torch.Tensor) -> dict[str, Any]:
-    """The arguments of a kernel that calls :func:`helper`: ``PF`` (the weight, or ``unused``), ``pf_bytes``,
-    ``PF_ON`` (a weight is given: the kernel adds its prefetch programs) and ``PF_ASM`` (they issue the prefetch:
-    not under the interpreter). A weight whose address is not a multiple of 16 bytes is not prefetched."""
-    on = weight is not None and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-    asm = on and os.environ.get("TRITON_INTERPRET") != "1"
-    pf = weight if on and weight is not None else unused
-    nbytes = pf.numel() * pf.element_size() if on else 0
-    return {"PF": pf, "pf_bytes": nbytes, "PF_ON": on, "PF_ASM": asm}
+Region = tuple[torch.Tensor, int]
+"""A tensor and how many of its first bytes to prefetch."""
+
+
+def prefetch_args(regions: Sequence[Region] | None, unused: torch.Tensor) -> dict[str, Any]:
+    """The arguments of a kernel that calls :func:`helper` for up to two ``regions``: ``PF``/``pf_bytes`` and
+    ``PF2``/``pf2_bytes`` (``unused`` and 0 where there is none), ``PF_ROWS`` (the rows of programs the kernel adds,
+    one a region) and ``PF_ASM`` (they issue the prefetch: not under the interpreter). A region whose tensor is not
+    contiguous or not 16-byte aligned, or of no bytes, is dropped."""
+    kept = [(t, min(int(n), t.numel() * t.element_size())) for t, n in regions or ()
+            if n > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0]  # fmt: skip
+    if len(kept) > 2:
+        raise ValueError(f"prefetch_args: {len(kept)} regions; the kernels take two at most")
+    (pf, nbytes), (pf2, nbytes2) = [*kept, (unused, 0), (unused, 0)][:2]
+    rows = len(kept)
+    return {"PF": pf, "pf_bytes": nbytes, "PF2": pf2, "pf2_bytes": nbytes2, "PF_ROWS": rows,
+            "PF_ASM": rows > 0 and os.environ.get("TRITON_INTERPRET") != "1"}  # fmt: skip
 
 
 @functools.cache
