@@ -37,6 +37,10 @@ def test_a_bad_engine_option_names_it(tmp_path: Path, capsys: pytest.CaptureFixt
     path = save_weights(tiny_model(), ParallelState.initialize(), tmp_path)
     rc, err = _run(capsys, "--checkpoint", str(path), "--block-size", "3")
     assert rc == 2 and "block_size=3 must be a power of two" in err
+    rc, err = _run(capsys, "--checkpoint", str(path), "--l2-prefetch", "--l2-prefetch-up-mb", "-1")
+    assert rc == 2 and "l2_prefetch_up_mb=-1.0 must be >= 0" in err
+    rc, err = _run(capsys, "--checkpoint", str(path), "--l2-prefetch", "--l2-prefetch-up-mb", "nan")
+    assert rc == 2 and "l2_prefetch_up_mb=nan must be >= 0" in err
 
 
 def test_a_decode_plan_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
