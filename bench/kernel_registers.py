@@ -21,9 +21,11 @@ holds at once (228 KB of shared memory and 64 K registers an SM). The kernels:
   ``mamba2-1.3b``'s shape) at one and four rows;
 - the paged-attention kernel of a decode step (``mcore_infer._triton_attention``) at ``llama-1b``'s heads (4 query
   heads a KV group, head dim 64, cache blocks of 32) under launches of ``mcore_infer.AttentionLaunch`` (tile = cache
-  blocks a loop step x split cap; RoPE, the KV write, the folded combine, the first tile before the wait).
+  blocks a loop step x split cap; RoPE, the KV write, the folded combine, the first tile before the wait; one launch
+  also with the two rows of programs that prefetch weights into L2, ``mcore_infer.kernels.l2_prefetch``).
 
-A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` then time::
+A static view to choose what ``bench/ssd_bench.py --tune`` and ``fp8_linear_bench.py --tune-casts`` (``--tune-swiglu``)
+then time::
 
     python bench/kernel_registers.py            # every kernel, every tile
     python bench/kernel_registers.py --json /tmp/regs.json
@@ -148,6 +150,7 @@ def _ssm_rows() -> list[dict[str, Any]]:
 
 def _fp8_rows() -> list[dict[str, Any]]:
     """The FP8 cast with its transpose, and the FP8 MLP's SwiGLU kernels that cast their own outputs."""
+    from mcore_models.transformer import fp8_swiglu
     from mcore_models.transformer.fp8_swiglu import _kernels as swiglu_kernels
     from mcore_parallel.fp8.cast_triton import _kernels as fp8_kernels
 
@@ -161,9 +164,9 @@ def _fp8_rows() -> list[dict[str, Any]]:
         rows.append({"kernel": "fp8_cast" + ("_native" if native else ""), "products": "-", "positions": bm,
                      "channels": bn, "warps": warps, **r, "per_element": round(r.get("instructions", 0) / per, 1)})  # fmt: skip
     fused = swiglu_kernels()
-    for name, native, (bm, bn), warps in itertools.product(
-        ("swiglu_cast", "swiglu_bwd_cast"), (False, True), ((64, 128), (64, 64), (32, 128)), (4, 8)
-    ):
+    for name, native, (bm, bn, warps) in itertools.product(
+        ("swiglu_cast", "swiglu_bwd_cast"), (False, True), fp8_swiglu.TILES
+    ):  # (the tiles `fp8_linear_bench.py --tune-swiglu` times)
         consts = {"EMIN": 127 - 6, "MBITS": 3, "NATIVE": native, "BM": bm, "BN": bn}
         fp8 = "*fp8e4nv"
         if name == "swiglu_cast":
