@@ -117,11 +117,26 @@ def test_swiglu_backward_quantize_equals_the_backward_then_the_cast(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tile", fp8_swiglu.TILES, ids=str)
 def test_every_tuned_tile_gives_the_same_codes(device: str, tile: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both casts at each tile the tune bench may pick (shapes off the tiles), forward and backward: the codes of
-    the default tiles' casts (the reference tests above pin those), and the same maximum."""
+    """Both casts at each tile the tune bench may pick (shapes off the tiles), forward and backward, launched with
+    that tile (grid and warps): the codes of the default tiles' casts (the reference tests above pin those), and
+    the same maximum."""
     h = _h(130, 200, device, torch.bfloat16, seed=4)
     g = (torch.randn(130, 200, generator=torch.Generator().manual_seed(5)) * 1e-2).to(device, torch.bfloat16)
     scale_a, scale_d = torch.tensor(30.0, device=device), torch.tensor(4000.0, device=device)
+    launches: list[tuple[str, tuple, int]] = []
+    kernels = fp8_swiglu._kernels()
+    for name in ("swiglu_cast", "swiglu_bwd_cast"):
+        real = kernels[name]
+
+        class Spy:  # records each launch's grid and warps, then launches the kernel
+            def __getitem__(self, grid: tuple, name: str = name, real: object = real) -> object:
+                def launch(*args: object, **kw: object) -> object:
+                    launches.append((name, grid, int(kw["num_warps"])))  # type: ignore[call-overload]
+                    return real[grid](*args, **kw)  # type: ignore[index]
+
+                return launch
+
+        monkeypatch.setitem(kernels, name, Spy())
     outs = []
     for fwd, bwd in ((fp8_swiglu.FWD_TILE, fp8_swiglu.BWD_TILE), (tile, tile)):
         monkeypatch.setattr(fp8_swiglu, "FWD_TILE", fwd)
@@ -133,6 +148,9 @@ def test_every_tuned_tile_gives_the_same_codes(device: str, tile: tuple, monkeyp
         outs.append([t.view(torch.uint8) for t in (q, qt, dq, dqt)] + [amax_a, amax_d])
     for mine, theirs in zip(outs[1], outs[0], strict=True):
         assert torch.equal(mine, theirs)
+    bm, bn, warps = tile
+    grid = (-(-130 // bm), -(-200 // bn))
+    assert launches[2:] == [("swiglu_cast", grid, warps), ("swiglu_bwd_cast", grid, warps)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -293,7 +293,7 @@ class DelayedScaling(nn.Module):
 
     def step_amax(self) -> torch.Tensor:
         """This step's maxima so far (``[3]``, per unit of loss weight): :attr:`amax` and the kernels' maxima."""
-        return torch.maximum(self.amax, self.amax_raw / self._weights)
+        return step_amaxes([self])[0]
 
     def roll(self, amax: torch.Tensor) -> None:
         """End of a step: push ``amax`` (``[3]``, this step's maxima reduced over the ranks; non-finite entries
