@@ -111,3 +111,36 @@ def test_triton_kernel_on_gpu(dtype: torch.dtype) -> None:
     want = sw.swiglu_backward_reference(x, grad)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_swiglu_gives_the_eager_gradients(device: str, dtype: torch.dtype) -> None:
+    """``swiglu`` inside ``torch.compile`` against eager (on CUDA with torch 2.11, a float32 forward through no-op
+    dtype casts gave the input a zero gradient once compiled)."""
+    torch.manual_seed(0)
+    w1 = torch.randn(32, 128, device=device, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(64, 32, device=device, dtype=dtype)
+    xin = torch.randn(16, 32, device=device, dtype=dtype)
+
+    def f(xin: torch.Tensor) -> torch.Tensor:
+        return (sw.swiglu(xin @ w1) @ w2).float().square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f)):
+        w1.grad = None
+        fn(xin).backward()
+        assert w1.grad is not None
+        grads.append(w1.grad.float())
+    torch._dynamo.reset()
+    assert grads[0].abs().max() > 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grads[1], grads[0], rtol=tol, atol=tol * float(grads[0].abs().max()))

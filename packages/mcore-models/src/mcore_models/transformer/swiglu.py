@@ -95,8 +95,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in float32 (or wider) math, rounded once to the inputs' dtype: what compiled layers compute
     (inductor keeps a fused kernel's intermediates in float32) and what the FP8 SwiGLU kernels round
     (``mcore_models.transformer.fp8_swiglu``); eager 16-bit ops would round ``silu(gate)`` first."""
-    cdt = torch.promote_types(gate.dtype, torch.float32)
-    return (F.silu(gate.to(cdt)) * up.to(cdt)).to(gate.dtype)
+    if gate.dtype in (torch.float32, torch.float64):
+        # no dtype round trips: under torch.compile on CUDA (torch 2.11), an autograd.Function forward whose float32
+        # inputs and output went through no-op ``.to(torch.float32)`` gave its input a zero gradient
+        return F.silu(gate) * up
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 class _SwiGLU(torch.autograd.Function):
