@@ -227,30 +227,69 @@ def checkpoint(ctx: Context) -> list[dict[str, Any]]:
     return tables
 
 
-def _unimportable_tests(root: str = "tests") -> dict[str, str]:
-    """Test files whose module-level imports name a package this machine lacks (the server's fastapi, uvicorn,
-    openai on a GPU machine without them), with that package: they hold no GPU test and would only fail to collect."""
-    missing = {}
-    for path in sorted(Path(root).rglob("test_*.py")):
+def _imports(node: ast.stmt, path: Path) -> list[tuple[str, Path | None]]:
+    """The modules a module-level statement of ``path`` imports: (dotted name, or "" for a relative one; its source
+    file when it is this checkout's: ``tests.*`` and relative imports by path, ``mcore_*`` through its spec)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level:
+        base = path.parents[node.level - 1].joinpath(*(node.module or "").split("."))
+        return [("", f) for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    else:
+        return []
+    out: list[tuple[str, Path | None]] = []
+    for name in names:
+        source: Path | None = None
+        if name.startswith("tests."):
+            stem = Path(*name.split("."))
+            source = next((f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()), None)
+        elif name.startswith("mcore_"):
+            try:
+                spec = importlib.util.find_spec(name)
+            except ImportError:
+                spec = None
+            source = Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+        out.append((name, source))
+    return out
+
+
+def _missing_import(path: Path, seen: dict[Path, str | None]) -> str | None:
+    """The first package this machine lacks that ``path`` imports at module level, directly or through a module of
+    this checkout it imports (a test helper module, ``mcore_infer.server``)."""
+    if path not in seen:
+        seen[path] = None  # import cycles end here
         for node in ast.parse(path.read_text()).body:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []  # fmt: skip
-            gone = [n.split(".")[0] for n in names if importlib.util.find_spec(n.split(".")[0]) is None]
-            if gone:
-                missing[str(path)] = gone[0]
-                break
-    return missing
+            for name, source in _imports(node, path):
+                top = name.split(".")[0]
+                gone = top if top and importlib.util.find_spec(top) is None else None
+                gone = gone or (_missing_import(source, seen) if source else None)
+                if gone:
+                    seen[path] = gone
+                    return gone
+    return seen[path]
+
+
+def _unimportable_tests(root: str = "tests") -> dict[str, str]:
+    """Test files whose module-level imports need a package this machine lacks (the server's fastapi, uvicorn,
+    openai on a GPU machine without them), with that package: they hold no GPU test and would only fail to collect."""
+    seen: dict[Path, str | None] = {}
+    missing = {str(p): _missing_import(p, seen) for p in sorted(Path(root).rglob("test_*.py"))}
+    return {p: m for p, m in missing.items() if m}
 
 
 def gpu_tests(ctx: Context) -> list[dict[str, Any]]:
     skipped_files = _unimportable_tests()
     step = ctx.run([PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-                    "--continue-on-collection-errors", *(f"--ignore={p}" for p in skipped_files)], timeout=900)  # fmt: skip
+                    "-rfE", "--tb=line", "--continue-on-collection-errors", *(f"--ignore={p}" for p in skipped_files)],
+                   timeout=900)  # fmt: skip
     summary = [line for line in step.log.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary[-1])} \
         if summary else {}  # fmt: skip
     seconds = re.search(r" in ([\d.]+)s", summary[-1]) if summary else None
-    problems = [line for line in step.log.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    problems = [line for line in step.log.splitlines()
+                if line.startswith(("FAILED ", "ERROR ")) or re.match(r"\S+\.py:\d+: \w", line)]  # fmt: skip
     row = ctx.row(step, measured=bool(summary), gpus=ctx.gpus, passed=counts.get("passed", 0 if summary else None),
                   failed=counts.get("failed", 0 if summary else None), skipped=counts.get("skipped"),
                   errors=counts.get("error", counts.get("errors")), seconds=float(seconds[1]) if seconds else None)  # fmt: skip

@@ -129,6 +129,8 @@ def _first_traceback(out: str, keep: int = 6000) -> str:
         return out[-keep:]
     lines = out[first:].splitlines()
     end = next((i for i, line in enumerate(lines[1:], 1) if line and not line[0].isspace()), len(lines) - 1)
+    if lines[end].rstrip().endswith(":"):  # a wrapper's message (inductor's SubprocException): its cause follows
+        end = min(end + 60, len(lines) - 1)
     text = "\n".join(lines[: end + 1])
     return text if len(text) <= keep else text[: keep // 2] + "\n...\n" + text[-keep // 2 :]
 

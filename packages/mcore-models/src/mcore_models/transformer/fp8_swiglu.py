@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["swiglu_quantize", "swiglu_backward_quantize", "fp8_swiglu_mlp", "fusion_problem"]
 
-FWD_TILE = (64, 128, 8)
+FWD_TILE = (32, 256, 8)
 """(rows, columns of the activation, warps) per program of the forward cast (``swiglu_cast``);
 ``bench/fp8_linear_bench.py --tune-swiglu`` times others."""
 BWD_TILE = (64, 64, 8)
