@@ -86,6 +86,8 @@ CASES: dict[str, Case] = {
     "moe-8x4k/mb4": Case(1, (*_batch(4, 64), *FAST), "moe-8x4k (8 experts of ffn 4096, top-2: llama-1b's active "
                          "FLOPs, 3.5 B parameters), compiled layers, micro-batch 4", preset="moe-8x4k"),
     "moe-8x4k/mb8": Case(1, (*_batch(8, 64), *FAST), "moe-8x4k at micro-batch 8", preset="moe-8x4k"),
+    "moe-8x4k/8-layers": Case(1, (*_batch(8, 64), *FAST, "model.num_layers=8"), "moe-8x4k cut to 8 layers (2.2 B "
+                              "parameters: its state fits an 80 GB GPU), micro-batch 8", preset="moe-8x4k"),
     "moe-32x1k/mb4": Case(1, (*_batch(4, 64), *FAST), "moe-32x1k (32 experts of ffn 1024, top-8), compiled layers, "
                           "micro-batch 4", preset="moe-32x1k"),
     "moe-32x1k/mb8": Case(1, (*_batch(8, 64), *FAST), "moe-32x1k at micro-batch 8", preset="moe-32x1k"),
