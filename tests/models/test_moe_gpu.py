@@ -12,11 +12,12 @@ from mcore_models.moe import MoEConfig, grouped_linear
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _config(**moe: object) -> TransformerConfig:
+def _config(model: dict[str, object] | None = None, **moe: object) -> TransformerConfig:
     fields = dict(num_experts=8, ffn_hidden_size=256, router_topk=2, aux_loss_coeff=1e-2)
     fields.update(moe)
-    return TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                             activation="swiglu", normalization="rmsnorm", position_embedding="rope",
+    shape: dict[str, object] = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2)
+    shape.update(model or {})
+    return TransformerConfig(**shape, activation="swiglu", normalization="rmsnorm", position_embedding="rope",
                              add_bias_linear=False, vocab_size=512, params_dtype="bfloat16",
                              moe=MoEConfig(**fields))  # fmt: skip
 
@@ -68,3 +69,30 @@ def test_compiled_moe_layers_match_eager() -> None:
     ga = eager.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
     gb = compiled.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
     assert torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.99
+
+
+FP8_EXPERTS = dict(fp8="hybrid", fp8_recipe="delayed", fp8_modules=("qkv", "proj", "fc1", "fc2", "experts"),
+                   fp8_first_layers_bf16=0, fp8_last_layers_bf16=0)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs compute capability 9.0"
+)
+def test_compiled_fp8_experts_match_eager() -> None:
+    """FP8 routed experts inside compiled layers at moe-8x4k's widths (hidden 2048, 8 experts of ffn 4096), the
+    case ``bench/run.py train-fp8-moe`` runs; an inductor kernel of this graph once failed Triton's compilation."""
+    shape = dict(num_layers=2, hidden_size=2048, num_attention_heads=16, num_query_groups=8, **FP8_EXPERTS)
+    torch.manual_seed(3)
+    eager = GPTModel(_config(shape, ffn_hidden_size=4096), device="cuda")
+    compiled = GPTModel(_config(shape, ffn_hidden_size=4096), device="cuda")
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_layers()
+    tokens = torch.randint(0, 512, (2, 2048), device="cuda")
+    a = eager(tokens, labels=tokens).mean()
+    b = compiled(tokens, labels=tokens).mean()
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    ga = eager.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
+    gb = compiled.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
+    assert torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.98
