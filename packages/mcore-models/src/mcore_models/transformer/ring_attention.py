@@ -47,6 +47,7 @@ from mcore_models.transformer.attention import SDPACoreAttention
 from mcore_models.transformer.context import ModelContext
 from mcore_models.transformer.packed import DocumentMask
 from mcore_parallel import Group
+from mcore_parallel.autograd import as_dtype
 from mcore_parallel.context_parallel import CP_COMMS, ring_exchange, wait_all
 from mcore_parallel.tensor import _comm
 
@@ -380,7 +381,7 @@ class _RingAttention(torch.autograd.Function):
         run = _forward_p2p if comm == "p2p" else _forward_allgather
         flash_aux: list[Any] = []
         out, lse = run(q, kv, cp, scale, docs, flash_aux)
-        out = out.to(q.dtype)
+        out = as_dtype(out, q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.cp, ctx.comm, ctx.scale, ctx.docs, ctx.flash_aux = cp, comm, scale, docs, flash_aux
         return out

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_parallel.autograd import as_dtype
+
 __all__ = ["silu_mul", "swiglu", "swiglu_backward", "swiglu_backward_reference"]
 
 _KERNEL: Any = None
@@ -96,10 +98,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     (inductor keeps a fused kernel's intermediates in float32) and what the FP8 SwiGLU kernels round
     (``mcore_models.transformer.fp8_swiglu``); eager 16-bit ops would round ``silu(gate)`` first."""
     if gate.dtype in (torch.float32, torch.float64):
-        # no dtype round trips: under torch.compile on CUDA (torch 2.11), an autograd.Function forward whose float32
-        # inputs and output went through no-op ``.to(torch.float32)`` gave its input a zero gradient
         return F.silu(gate) * up
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return as_dtype(F.silu(gate.float()) * up.float(), gate.dtype)  # never a no-op cast (mcore_parallel.autograd)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mcore_parallel.autograd import as_dtype
 from mcore_parallel.fp8.gemm import GEMM_ALIGNMENT
 from mcore_parallel.fp8.recipe import E4M3
 from mcore_parallel.fp8.scaling import Fp8Tensor, current_scale, quantize
@@ -111,7 +112,7 @@ def scaled_grouped_mm(
         start = end
     if start != m:
         raise ValueError(f"scaled_grouped_mm: the expert row counts add up to {start}, not the {m} rows")
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
 
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, experts: int) -> torch.Tensor:
