@@ -478,5 +478,5 @@ SYSTEM_SUITES = [
           "torch.save and torch.distributed.checkpoint on the same tensors, same process", 5, 0, checkpoint,
           use=lambda v: min(v, 1)),
     Suite("gpu-tests", "every test marked gpu (kernels, NCCL parity, CUDA graphs) on the GPUs it is given",
-          "the float64 / CPU references inside the tests", 3, 1, gpu_tests, use=lambda v: max(v, 1)),
+          "the float64 / CPU references inside the tests", 9, 1, gpu_tests, use=lambda v: max(v, 1)),
 ]  # fmt: skip
