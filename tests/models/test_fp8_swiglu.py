@@ -164,6 +164,14 @@ def test_a_nan_shows_in_the_maximum(device: str) -> None:
     swiglu_backward_quantize(h, torch.ones(40, 32, device=device, dtype=torch.bfloat16), torch.tensor(1.0, device=device),
                              E5M2, amax)  # fmt: skip
     assert amax.item() == float("inf")
+    # a NaN in the up half only: d_gate holds it, d_up stays finite (the two halves' maxima reduced together)
+    h = _h(40, 32, device, torch.bfloat16, seed=4)
+    h[9, 32 + 5] = float("nan")
+    amax = torch.zeros(1, device=device)
+    dh, _ = swiglu_backward_quantize(h, torch.ones(40, 32, device=device, dtype=torch.bfloat16),
+                                     torch.tensor(1.0, device=device), E5M2, amax)  # fmt: skip
+    assert torch.isnan(dh[9, 5].float()) and not torch.isnan(dh[9, 32 + 5].float())
+    assert amax.item() == float("inf")
 
 
 def _config(**kw: object):  # type: ignore[no-untyped-def]

@@ -60,6 +60,7 @@ TILES = [
 """The tiles ``bench/fp8_linear_bench.py --tune-swiglu`` times for both casts (each tested against the reference)."""
 _KERNELS: dict[str, Any] = {}
 _quantize: Any = None  # cast_triton's helpers (installed here: Triton looks a kernel's callees up among its globals)
+_abs_nan_inf: Any = None
 _tile_amax: Any = None
 _gate_up: Any = None  # this module's own helpers (set when the kernels are made)
 _store: Any = None
@@ -113,7 +114,7 @@ def _kernels() -> dict[str, Any]:
         sig = tl.sigmoid(gate)
         d_gate = (g * up * sig * (1.0 + gate * (1.0 - sig))).to(H.dtype.element_ty).to(tl.float32)
         d_up = (g * gate * sig).to(H.dtype.element_ty).to(tl.float32)
-        tl.atomic_max(AMAX, tl.maximum(_tile_amax(d_gate), _tile_amax(d_up)))
+        tl.atomic_max(AMAX, _tile_amax(tl.maximum(_abs_nan_inf(d_gate), _abs_nan_inf(d_up))))  # one reduction
         s = tl.load(SCALE)
         qg = _quantize(d_gate, s, fmax, Q.dtype.element_ty, EMIN, MBITS, NATIVE)
         qu = _quantize(d_up, s, fmax, Q.dtype.element_ty, EMIN, MBITS, NATIVE)

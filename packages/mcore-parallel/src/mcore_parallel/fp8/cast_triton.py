@@ -100,18 +100,22 @@ def _define_helpers() -> dict[str, Any]:
         return q
 
     @triton.jit  # type: ignore[misc]
+    def _abs_nan_inf(x):  # type: ignore[no-untyped-def]
+        """``|x|`` with NaN as +inf (a maximum over it is +inf where ``x`` holds a NaN: one reduction, not two)."""
+        return tl.where(x != x, float("inf"), tl.abs(x))
+
+    @triton.jit  # type: ignore[misc]
     def _tile_amax(x):  # type: ignore[no-untyped-def]
         """The largest ``|x|`` of a 2-D float32 tile, +inf if it holds a NaN (the history counts that as 0)."""
-        a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
-        return tl.where(nan > 0, float("inf"), a)
+        return tl.max(tl.max(_abs_nan_inf(x), axis=1), axis=0)
 
-    helpers = {"_quantize": _quantize, "_tile_amax": _tile_amax}
+    helpers = {"_quantize": _quantize, "_abs_nan_inf": _abs_nan_inf, "_tile_amax": _tile_amax}
     globals().update(helpers)
     return helpers
 
 
 _quantize: Any = None  # the helpers (set by install: Triton looks a kernel's callees up among these globals)
+_abs_nan_inf: Any = None
 _tile_amax: Any = None
 
 
