@@ -4,7 +4,6 @@ off), and the loss curves of a 500-step run on text."""
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 from _harness import PY, Context, Step, Suite, table
@@ -145,18 +144,8 @@ MOE_VARIANTS = {
 }
 
 
-def _gpu_gib() -> float | None:
-    """GPU 0's memory in GiB (``nvidia-smi``), or None without one."""
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
-        return float(smi.stdout.split()[0]) / 1024
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
-
-
 def train_fp8_moe(ctx: Context) -> list[dict[str, Any]]:
-    gib = _gpu_gib()
+    gib = ctx.gpu_gib
     # moe-8x4k's 3.5 B parameters take 63 GB of weights, gradients and Adam state: out of memory on an 80 GB H100
     case = "moe-8x4k/mb8" if gib is None or gib >= 100 else "moe-8x4k/8-layers"
     rows = _against_bf16(ctx, case, MOE_VARIANTS)

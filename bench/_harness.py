@@ -41,6 +41,8 @@ class Context:
     quick: bool
     dry_run: bool
     repo: Path
+    gpu_gib: float | None = None
+    """GPU 0's memory in GiB (``nvidia-smi``, read once by ``run.py``'s probe), None without it."""
     date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).date().isoformat())
     steps: list[dict[str, Any]] = field(default_factory=list)
 

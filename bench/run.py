@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -246,7 +247,9 @@ def run_suite(name: str, args: argparse.Namespace, env: dict[str, str], info: di
     if used and used < info["gpus"]:  # only the first `used` GPUs
         ids = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(info["gpus"])))).split(",")
         suite_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:used])
-    ctx = Context(work=work / name, env=suite_env, gpus=used, quick=args.quick, dry_run=args.dry_run, repo=REPO)
+    memory = re.match(r"([\d.]+) MiB", info.get("gpu_memory") or "")
+    ctx = Context(work=work / name, env=suite_env, gpus=used, quick=args.quick, dry_run=args.dry_run, repo=REPO,
+                  gpu_gib=float(memory[1]) / 1024 if memory else None)  # fmt: skip
     print(f"== {name}: {suite.summary} ({used} GPU(s){', quick' if args.quick else ''})", flush=True)
     tables = suite.build(ctx)
     if args.dry_run:

@@ -1,8 +1,8 @@
 """No ``torch.autograd.Function`` forward in the packages returns a tensor through a method that may return its own
 input (``.to``, ``.float()``, ``.contiguous()``, ``.type_as``...): PyTorch 2.11's ``torch.compile`` gives such a
-function's inputs a zero gradient (``mcore_parallel.autograd``, whose ``as_dtype`` / ``as_contiguous`` are the safe
-spellings). The check follows the returned names to their assignments, through views, and into the module's own
-functions the forward returns the result of."""
+function's inputs a zero gradient (``mcore_parallel.autograd``, whose ``as_dtype`` is the safe spelling of a cast).
+The check follows the returned names to their assignments, through views, and into the module's own functions the
+forward returns the result of."""
 
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def test_no_autograd_forward_returns_a_maybe_self_result() -> None:
     forwards = sum(p.read_text().count("autograd.Function)") for p in files)
     assert forwards > 10, f"found only {forwards} autograd functions under {ROOT}"
     problems = [f for p in files for f in autograd_forward_problems(p.read_text(), str(p.relative_to(ROOT)))]
-    assert not problems, "use mcore_parallel.autograd.as_dtype / as_contiguous:\n" + "\n".join(problems)
+    assert not problems, (
+        "call the method only where it changes the tensor (mcore_parallel.autograd.as_dtype):\n" + "\n".join(problems)
+    )
 
 
 def test_the_check_finds_each_spelling() -> None:

@@ -55,20 +55,27 @@ def test_dropless_forward_and_backward_never_wait_for_the_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_compiled_moe_layers_match_eager() -> None:
-    torch.manual_seed(2)
-    eager = GPTModel(_config(shared_expert_ffn_hidden_size=128), device="cuda")
-    compiled = GPTModel(_config(shared_expert_ffn_hidden_size=128), device="cuda")
+def _compiled_against_eager(config: TransformerConfig, tokens: torch.Tensor, tol: float, cosine: float) -> None:
+    """The same weights in eager and compiled layers: the loss within ``tol``, layer 1's first expert weight's
+    gradient at a cosine similarity above ``cosine``."""
+    eager = GPTModel(config, device="cuda")
+    compiled = GPTModel(config, device="cuda")
+    compiled.load_state_dict(eager.state_dict())
     compiled.compile_layers()
-    tokens = torch.randint(0, 512, (2, 256), device="cuda")
     a = eager(tokens, labels=tokens).mean()
     b = compiled(tokens, labels=tokens).mean()
     a.backward()
     b.backward()
-    torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(b, a, rtol=tol, atol=tol)
     ga = eager.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
     gb = compiled.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
-    assert torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.99
+    assert torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > cosine
+
+
+def test_compiled_moe_layers_match_eager() -> None:
+    torch.manual_seed(2)
+    config = _config(shared_expert_ffn_hidden_size=128)
+    _compiled_against_eager(config, torch.randint(0, 512, (2, 256), device="cuda"), 1e-2, 0.99)
 
 
 FP8_EXPERTS = dict(fp8="hybrid", fp8_recipe="delayed", fp8_modules=("qkv", "proj", "fc1", "fc2", "experts"),
@@ -83,16 +90,5 @@ def test_compiled_fp8_experts_match_eager() -> None:
     case ``bench/run.py train-fp8-moe`` runs; an inductor kernel of this graph once failed Triton's compilation."""
     shape = dict(num_layers=2, hidden_size=2048, num_attention_heads=16, num_query_groups=8, **FP8_EXPERTS)
     torch.manual_seed(3)
-    eager = GPTModel(_config(shape, ffn_hidden_size=4096), device="cuda")
-    compiled = GPTModel(_config(shape, ffn_hidden_size=4096), device="cuda")
-    compiled.load_state_dict(eager.state_dict())
-    compiled.compile_layers()
-    tokens = torch.randint(0, 512, (2, 2048), device="cuda")
-    a = eager(tokens, labels=tokens).mean()
-    b = compiled(tokens, labels=tokens).mean()
-    a.backward()
-    b.backward()
-    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
-    ga = eager.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
-    gb = compiled.decoder.layers["1"].mlp.experts.linear_fc1.weight.grad.float()
-    assert torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.98
+    config = _config(shape, ffn_hidden_size=4096)
+    _compiled_against_eager(config, torch.randint(0, 512, (2, 2048), device="cuda"), 2e-2, 0.98)

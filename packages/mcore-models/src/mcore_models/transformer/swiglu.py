@@ -97,9 +97,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in float32 (or wider) math, rounded once to the inputs' dtype: what compiled layers compute
     (inductor keeps a fused kernel's intermediates in float32) and what the FP8 SwiGLU kernels round
     (``mcore_models.transformer.fp8_swiglu``); eager 16-bit ops would round ``silu(gate)`` first."""
-    if gate.dtype in (torch.float32, torch.float64):
-        return F.silu(gate) * up
-    return as_dtype(F.silu(gate.float()) * up.float(), gate.dtype)  # never a no-op cast (mcore_parallel.autograd)
+    cdt = torch.promote_types(gate.dtype, torch.float32)
+    return as_dtype(F.silu(gate.to(cdt)) * up.to(cdt), gate.dtype)  # never a no-op cast (mcore_parallel.autograd)
 
 
 class _SwiGLU(torch.autograd.Function):
