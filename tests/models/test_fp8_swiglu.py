@@ -288,3 +288,55 @@ def test_llama_1b_mlp_fused_equals_unfused_on_the_gpu() -> None:
         for name, a, b in zip(("y", "dx", "dW1", "dW2"), *outs, strict=True):
             assert (a - b).norm() <= 1e-2 * b.norm(), f"step {step} {name}: {(a - b).norm() / b.norm():.2e}"
     assert mlps[1].fp8_fused_calls == 1 and mlps[0].fp8_fused_calls == 0
+
+
+_COMPILE_FOR_HOPPER = r"""
+import itertools, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mcore_parallel.fp8 import cast_triton
+from mcore_models.transformer import fp8_swiglu
+
+def signature(fn, consts, fmax_type):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "fmax":
+            sig[name] = fmax_type
+        elif name.islower():
+            sig[name] = "i32"
+        else:
+            sig[name] = {"T": "*bf16", "H": "*bf16", "G": "*bf16", "Q": "*fp8e4nv", "QT": "*fp8e4nv"}.get(name, "*fp32")
+    return sig
+
+kernels = {**cast_triton._kernels(), **fp8_swiglu._kernels()}
+failed = []
+for name, native, flag in itertools.product(("cast", "swiglu_cast", "swiglu_bwd_cast"), (True, False), (True, False)):
+    fn = kernels[name]
+    consts = {"EMIN": 121, "MBITS": 3, "NATIVE": native, "BM": 64, "BN": 128}
+    consts.update({"AMAX_OUT": flag, "ROWWISE": not flag, "TRANSPOSE": flag} if name == "cast" else {})
+    consts.update({"TRANSPOSE": flag} if name == "swiglu_cast" else {})
+    try:
+        triton.compile(ASTSource(fn=fn, signature=signature(fn, consts, "fp64"), constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except Exception as e:
+        failed.append(f"{name} NATIVE={native} flag={flag}: {type(e).__name__}: {str(e)[:200]}")
+print("\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_the_casts_compile_for_hopper_with_fmax_typed_as_inductor_types_it() -> None:
+    """The FP8 casts compile for sm_90 with ``fmax`` typed float64, as inductor types a Python float when it
+    launches them from a compiled graph (the MoE's FP8 experts). A float64 ``fmax`` once made ``y`` float64, and
+    Triton has no float64 -> FP8 conversion: ``make_llir`` failed. Compiled by Triton for the GPU (no GPU needed), in
+    a process without ``TRITON_INTERPRET``."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]

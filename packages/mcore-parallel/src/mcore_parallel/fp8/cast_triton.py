@@ -84,8 +84,10 @@ def _define_helpers() -> dict[str, Any]:
     @triton.jit  # type: ignore[misc]
     def _quantize(x, s, fmax, dtype, EMIN: tl.constexpr, MBITS: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
         """``x * s`` (float32) clamped to ``±fmax`` and rounded to nearest even in the FP8 ``dtype``."""
-        y = tl.minimum(tl.maximum(x * s, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
-                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        # fmax in float32 whatever the launch typed it as: inductor, launching these kernels from a compiled graph,
+        # types a Python float float64, which would make y float64 (no float64 -> FP8 conversion: Triton fails)
+        f = tl.full([], fmax, tl.float32)
+        y = tl.minimum(tl.maximum(x * s, -f, propagate_nan=tl.PropagateNan.ALL), f, propagate_nan=tl.PropagateNan.ALL)
         if NATIVE:  # the GPU's own conversion, round to nearest even (y is already within the format's range)
             q = y.to(dtype, fp_downcast_rounding="rtne")
         else:
