@@ -102,6 +102,11 @@ def test_the_backend_line_says_where_the_experts_run() -> None:
     assert "routed experts" not in line and "MoE experts" in line and "SwiGLU" not in line
     fused = llama(fp8="hybrid", fp8_recipe="delayed", fp8_fused_swiglu=True, hidden_size=64, num_layers=3)
     assert "the MLP's SwiGLU kernels write FP8" in describe_backend(fused)
+    # the fused SwiGLU is a dense MLP's: not named where every FP8 layer is an MoE layer
+    delayed = dict(fp8="hybrid", fp8_recipe="delayed")
+    assert "SwiGLU" not in describe_backend(_moe_config(**delayed))
+    mixed = MoEConfig(num_experts=4, ffn_hidden_size=32, router_topk=2, layer_freq=[1, 0, 1])
+    assert "the MLP's SwiGLU kernels write FP8" in describe_backend(_moe_config(moe=mixed, **delayed))
 
 
 def test_experts_without_moe_layers_are_refused() -> None:

@@ -232,7 +232,8 @@ def describe_backend(config: TransformerConfig) -> str:
     layers = fp8_layers(config)
     experts = config.moe is not None and "experts" in config.fp8_modules
     routed = "; routed experts: E4M3 rowwise grouped GEMMs, weight gradient bf16" if experts else ""
-    if config.fp8_swiglu_fused:
+    moe = config.moe
+    if config.fp8_swiglu_fused and (moe is None or any(not moe.is_moe_layer(i) for i in layers)):  # a dense MLP
         routed += "; the MLP's SwiGLU kernels write FP8 (fp8_fused_swiglu)"
     bf16_experts = "shared experts" if experts else "MoE experts"
     output = "output" in config.fp8_modules
