@@ -290,6 +290,23 @@ def test_llama_1b_mlp_fused_equals_unfused_on_the_gpu() -> None:
     assert mlps[1].fp8_fused_calls == 1 and mlps[0].fp8_fused_calls == 0
 
 
+def test_the_casts_call_their_triton_functions_as_globals() -> None:
+    """Inductor, launching a Triton kernel from a compiled graph (the MoE's FP8 experts), emits the kernel's source
+    with the jit functions it calls as module globals (its code's names), transitively, but not those it reaches as
+    variables of an enclosing function (closure cells): such a callee is missing there and the kernel fails to
+    compile (seen on the GPU: the cast's maximum helper reached its ``|x|`` helper that way). No cast kernel or
+    helper holds a jit function in a closure cell."""
+    from mcore_parallel.fp8 import cast_triton
+
+    functions = {**cast_triton._kernels(), **fp8_swiglu._kernels()}
+    functions.update({name: getattr(cast_triton, name) for name in ("_quantize", "_abs_nan_inf", "_tile_amax")})
+    functions.update({name: getattr(fp8_swiglu, name) for name in ("_gate_up", "_store")})
+    for name, f in functions.items():
+        code, cells = f.fn.__code__, f.fn.__closure__ or ()
+        held = [v for v, c in zip(code.co_freevars, cells, strict=True) if hasattr(c.cell_contents, "fn")]
+        assert not held, f"{name} reaches {held} through a closure, not as module globals"
+
+
 _COMPILE_FOR_HOPPER = r"""
 import itertools, sys
 import triton

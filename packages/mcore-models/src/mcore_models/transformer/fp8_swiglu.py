@@ -66,13 +66,12 @@ _gate_up: Any = None  # this module's own helpers (set when the kernels are made
 _store: Any = None
 
 
-def _kernels() -> dict[str, Any]:
-    if _KERNELS:
-        return _KERNELS
+def _define_helpers() -> None:
+    """This module's Triton helpers, set as module globals: the kernels (defined in another function) then call them
+    as globals, not as variables of an enclosing function, which inductor would not emit with a kernel it launches
+    from a compiled graph."""
     import triton
     import triton.language as tl
-
-    cast_triton.install(globals())
 
     @triton.jit  # type: ignore[misc]
     def _gate_up(H, rows, ffn, h_row, BM: tl.constexpr, BN: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -95,13 +94,23 @@ def _kernels() -> dict[str, Any]:
 
     globals().update(_gate_up=_gate_up, _store=_store)
 
+
+def _kernels() -> dict[str, Any]:
+    if _KERNELS:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    cast_triton.install(globals())
+    _define_helpers()
+
     @triton.jit  # type: ignore[misc]
     def swiglu_cast(H, SCALE, Q, QT, AMAX, rows, ffn, h_row, fmax,  # type: ignore[no-untyped-def]
                     EMIN: tl.constexpr, MBITS: tl.constexpr, NATIVE: tl.constexpr, TRANSPOSE: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
         rm, rn, mask, gate, up = _gate_up(H, rows, ffn, h_row, BM, BN)
         a = (gate * tl.sigmoid(gate) * up).to(H.dtype.element_ty).to(tl.float32)  # as the activation is stored
-        tl.atomic_max(AMAX, _tile_amax(a))
+        tl.atomic_max(AMAX, _tile_amax(_abs_nan_inf(a)))
         q = _quantize(a, tl.load(SCALE), fmax, Q.dtype.element_ty, EMIN, MBITS, NATIVE)
         _store(Q, QT, q, rm, rn, mask, rows, 0, ffn, TRANSPOSE)
 

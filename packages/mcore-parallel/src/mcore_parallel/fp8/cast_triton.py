@@ -107,9 +107,11 @@ def _define_helpers() -> dict[str, Any]:
         return tl.where(x != x, float("inf"), tl.abs(x))
 
     @triton.jit  # type: ignore[misc]
-    def _tile_amax(x):  # type: ignore[no-untyped-def]
-        """The largest ``|x|`` of a 2-D float32 tile, +inf if it holds a NaN (the history counts that as 0)."""
-        return tl.max(tl.max(_abs_nan_inf(x), axis=1), axis=0)
+    def _tile_amax(a):  # type: ignore[no-untyped-def]
+        """The largest element of a 2-D tile ``a = _abs_nan_inf(x)``: the largest ``|x|``, +inf if ``x`` holds a NaN
+        (the history counts that as 0). It calls no other helper: the helpers here reach each other as variables of
+        this function, which inductor, launching a kernel from a compiled graph, does not emit with the kernel."""
+        return tl.max(tl.max(a, axis=1), axis=0)
 
     helpers = {"_quantize": _quantize, "_abs_nan_inf": _abs_nan_inf, "_tile_amax": _tile_amax}
     globals().update(helpers)
@@ -148,7 +150,7 @@ def _kernels() -> dict[str, Any]:
         mask = (rm[:, None] < rows) & (rn[None, :] < cols)
         x = tl.load(T + rm[:, None] * t_row + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         if AMAX_OUT:  # this tile's largest |t| into AMAX
-            tl.atomic_max(AMAX, _tile_amax(x))
+            tl.atomic_max(AMAX, _tile_amax(_abs_nan_inf(x)))
         if ROWWISE:
             s = tl.load(SCALE + rm, mask=rm < rows, other=1.0)[:, None]
         else:
