@@ -87,7 +87,8 @@ FP8_EXPERTS = dict(fp8="hybrid", fp8_recipe="delayed", fp8_modules=("qkv", "proj
 )
 def test_compiled_fp8_experts_match_eager() -> None:
     """FP8 routed experts inside compiled layers at moe-8x4k's widths (hidden 2048, 8 experts of ffn 4096), the
-    case ``bench/run.py train-fp8-moe`` runs; an inductor kernel of this graph once failed Triton's compilation."""
+    case ``bench/run.py train-fp8-moe`` runs; the FP8 cast kernel, which inductor launches from this graph with its
+    ``fmax`` typed float64, once failed Triton's compilation (``test_fp8_swiglu.py`` checks that on the CPU)."""
     shape = dict(num_layers=2, hidden_size=2048, num_attention_heads=16, num_query_groups=8, **FP8_EXPERTS)
     torch.manual_seed(3)
     config = _config(shape, ffn_hidden_size=4096)
