@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,34 @@ def srv() -> Iterator[LoadServer]:
     s = LoadServer()
     yield s
     s.close()
+
+
+@contextmanager
+def held_until_all_arrive(engine: Any, n: int, timeout: float = 30.0) -> Iterator[None]:
+    """Hold the engine's steps until ``n`` requests have been added (or ``timeout`` s have passed), so that the load
+    meets the small cache all at once and queues and preempts, however fast the front end hands requests over on
+    a loaded machine (a trickle of requests each finishing before the next arrives would preempt nothing)."""
+    arrived = threading.Semaphore(0)
+    add_request, step = engine.add_request, engine.step
+    held = [True]
+
+    def counting_add_request(*args: Any, **kwargs: Any) -> Any:
+        arrived.release()
+        return add_request(*args, **kwargs)
+
+    def held_step() -> Any:
+        if held[0]:
+            deadline = time.monotonic() + timeout
+            for _ in range(n):
+                arrived.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            held[0] = False
+        return step()
+
+    engine.add_request, engine.step = counting_add_request, held_step
+    try:
+        yield
+    finally:
+        del engine.add_request, engine.step
 
 
 @dataclass
@@ -162,7 +193,8 @@ def test_64_streaming_clients_a_third_hanging_up(srv: LoadServer) -> None:
     clients = make_clients(srv)
     preemptions0 = srv.llm.engine.scheduler.num_preemptions
     aborted0 = parse_prometheus(srv.http.get("/metrics").text)["mcore_infer_requests_aborted_total"]
-    asyncio.run(asyncio.wait_for(run_all(srv, clients), timeout=120))  # a hang fails, not a slow machine
+    with held_until_all_arrive(srv.llm.engine, CLIENTS):
+        asyncio.run(asyncio.wait_for(run_all(srv, clients), timeout=120))  # a hang fails, not a slow machine
 
     assert all(c.status == 200 for c in clients), [(c.status, c.events) for c in clients if c.status != 200]
     stayed = [c for c in clients if c.hang_up_after is None]
