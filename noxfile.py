@@ -79,6 +79,7 @@ KERNEL_TESTS = [
     "tests/infer/test_attention_fold.py",
     "tests/infer/test_attention_launch.py",
     "tests/infer/test_argmax.py",
+    "tests/infer/test_embed_rope.py",
     "tests/infer/test_decode.py",
     "tests/infer/test_decode_fusions.py",
     "tests/infer/test_mamba_decode_kernel.py",

@@ -26,6 +26,8 @@ number of kernels per layer, and serving removes some with fusions the training 
   programmatic dependent with ``pdl``) instead of cuBLAS;
 - ``gated_norm_gemv``: steps of at most 4 tokens run a Mamba layer's gated RMSNorm inside its out-projection's row
   GEMV (:mod:`mcore_infer.kernels.gated_norm_gemv`), whose partial sums the next residual add sums;
+- ``embed_rope``: in steps of at most 4 tokens the embedding rows and the rotary rows are one gather kernel
+  (:mod:`mcore_infer.kernels.embed_rope`) instead of three;
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm (the final one before the
   output layer too) are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
@@ -62,6 +64,7 @@ from mcore_infer.decode_layers import (
     skipped_fusions,
 )
 from mcore_infer.kernels.add_norm import add_rms_norm
+from mcore_infer.kernels.embed_rope import embed_rope
 from mcore_infer.kernels.fused_mlp import MlpLaunch
 from mcore_infer.kernels.norm_gemv import norm_row_linear
 from mcore_infer.kernels.norm_linear import MAX_ROWS, norm_linear
@@ -171,6 +174,10 @@ class DecodePlan:
     RMSNorm (one Triton kernel, :mod:`mcore_infer.kernels.add_norm`; the last add and the final norm too) launched
     as programmatic dependents, so each starts, and loads its first weight tile, while the kernel before it
     finishes."""
+    embed_rope: bool = False
+    """Steps of at most 4 tokens: the tokens' embedding rows and their positions' rotary rows gathered by one Triton
+    kernel (:mod:`mcore_infer.kernels.embed_rope`), which with ``pdl`` lets the first QKV GEMV launch at its start,
+    instead of three gathers (tp=1, RoPE from the engine's table, no learned position embeddings)."""
     launches: DecodeLaunches = field(default_factory=DecodeLaunches)
     """Launch overrides of the kernels."""
 
@@ -367,7 +374,14 @@ class DecodeModel(nn.Module):
     ) -> torch.Tensor:
         model = self.model
         ctx = inference_context
-        hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=self.rotary_table)
+        table = self.rotary_table
+        small = input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] <= FMA_MAX_ROWS
+        rotary: tuple[torch.Tensor, torch.Tensor] | None
+        if self.plan.embed_rope and small and decoder_input is None and position_ids is not None and table is not None:
+            emb: torch.Tensor = model.embedding.word_embeddings.weight
+            hidden, rotary = embed_rope(input_ids[0], position_ids[0], emb, table.cos, table.sin, self.plan.pdl)
+        else:
+            hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=table)
         pending: torch.Tensor | None = None  # the last layer's residual, not added yet
         for key, layer in self.layers.items():
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
@@ -446,7 +460,26 @@ def prepare_for_decode(
     table = None
     if max_positions and model.rotary is not None:
         table = RotaryTable(model.rotary, max_positions, model.embedding.word_embeddings.weight.dtype)
+    if resolved.embed_rope:
+        blockers = _embed_rope_blockers(model, table)
+        if blockers and strict:
+            raise ValueError(f"DecodePlan.embed_rope cannot apply: {'; '.join(blockers)}; use a plan without it")
+        if blockers:
+            log.info("decode plan: embed_rope stays off: %s", "; ".join(blockers))
+            resolved = replace(resolved, embed_rope=False)
     return DecodeModel(model, wrappers, resolved, head, gemv_head, table)
+
+
+def _embed_rope_blockers(model: GPTModel, table: RotaryTable | None) -> list[str]:
+    """Why the embedding and the rotary rows cannot be one gather kernel for ``model`` (none: they can)."""
+    out = []
+    if table is None:
+        out.append("no rotary table (a model without RoPE, or no max_positions)")
+    if model.ctx.tp.size != 1:
+        out.append(f"the embedding is split over tp={model.ctx.tp.size} ranks")
+    if model.embedding.position_embeddings is not None:
+        out.append("learned position embeddings")
+    return out
 
 
 def _layer_fusions(
