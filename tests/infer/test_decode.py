@@ -373,3 +373,40 @@ def test_decode_sets_offer_the_next_sets_ids_with_two_sets_only() -> None:
     assert got is not None and got.data_ptr() == bufs[1].data_ptr() and got.shape == (4,)
     assert two.next_ids(5) is None  # beyond the largest graph: the step runs another way
     assert DecodeSets(sets[:1], upload_stream=None).next_ids(3) is None  # type: ignore[arg-type]
+
+
+def test_decode_sets_offer_a_graphs_drawn_ids_only_for_its_rows() -> None:
+    """``DecodeSets.drawn_ids``: the next set's ids hold the last step's greedy tokens when its graph drew them
+    (``argmax_in_graph``) for exactly these rows; after any other step, or for another row count, none."""
+    from types import SimpleNamespace
+
+    from mcore_infer.graphs import DecodeSets
+
+    bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(2)]
+    sets = DecodeSets([(SimpleNamespace(view={"ids": b}), {4: None}) for b in bufs], None, draws=True)  # type: ignore[misc]
+    assert sets.drawn_ids(3) is None  # nothing drawn yet
+    sets.next, sets.drawn = 1, 3
+    got = sets.drawn_ids(3)
+    assert got is not None and got.data_ptr() == bufs[1].data_ptr() and got.shape == (3,)
+    assert sets.drawn_ids(2) is None
+    sets.drawn = None
+    assert sets.drawn_ids(3) is None
+
+
+def test_a_step_whose_context_names_argmax_out_draws_into_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a decode graph captures with ``argmax_in_graph``: after the logits, each row's argmax goes into the
+    context's ``argmax_out`` (the next set's ids), equal to the logits' own argmax."""
+    llm = tiny_llm(tiny_model(num_layers=2), decode_kernels=replace(GPT_ROW, argmax_in_graph=True))
+    runner = llm.runner
+    assert runner.plan.argmax_in_graph
+    buf = torch.full((2,), -1, dtype=torch.int64)
+    real = runner.attention_context
+
+    def with_out(*a: Any, **k: Any) -> Any:
+        ctx = real(*a, **k)
+        ctx.argmax_out = buf
+        return ctx
+
+    monkeypatch.setattr(runner, "attention_context", with_out)
+    _, decode_logits = _step_logits(llm, prompts_of_lengths(3, 11, seed=4), [9, 100])
+    assert torch.equal(buf, decode_logits.argmax(-1))

@@ -191,6 +191,39 @@ def test_side_stream_copies_match_recompute(compiled: bool) -> None:
     assert [r.outputs[0].token_ids for r in res] == [reference_greedy(eager, p, 10) for p in prompts]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_argmax_in_graph_matches_recompute(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DecodePlan.argmax_in_graph``: each decode graph draws its rows' greedy tokens into the next set's ids, and a
+    batch of plain greedy rows takes them (the sampler's own argmax kernel runs for none of its decode steps). Rows
+    that end at different lengths, rows with logprobs and sampled rows beside greedy ones draw as before."""
+    from mcore_infer import sampling
+
+    prompts = prompts_of_lengths(5, 40, 17, 70, 3, 33)
+    eager = tiny_model().cuda()
+    lengths = [10, 4, 12, 7, 10, 1]
+    expected = [reference_greedy(eager, p, n) for p, n in zip(prompts, lengths)]
+    plan = replace(DECODE_PRESETS["row"], gated_norm_gemv=False, argmax_in_graph=True)
+    cfg = EngineConfig(block_size=16, num_blocks=96, max_num_seqs=6, max_num_batched_tokens=256, compile=compiled,
+                       side_stream_copies=True, decode_kernels=plan)  # fmt: skip
+    llm = LLM(model=tiny_model().cuda(), config=cfg)
+    sets = llm.runner.decode_sets
+    assert sets is not None and sets.draws
+    argmaxes: list[int] = []
+    real = sampling.row_argmax
+    monkeypatch.setattr(sampling, "row_argmax", lambda x, **k: argmaxes.append(x.shape[0]) or real(x, **k))
+    for _ in range(2):
+        res = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+        assert [r.outputs[0].token_ids for r in res] == expected
+    assert llm.engine.num_lookahead_steps > 0
+    assert len(argmaxes) < llm.engine.num_steps // 2  # the prefill steps' draws, not the graphs' decode steps
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2))
+    assert [r.outputs[0].token_ids for r in res] == [reference_greedy(eager, p, 10) for p in prompts]
+    mixed = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=6, ignore_eos=True, seed=i) for i in range(6)]
+    first = [r.outputs[0].token_ids for r in llm.generate(prompts, mixed)]
+    again = [r.outputs[0].token_ids for r in llm.generate(prompts, mixed)]
+    assert first == again and all(first[i] == reference_greedy(eager, prompts[i], 6) for i in (1, 3, 5))
+
+
 @pytest.mark.parametrize("up_mb", [0.0, 0.01], ids=["proj", "proj+up"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_l2_prefetch_matches_recompute(compiled: bool, up_mb: float) -> None:

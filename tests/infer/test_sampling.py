@@ -163,3 +163,18 @@ def test_drawn_result_is_the_draw_not_later_stream_work(device: str) -> None:
         if device == "cuda":
             assert waited < 0.25, f"result() waited {waited:.3f} s: it queued behind the later stream work"
             torch.cuda.synchronize()
+
+
+def test_a_greedy_batch_takes_the_tokens_a_graph_drew() -> None:
+    """``ready`` (a decode graph's argmax of the rows, ``argmax_in_graph``): a batch of only plain greedy rows takes
+    it as its tokens without drawing; any other batch draws from the logits and leaves it alone."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    ready = torch.tensor([1, 0])
+    greedy = SamplingParams(temperature=0.0)
+    drawn = Sampler().draw(logits, [SampleRow(greedy, [], [])] * 2, ready=ready)
+    assert drawn.tokens is ready and drawn.result().tokens == [1, 0]
+    stale = torch.tensor([2, 2])  # what the rows are not: a batch that must draw shows it did
+    with_logprobs = SampleRow(SamplingParams(temperature=0.0, logprobs=1), [], [])
+    assert Sampler().draw(logits, [with_logprobs] * 2, ready=stale).result().tokens == [1, 0]
+    banned = SampleRow(greedy, [], [], banned=[1])
+    assert Sampler().draw(logits, [banned, SampleRow(greedy, [], [])], ready=stale).result().tokens == [2, 0]

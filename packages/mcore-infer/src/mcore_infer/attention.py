@@ -73,6 +73,8 @@ class PagedAttentionContext:
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.token_seq, self.token_ctx = token_seq, token_ctx
         self.logits_index = logits_index
+        self.argmax_out: torch.Tensor | None = None
+        """Where the step draws its rows' greedy tokens after the logits (a decode graph's, ``argmax_in_graph``)."""
         self.backend = backend
         self.segments = segments or []
         self.block_tables_host = block_tables_host or []

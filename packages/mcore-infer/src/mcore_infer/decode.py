@@ -28,6 +28,8 @@ number of kernels per layer, and serving removes some with fusions the training 
   GEMV (:mod:`mcore_infer.kernels.gated_norm_gemv`), whose partial sums the next residual add sums;
 - ``embed_rope``: in steps of at most 4 tokens the embedding rows and the rotary rows are one gather kernel
   (:mod:`mcore_infer.kernels.embed_rope`) instead of three;
+- ``argmax_in_graph``: the decode CUDA graphs over two input sets also draw the greedy tokens into the next step's
+  ids (the engine then launches no argmax of its own for a batch of plain greedy rows);
 - ``pdl``: in steps of at most 4 tokens on Hopper, the residual add and each RMSNorm (the final one before the
   output layer too) are one Triton kernel, and it,
   the row kernels (the fused MLP's too) and the attention kernels are launched as programmatic dependents (each
@@ -64,6 +66,7 @@ from mcore_infer.decode_layers import (
     skipped_fusions,
 )
 from mcore_infer.kernels.add_norm import add_rms_norm
+from mcore_infer.kernels.argmax import row_argmax
 from mcore_infer.kernels.embed_rope import embed_rope
 from mcore_infer.kernels.fused_mlp import MlpLaunch
 from mcore_infer.kernels.norm_gemv import norm_row_linear
@@ -178,6 +181,10 @@ class DecodePlan:
     """Steps of at most 4 tokens: the tokens' embedding rows and their positions' rotary rows gathered by one Triton
     kernel (:mod:`mcore_infer.kernels.embed_rope`), which with ``pdl`` lets the first QKV GEMV launch at its start,
     instead of three gathers (tp=1, RoPE from the engine's table, no learned position embeddings)."""
+    argmax_in_graph: bool = False
+    """With CUDA graphs over two decode input sets (``EngineConfig.side_stream_copies``): each decode graph also
+    draws the greedy tokens, the argmax of every row written into the ids the next decode step reads (a programmatic
+    dependent with ``pdl``); a batch of only plain greedy rows takes them without a kernel of its own."""
     launches: DecodeLaunches = field(default_factory=DecodeLaunches)
     """Launch overrides of the kernels."""
 
@@ -372,21 +379,35 @@ class DecodeModel(nn.Module):
         inference_context: InferenceContext,
         decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        model = self.model
         ctx = inference_context
-        table = self.rotary_table
-        small = input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] <= FMA_MAX_ROWS
-        rotary: tuple[torch.Tensor, torch.Tensor] | None
-        if self.plan.embed_rope and small and decoder_input is None and position_ids is not None and table is not None:
-            emb: torch.Tensor = model.embedding.word_embeddings.weight
-            hidden, rotary = embed_rope(input_ids[0], position_ids[0], emb, table.cos, table.sin, self.plan.pdl)
-        else:
-            hidden, rotary = model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=table)
+        hidden, rotary = self._embed(input_ids, position_ids, decoder_input)
         pending: torch.Tensor | None = None  # the last layer's residual, not added yet
         for key, layer in self.layers.items():
             ctx.layer_number = int(key)  # read by its attention (see InferenceContext)
             hidden, pending = layer(hidden, rotary, ctx, pending)
-        index = ctx.logits_index
+        logits = self._output(hidden, pending, ctx.logits_index, gather_logits)
+        draw_into = getattr(ctx, "argmax_out", None)
+        if draw_into is not None:  # (a decode graph's greedy draw: argmax_in_graph)
+            row_argmax(logits[0, : draw_into.shape[0]], out=draw_into, pdl=self.plan.pdl)
+        return logits
+
+    def _embed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, decoder_input: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The first layer's input and the rotary rows: one kernel with ``embed_rope`` in small steps."""
+        table = self.rotary_table
+        small = input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] <= FMA_MAX_ROWS
+        if self.plan.embed_rope and small and decoder_input is None and position_ids is not None and table is not None:
+            emb: torch.Tensor = self.model.embedding.word_embeddings.weight
+            return embed_rope(input_ids[0], position_ids[0], emb, table.cos, table.sin, self.plan.pdl)
+        return self.model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=table)
+
+    def _output(
+        self, hidden: torch.Tensor, pending: torch.Tensor | None, index: torch.Tensor | None, gather_logits: bool
+    ) -> torch.Tensor:
+        """The logits of the rows ``index`` names (all: None) after the last layer's output ``hidden`` and its
+        deferred residual ``pending``."""
+        model = self.model
         norm: Any = model.decoder.final_layernorm
         rows = (pending if pending is not None else hidden).numel() // hidden.shape[-1]
         gemv_head = self.norm_gemv_head and rows <= FMA_MAX_ROWS

@@ -275,7 +275,8 @@ class LLMEngine:
         ]  # fmt: skip
         try:
             out = self.runner.next_decode_ids(len(rows)) if self.lookahead else None
-            drawn = self.sampler.draw(sel, rows, out=out, copy_stream=self._copy_stream)
+            ready = self.runner.drawn_ids(len(rows)) if self.lookahead and sel is logits else None
+            drawn = self.sampler.draw(sel, rows, out=out, copy_stream=self._copy_stream, ready=ready)
         except Exception:
             log.warning("sampling a batch of %d failed; drawing its rows one by one", len(rows), exc_info=True)
             picks = self._sample_each(sel, rows, sample_seqs, outputs)

@@ -83,13 +83,17 @@ class DecodeSets:
     step does not read), and the step's stream only waits for that copy's event."""
 
     def __init__(self, sets: list[tuple[StaticInputs, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]]],
-                 upload_stream: torch.cuda.Stream | None) -> None:  # fmt: skip
+                 upload_stream: torch.cuda.Stream | None, draws: bool = False) -> None:  # fmt: skip
         self.sets = sets
         self.upload_stream = upload_stream
         self.next = 0
         """The set the next decode step replays."""
         self.replayed: list[torch.cuda.Event | None] = [None] * len(sets)
         """Per set, its last replay's end (an upload into the set waits for it)."""
+        self.draws = draws
+        """Whether each graph writes its rows' argmax into the other set's ids (``DecodePlan.argmax_in_graph``)."""
+        self.drawn: int | None = None
+        """The rows whose argmax the last step drew into :meth:`next_ids` (None: the last step drew none)."""
 
     def next_ids(self, n: int) -> torch.Tensor | None:
         """Where a draw of ``n`` tokens may write them for the next decode step to read (two sets only)."""
@@ -97,6 +101,11 @@ class DecodeSets:
             return None
         inputs, graphs = self.sets[self.next]
         return inputs.view["ids"][:n] if n <= max(graphs) else None
+
+    def drawn_ids(self, n: int) -> torch.Tensor | None:
+        """The greedy tokens of the last step's ``n`` rows, already drawn by its graph (None: it drew none for
+        them)."""
+        return self.next_ids(n) if self.drawn == n else None
 
 
 def _fill_tables(inputs: StaticInputs, tables: list[list[int]], rows: int) -> None:
@@ -152,24 +161,27 @@ def capture_graphs(runner: ModelRunner) -> None:
     mx, w = sizes[-1], runner.max_blocks_per_seq
     fields = {k: mx for k in ("ids", "pos", "slots", "tseq", "tctx", "state_slots")}
     two = runner.config.side_stream_copies and runner.config.lookahead and runner.tp.size == 1
+    draws = two and runner.plan.argmax_in_graph
+    all_inputs = [StaticInputs(fields, mx, w, runner.device) for _ in range(2 if two else 1)]
     sets = []
     with torch.inference_mode():
         pool = _capture_steps(runner, None)
-        for _ in range(2 if two else 1):
-            inputs = StaticInputs(fields, mx, w, runner.device)
+        for i, inputs in enumerate(all_inputs):
             st = inputs.view
             st["tseq"].copy_(torch.arange(mx, device=runner.device))
             inputs.host_field("tseq")[:] = np.arange(mx)
             graphs = {}
             for b in sorted(sizes, reverse=True):
                 ctx = _context(runner, st, b, b, None, decode=True, state_slots=st["state_slots"][:b])
+                if draws:  # the greedy draw into the ids of the set the next step replays
+                    ctx.argmax_out = all_inputs[1 - i].view["ids"][:b]
                 graph, out = _capture_one(runner, ctx, st["ids"][:b], st["pos"][:b], pool)
                 pool = graph.pool()
                 graphs[b] = (graph, out)
             sets.append((inputs, graphs))
     torch.cuda.synchronize(runner.device)
     runner.graphs = sets[0][1]
-    runner.decode_sets = DecodeSets(sets, torch.cuda.Stream(runner.device) if two else None)
+    runner.decode_sets = DecodeSets(sets, torch.cuda.Stream(runner.device) if two else None, draws)
     runner._graph_sizes = sorted(runner.graphs)
     log.info("captured CUDA graphs: decode batch sizes %s%s, steps of up to %s tokens", runner._graph_sizes,
              " (two input buffers)" if two else "", sorted(runner.step_graphs))  # fmt: skip
@@ -214,6 +226,7 @@ def replay_decode(runner: ModelRunner, batch: StepBatch, device_ids: torch.Tenso
         runner.mamba.reset(torch.tensor(batch.fresh_slots, device=runner.device))
     graph, out = graphs[b]
     graph.replay()
+    sets.drawn = n if sets.draws and len(batch.logits_index) == n else None
     if sets.upload_stream is not None:
         done = torch.cuda.Event()
         done.record()

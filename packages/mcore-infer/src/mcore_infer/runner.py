@@ -332,6 +332,8 @@ class ModelRunner:
         self, batch: StepBatch, device_ids: torch.Tensor | None = None, images: ImageSplice | None = None
     ) -> torch.Tensor:
         n = len(batch.tokens)
+        if self.decode_sets is not None:
+            self.decode_sets.drawn = None  # (a decode graph's replay sets it again)
         if images is None and batch.decode_only and self.graphs and n <= self._graph_sizes[-1]:
             return replay_decode(self, batch, device_ids)
         if images is None and self.step_graphs and step_graph_fits(self, batch):
@@ -368,6 +370,11 @@ class ModelRunner:
         """Where a draw of ``n`` tokens may write them for the next decode step's graph to read in place (two input
         sets, ``EngineConfig.side_stream_copies``); None otherwise."""
         return None if self.decode_sets is None else self.decode_sets.next_ids(n)
+
+    def drawn_ids(self, n: int) -> torch.Tensor | None:
+        """The greedy tokens of the last step's ``n`` logits rows if its decode graph drew them
+        (``DecodePlan.argmax_in_graph``), in :meth:`next_decode_ids`; None otherwise."""
+        return None if self.decode_sets is None else self.decode_sets.drawn_ids(n)
 
     def attention_context(
         self,

@@ -225,17 +225,20 @@ class Sampler:
         return self.draw(logits, rows).result()
 
     def draw(self, logits: torch.Tensor, rows: list[SampleRow], out: torch.Tensor | None = None,
-             copy_stream: Any = None) -> Drawn:  # fmt: skip
+             copy_stream: Any = None, ready: torch.Tensor | None = None) -> Drawn:  # fmt: skip
         """Choose the tokens on the device without waiting for them (``Drawn.tokens``); ``.result()`` fetches them.
 
         ``out`` (int64 ``[rows]``): where a batch of only plain greedy rows writes its tokens (the engine passes the
         next decode step's input ids); other batches draw into a tensor of their own. ``copy_stream``: the CUDA
-        stream that copies the tokens to the host (None: the current stream, in order with the step)."""
+        stream that copies the tokens to the host (None: the current stream, in order with the step). ``ready``:
+        ``logits.argmax(-1)``, already computed on the device (a decode graph's draw): a batch of only plain greedy
+        rows takes it as its tokens."""
         n = len(rows)
         assert logits.shape[0] == n
         fast = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in rows)
         if fast and not any(r.banned for r in rows):  # (one Triton kernel on the GPU: torch's argmax exactly)
-            return Drawn(row_argmax(logits, out=out), rows, None, copy_stream)
+            tokens = ready if ready is not None else row_argmax(logits, out=out)
+            return Drawn(tokens, rows, None, copy_stream)
         x = logits.float().clone()
         self._penalise(x, rows)
         x = _finite(x)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mcore_infer.kernels._counters import zeroed_counters
-from mcore_infer.kernels.norm_linear import _use_triton
+from mcore_infer.kernels.norm_linear import _use_triton, gdc_launch
 
 __all__ = ["row_argmax"]
 
@@ -33,10 +33,14 @@ def _kernel() -> Any:
         return _KERNEL
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit  # type: ignore[misc]
     def argmax(X, PV, PI, PN, CNT, OUT, V, CHUNKS, stride_x,  # type: ignore[no-untyped-def]
-               BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):  # fmt: skip
+               BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        if GDC:  # (a programmatic dependent: the logits are read after the kernel that writes them is done)
+            gdc_launch_dependents()
+            gdc_wait()
         r = tl.program_id(0)
         c = tl.program_id(1)
         big = 2147483647
@@ -69,10 +73,11 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[rows, vocab]`` logits (int64 ``[rows]``): the first index of each row's largest
     value, or of its first NaN. ``out`` (int64 ``[rows]``, contiguous): written and returned instead of a new
-    tensor (the engine passes the next decode step's input ids, so the step needs no copy of them)."""
+    tensor (the engine passes the next decode step's input ids, so the step needs no copy of them). ``pdl``: launched
+    as a programmatic dependent of the kernel before it (Hopper and later)."""
     global _FAILED
     if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64 or not out.is_contiguous()):
         raise ValueError(f"row_argmax: out must be contiguous int64 [{logits.shape[0]}], got {out.dtype} "
@@ -91,7 +96,8 @@ def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         out = torch.empty(rows, device=logits.device, dtype=torch.int64)
     try:
         _kernel()[(rows, chunks)](logits, pv, pi, pn, counters, out, v, chunks, logits.stride(0), BLOCK=BLOCK,
-                                  CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)  # fmt: skip
+                                  CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=8,
+                                  **gdc_launch(logits, pdl))  # fmt: skip
     except Exception as e:  # a Triton that cannot compile it: torch's argmax from now on, said once
         _FAILED = f"{type(e).__name__}: {e}"
         log.warning("the argmax kernel failed (%s); greedy draws use torch.argmax", _FAILED)
