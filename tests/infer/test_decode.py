@@ -27,7 +27,9 @@ from tests.infer._tiny import prompts_of_lengths, reference_greedy, tiny_config,
 
 ROW = DECODE_PRESETS["row"]
 ATTENTION = DECODE_PRESETS["attention"]
-FAST = dict(device_type="cuda", backend="triton", compiled=True)  # where auto turns the row kernels on
+FAST = dict(
+    device_type="cuda", backend="triton", compiled=True, max_positions=256
+)  # where auto turns the row kernels on
 GPT_ROW = replace(ROW, gated_norm_gemv=False)  # auto on a GPU for a model with no Mamba layer to take it
 
 
@@ -36,7 +38,8 @@ def test_preset_names_and_plan_validation() -> None:
     assert DECODE_PRESETS["none"] == DecodePlan()
     assert DecodePlan(rope_in_attention=True, kv_write_in_attention=True, defer_residual=True) == ATTENTION
     assert replace(ATTENTION, swiglu_down=True, proj_partials=True, row_gemv=True, pdl=True, norm_gemv=True,
-                          combine_in_attention=True, row_fc1=True, gated_norm_gemv=True) == ROW  # fmt: skip
+                          combine_in_attention=True, row_fc1=True, gated_norm_gemv=True, embed_rope=True,
+                          argmax_in_graph=True) == ROW  # fmt: skip
     with pytest.raises(ValueError, match=r"pdl needs a row kernel \(swiglu_down, proj_partials, row_gemv, row_fc1, "):
         replace(ATTENTION, pdl=True)
     assert replace(ATTENTION, row_fc1=True, pdl=True).pdl  # the up projection alone is a row kernel
@@ -136,7 +139,8 @@ def test_auto_resolves_as_the_device_and_model_allow() -> None:
     assert _plan(m, compiled=False) == ATTENTION
     assert _plan(m, backend="plain") == _plan(m, device_type="cpu", backend="plain") == DecodePlan(defer_residual=True)
     assert _plan(tiny_model(num_layers=2, activation="gelu")) == replace(GPT_ROW, swiglu_down=False)
-    assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == replace(ATTENTION, combine_in_attention=True)
+    biased = replace(ATTENTION, combine_in_attention=True, embed_rope=True, argmax_in_graph=True)  # no row kernel
+    assert _plan(tiny_model(num_layers=2, add_bias_linear=True)) == biased
     # a bias on the QKV projection only: the row GEMV (which adds no bias) stays off for it
     assert _plan(tiny_model(num_layers=2, add_qkv_bias=True)) == replace(GPT_ROW, row_gemv=False, norm_gemv=False)
     assert _plan(m, "none") == DecodePlan()
@@ -322,8 +326,9 @@ def test_a_standard_layer_with_another_attention_keeps_the_deferred_add() -> Non
     and, with the standard MLP, swiglu_down."""
     model = GPTModel(tiny_config(num_layers=2), spec=LayerSpec(attention=PlainAttention)).eval()
     assert _plan(model, "row") == replace(
-        ATTENTION, swiglu_down=True, pdl=True, combine_in_attention=True, row_fc1=True
-    )
+        ATTENTION, swiglu_down=True, pdl=True, combine_in_attention=True, row_fc1=True, embed_rope=True,
+        argmax_in_graph=True,
+    )  # fmt: skip
     prompts = prompts_of_lengths(5, 20, seed=4)
     expected = [reference_greedy(model, p, 5) for p in prompts]
     llm = tiny_llm(model, decode_kernels="row")

@@ -84,10 +84,12 @@ def test_a_plan_with_embed_rope_runs_it_in_small_steps(monkeypatch: pytest.Monke
     assert len(rows) >= 7 and max(rows) <= 4  # (the three requests decode together: 3 rows a step)
 
 
-def test_a_model_it_cannot_serve_is_named_or_left_plain() -> None:
-    """Learned position embeddings: a plan that asks for ``embed_rope`` is an error naming them; ``auto`` leaves it
-    off."""
+def test_a_model_without_a_rope_table_runs_the_gathers() -> None:
+    """Learned position embeddings (no RoPE) or no rotary table: ``embed_rope`` does not concern the model and stays
+    off under any plan (the layers' fusions still apply)."""
+    from mcore_infer import prepare_for_decode
+
     model = tiny_model(position_embedding="learned_absolute")
-    with pytest.raises(ValueError, match="embed_rope cannot apply: .*learned position embeddings"):
-        tiny_llm(model, decode_kernels=EMBED_ROPE)
-    assert not tiny_llm(model, decode_kernels="auto").engine.runner.plan.embed_rope
+    assert not tiny_llm(model, decode_kernels=EMBED_ROPE).engine.runner.plan.embed_rope
+    assert not prepare_for_decode(tiny_model(), EMBED_ROPE).plan.embed_rope  # (no max_positions: no table)
+    assert prepare_for_decode(tiny_model(), EMBED_ROPE, max_positions=64).plan.embed_rope

@@ -43,7 +43,7 @@ from mcore_models.transformer.mlp import MLP
 from mcore_models.transformer.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from mcore_infer.decode import DecodeLaunches
+    from mcore_infer.decode_plan import DecodeLaunches
 
 __all__ = [
     "LAYER_FUSIONS",
