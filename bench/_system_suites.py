@@ -304,6 +304,8 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     "row without norm_gemv": '{"preset": "row", "norm_gemv": false}',
     "row without combine_in_attention": '{"preset": "row", "combine_in_attention": false}',
     "row without row_fc1": '{"preset": "row", "row_fc1": false}',
+    "row without embed_rope": '{"preset": "row", "embed_rope": false}',
+    "row without argmax_in_graph": '{"preset": "row", "argmax_in_graph": false}',
     "row GEMVs alone (none of the three)": '{"preset": "row", "norm_gemv": false, "combine_in_attention": false, '
     '"row_fc1": false}',
     "row, the copies on the step's stream (side_stream_copies off)": ("row", ["--no-side-stream-copies"]),
@@ -457,7 +459,8 @@ SYSTEM_SUITES = [
           "the engine's host time per step", "Hugging Face generate() with a static cache and torch.compile, same "
           "call", 7, 1, serve),
     Suite("serve-batch1", "llama-1b batch-1 decode under the row plan without each of its fusions (norm inside the "
-          "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three), with the "
+          "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three; the embedding "
+          "and rotary rows as one kernel, the greedy draw inside the decode graphs), with the "
           "copies on the step's stream (side_stream_copies off), with the output projection's weight prefetched into "
           "L2 by the attention (l2_prefetch), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
           1, serve_batch1),
