@@ -310,7 +310,6 @@ BATCH1_PLANS = {  # the decode plans compared at batch 1: the default first (the
     '"row_fc1": false}',
     "row, the copies on the step's stream (side_stream_copies off)": ("row", ["--no-side-stream-copies"]),
     "row, the output projection's weight prefetched into L2 (l2_prefetch)": ("row", ["--l2-prefetch"]),
-    "row, l2_prefetch and the up projection's first 16 MB": ("row", ["--l2-prefetch", "--l2-prefetch-up-mb", "16"]),
 }
 
 
@@ -462,7 +461,7 @@ SYSTEM_SUITES = [
           "QKV GEMV, the attention's combine in its kernel, the up projection as a row GEMV, the three; the embedding "
           "and rotary rows as one kernel, the greedy draw inside the decode graphs), with the "
           "copies on the step's stream (side_stream_copies off), with the output projection's weight prefetched into "
-          "L2 by the attention (l2_prefetch), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 9,
+          "L2 by the attention (l2_prefetch), and the MLP half of a decode layer", "the row plan (the default) and the row plan's MLP, same call", 10,
           1, serve_batch1),
     Suite("serve-attention", "llama-1b decode at 1 and 64 requests and after a 16k prompt under paged-attention "
           "launches of several cache blocks a loop step, a higher split cap and empty splits skipped",
