@@ -113,8 +113,9 @@ class DecodeModel(nn.Module):
         """The first layer's input and the rotary rows: one kernel with ``embed_rope`` in small steps."""
         table = self.rotary_table
         small = input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] <= FMA_MAX_ROWS
-        if self.plan.embed_rope and small and decoder_input is None and position_ids is not None and table is not None:
-            emb: torch.Tensor = self.model.embedding.word_embeddings.weight
+        emb: torch.Tensor = self.model.embedding.word_embeddings.weight
+        fused = self.plan.embed_rope and small and decoder_input is None
+        if fused and position_ids is not None and table is not None and table.cos.dtype == emb.dtype:
             return embed_rope(input_ids[0], position_ids[0], emb, table.cos, table.sin, self.plan.pdl)
         return self.model.embed(input_ids, position_ids, decoder_input=decoder_input, rotary=table)
 
