@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
     from mcore_models.transformer.attention import InferenceContext
 
-__all__ = ["TransformerLayer", "dropout_add", "norm_mlp"]
+__all__ = ["TransformerLayer", "dropout_add", "norm_mlp", "recomputes_mlp"]
 
 
 def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -32,11 +32,20 @@ def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
 
 def norm_mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer.mlp(layer.pre_mlp_layernorm(x))``, recomputed in backward from ``x`` alone when the layer's
-    ``recompute_mlp`` is set (``TransformerConfig.recompute_modules`` with ``mlp``) and it trains."""
-    if getattr(layer, "recompute_mlp", False) and layer.training:
+    ``recompute_mlp`` is set (``TransformerConfig.recompute_modules`` with ``mlp``) and it trains.
+
+    A compiled caller with an MLP that breaks the graph (the FP8 linears, run eagerly) calls :func:`recomputes_mlp`
+    and, where it is False, the norm itself before ``layer.mlp``: the norm is then in the graph of the residual add
+    before it (one kernel each way), where a call of this function would end that graph before the norm."""
+    if recomputes_mlp(layer):
         ctx: ModelContext = layer.ctx  # type: ignore[assignment]
         return ctx.recompute(_NormMLP(layer), x)
     return layer.mlp(layer.pre_mlp_layernorm(x))  # type: ignore[operator, no-any-return]
+
+
+def recomputes_mlp(layer: nn.Module) -> bool:
+    """Whether :func:`norm_mlp` recomputes ``layer``'s pre-MLP norm and MLP in backward."""
+    return bool(getattr(layer, "recompute_mlp", False) and layer.training)
 
 
 class _NormMLP:
@@ -81,4 +90,7 @@ class TransformerLayer(nn.Module):
         packed sequences, see :mod:`~mcore_models.transformer.packed`)."""
         attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, **mask_kwargs(document_mask))
         x = self._dropout_add(attn, x)
-        return self._dropout_add(norm_mlp(self, x), x)
+        if recomputes_mlp(self):
+            return self._dropout_add(norm_mlp(self, x), x)
+        # the norm here, not inside a call: with the FP8 MLP (a graph break) the add and the norm stay one graph
+        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
