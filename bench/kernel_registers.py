@@ -203,16 +203,21 @@ def _decode_rows() -> list[dict[str, Any]]:
         r = usage(mlp, consts, launch.warps, types)
         rows.append({"kernel": f"fused_mlp{' + norm' if norm else ''} ({rows_} rows)", "products": "-",
                      "positions": launch.block_f, "channels": bk, "warps": launch.warps, **r})  # fmt: skip
-    for rows_, (block_n, block_k, warps) in itertools.product(
-        (1, 4), ((8, 1024, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2))
+    for rows_, (block_n, block_k, warps), whole in itertools.product(
+        (1, 4), ((8, 1024, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2)), (True, False)
     ):
+        # whole: the row normalised once when it is one or two K steps (the kernel's WHOLE), else the K loop
+        tiles = 2048 // block_k if whole and block_k * 2 >= 2048 else 0
+        if whole and not tiles:
+            continue
         consts = {"SPLITS": 1, "PARTS": True, "M_PAD": rows_, "K_PAD": 2048, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                  "GDC": True}  # fmt: skip
+                  "GDC": True, "WHOLE": tiles}  # fmt: skip
         types = {"X": "*fp32", "R": "*bf16", "NW": "*bf16", "HOUT": "*bf16", "W": "*bf16", "Y": "*bf16",
                  "eps": "fp32", "M": "i32", "N": "i32", "K": "i32"}  # fmt: skip
         r = usage(norm_gemv_kernel(), consts, warps, types)
-        rows.append({"kernel": f"norm_row_linear ({rows_} rows)", "products": "-", "positions": block_n,
-                     "channels": block_k, "warps": warps, **r})  # fmt: skip
+        name = f"norm_row_linear ({rows_} rows{', whole row' if tiles else ''})"
+        rows.append({"kernel": name, "products": "-", "positions": block_n, "channels": block_k, "warps": warps,
+                     **r})  # fmt: skip
     for rows_, (block_n, block_k, warps) in itertools.product(
         (1, 4), ((8, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 512, 4))
     ):

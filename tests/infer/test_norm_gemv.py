@@ -24,10 +24,10 @@ def _float64(x: torch.Tensor, residual: torch.Tensor, g: torch.Tensor, w: torch.
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (2, 40, 80), (4, 130, 48)])
 @pytest.mark.parametrize("splits", [-1, 0, 1, 2], ids=["no-residual", "plain", "1-partial", "2-partials"])
-@pytest.mark.parametrize("launch", [None, "1,8,16,2", "1,32,64,4"])
+@pytest.mark.parametrize("launch", [None, "1,8,16,2", "1,32,64,4", "1,16,32,4"])
 def test_kernel_equals_float64(device: str, rows: int, n: int, k: int, splits: int, launch: str | None) -> None:
     """Inputs of the residual's shape or float32 partial sums, sizes that are not multiples of the blocks (or powers
-    of two), several K steps or one: the product and h equal float64."""
+    of two), several K steps, or a whole row of one or two tiles normalised once: the product and h equal float64."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(rows + n + k + splits)
     residual = torch.randn(rows, 1, k, generator=gen).to(device, dtype)

@@ -6,7 +6,9 @@ A decode layer starts with ``h = out + residual`` (``out`` possibly the split-K 
 program takes the rows' mean squares over the whole row first (the row is a few KB, read from the L2 by every
 program), then streams its ``BLOCK_N`` weight rows as the row kernel does (products accumulated elementwise in
 registers), normalising each input tile it loads as ``F.rms_norm`` rounds it; program 0 writes ``h``, the next
-residual. Unlike :mod:`~mcore_infer.kernels.norm_linear` (which scales the finished products by the row's 1 / rms,
+residual. Where the row is at most two K steps (``llama-1b``'s 2,048 at the default 1,024), the program normalises
+the ``h`` it took the mean squares of, once, instead of reading the row again for each tile, and the second tile's
+weight load is in flight while it does. Unlike :mod:`~mcore_infer.kernels.norm_linear` (which scales the finished products by the row's 1 / rms,
 with MMAs over padded rows), the products here are of the normalised input rounded as the unfused ops round it.
 
 Launched as a programmatic dependent where the GPU has them (its first weight tile loaded before it waits for the
@@ -66,6 +68,7 @@ def _kernel() -> Any:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GDC: tl.constexpr,
+        WHOLE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         dtype = R.dtype.element_ty
@@ -77,21 +80,38 @@ def _kernel() -> Any:
         k_lo = 0
         if GDC:  # the first weight tile before waiting for the kernel that writes X
             gdc_launch_dependents()
+        if GDC or WHOLE > 0:
             w0 = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if GDC:
             gdc_wait()
+        if WHOLE == 2:  # the second (last) tile's load in flight while the row's statistics are taken
+            k1 = BLOCK_K + ks
+            w1 = tl.load(w_rows + k1[None, :], mask=(cols[:, None] < N) & (k1[None, :] < K), other=0.0)
         d = tl.arange(0, K_PAD)
         inv, h = _row_stats(X, R, rows, d, M, K, eps, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS)
         if pid == 0:
             tl.store(HOUT + rows[:, None] * K + d[None, :], h.to(dtype), mask=(rows[:, None] < M) & (d[None, :] < K))
-        if GDC:
-            x = _input_tile(X, R, NW, inv, rows, ks, M, K, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS, True)
-            acc += x[:, None, :] * w0.to(tl.float32)[None, :, :]
-            k_lo = BLOCK_K
-        for k0 in range(k_lo, K, BLOCK_K):
-            kk = k0 + ks
-            w = tl.load(w_rows + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
-            x = _input_tile(X, R, NW, inv, rows, kk, M, K, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS, True)
-            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if WHOLE > 0:  # the row normalised once from the h above (rounded as _input_tile rounds), cut into its tiles
+            nw = tl.load(NW + d, mask=d < K, other=0.0).to(tl.float32)
+            xn = ((h * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
+            if WHOLE == 1:
+                acc += xn[:, None, :] * w0.to(tl.float32)[None, :, :]
+            else:
+                x0, x1 = tl.split(tl.permute(tl.reshape(xn, [M_PAD, 2, BLOCK_K]), [0, 2, 1]))
+                acc += x0[:, None, :] * w0.to(tl.float32)[None, :, :]
+                acc += x1[:, None, :] * w1.to(tl.float32)[None, :, :]
+        else:
+            if GDC:
+                x = _input_tile(X, R, NW, inv, rows, ks, M, K, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS,
+                                True)  # fmt: skip
+                acc += x[:, None, :] * w0.to(tl.float32)[None, :, :]
+                k_lo = BLOCK_K
+            for k0 in range(k_lo, K, BLOCK_K):
+                kk = k0 + ks
+                w = tl.load(w_rows + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+                x = _input_tile(X, R, NW, inv, rows, kk, M, K, stride_xs, stride_xm, stride_rm, dtype, SPLITS, PARTS,
+                                True)  # fmt: skip
+                acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
         out = tl.sum(acc, axis=2)
         tl.store(Y + rows[:, None] * N + cols[None, :], out.to(dtype), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -134,14 +154,16 @@ def _norm_row_linear_op(
     rows = r2.shape[0]
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     launch = _heuristic(k, rows) if launch_values is None else Launch(*launch_values)
+    k_pad = 1 << max(0, k - 1).bit_length()
+    block_k = min(launch.block_k, k_pad)  # (a wider tile would only load masked columns)
     y = torch.empty(rows, n, dtype=r2.dtype, device=x.device)
     h = torch.empty_like(r2)
     if rows:
         _kernel()[(-(-n // launch.block_n),)](
             x2, r2, norm_weight, h, w, y, rows, n, k, eps, x2.stride(0), x2.stride(1), r2.stride(0), w.stride(0),
             SPLITS=0 if residual is None else x2.shape[0], PARTS=parts or residual is None, M_PAD=1 << max(0, rows - 1).bit_length(),
-            K_PAD=1 << max(0, k - 1).bit_length(), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-            num_warps=launch.warps, **gdc_launch(x2, pdl),
+            K_PAD=k_pad, BLOCK_N=launch.block_n, BLOCK_K=block_k, num_warps=launch.warps,
+            WHOLE=k_pad // block_k if k_pad <= 2 * block_k else 0, **gdc_launch(x2, pdl),
         )  # fmt: skip
     return y.view(*shape[:-1], n), h.view(shape)
 

@@ -101,6 +101,7 @@ def _kernel() -> Any:
         SWIGLU: tl.constexpr,
         FMA: tl.constexpr,
         GDC: tl.constexpr,
+        PAIR: tl.constexpr,
     ):
         # FMA (a few rows, M_PAD <= FMA_MAX_ROWS): products accumulated elementwise in a float32
         # [rows, BLOCK_N, BLOCK_K] register tile and reduced over K once after the loop. An MMA of at least 16 padded
@@ -114,15 +115,27 @@ def _kernel() -> Any:
         else:
             acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
         k_lo = split * K_PER
-        if GDC:  # (a programmatic dependent launch: the first weight tile is loaded before waiting for the kernel
-            # this one depends on, whose output X is read after gdc_wait; the loop below stays as the compiler
-            # pipelines it)
+        # GDC (a programmatic dependent launch): the first weight tile is loaded before waiting for the kernel this
+        # one depends on, whose output X is read after gdc_wait. PAIR (a split of two K steps): the second tile's
+        # load is in flight too before the input is read. The loop below stays as the compiler pipelines it.
+        if GDC:
             gdc_launch_dependents()
+        if GDC or PAIR:
             ks = k_lo + tl.arange(0, BLOCK_K)
             w0 = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                          other=0.0)  # fmt: skip
+        if GDC:
             gdc_wait()
+        if PAIR:
+            ks1 = ks + BLOCK_K
+            w1 = tl.load(W + cols[:, None] * stride_wn + ks1[None, :], mask=(cols[:, None] < N) & (ks1[None, :] < K),
+                         other=0.0)  # fmt: skip
+        if GDC or PAIR:
             acc = _gemv_step(X, W, acc, rows, cols, k_lo, M, N, K, stride_xm, stride_wn, w0, BLOCK_K, SWIGLU, FMA,
+                             True)  # fmt: skip
+            k_lo += BLOCK_K
+        if PAIR:
+            acc = _gemv_step(X, W, acc, rows, cols, k_lo, M, N, K, stride_xm, stride_wn, w1, BLOCK_K, SWIGLU, FMA,
                              True)  # fmt: skip
             k_lo += BLOCK_K
         for k0 in range(k_lo, (split + 1) * K_PER, BLOCK_K):
@@ -179,7 +192,8 @@ def gemv_partials(
         _kernel()[(_cdiv(n, block_n), splits)](
             x, weight, y, m, n, k, per, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
             M_PAD=1 << (m - 1).bit_length() if small else max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n,
-            BLOCK_K=block_k, SWIGLU=swiglu, FMA=small, num_warps=num_warps, **gdc_launch(x, pdl),
+            BLOCK_K=block_k, SWIGLU=swiglu, FMA=small, num_warps=num_warps, PAIR=per == 2 * block_k,
+            **gdc_launch(x, pdl),
         )  # fmt: skip
     return y
 
