@@ -8,9 +8,10 @@ program), then streams its ``BLOCK_N`` weight rows as the row kernel does (produ
 registers), normalising each input tile it loads as ``F.rms_norm`` rounds it; program 0 writes ``h``, the next
 residual. Where the row is at most two K steps (``llama-1b``'s 2,048 at the default 1,024), the program normalises
 the ``h`` it took the mean squares of, once, instead of reading the row again for each tile, and the second tile's
-weight load is in flight while it does (1.041x a batch-1 decode step of ``llama-1b`` on an H100). Unlike
-:mod:`~mcore_infer.kernels.norm_linear` (which scales the finished products by the row's 1 / rms, with MMAs over
-padded rows), the products here are of the normalised input rounded as the unfused ops round it.
+weight load is in flight while it does (with the same early load in the row GEMV, a batch-1 decode step of
+``llama-1b`` ran 1.041x on an H100). Unlike :mod:`~mcore_infer.kernels.norm_linear` (which scales the finished
+products by the row's 1 / rms, with MMAs over padded rows), the products here are of the normalised input rounded as
+the unfused ops round it.
 
 Launched as a programmatic dependent where the GPU has them (its first weight tile loaded before it waits for the
 kernel before it). The op ``mcore_infer::norm_row_linear`` computes the same with PyTorch ops without Triton, or on
