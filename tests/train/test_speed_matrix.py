@@ -4,11 +4,11 @@ loss and gradient norm per step equal the single-process run with every switch o
 did run (weight gradients into ``main_grad``, compiled layers, recomputed regions).
 
 The switches: ``training.compile=layers`` and ``parallel.gradient_accumulation_fusion=true`` (what ``auto`` turns on
-on CUDA), ``model.cross_entropy_fusion``, ``model.attention_contiguous``, ``parallel.tp_comm=p2p`` and
-``parallel.dp_comm=p2p`` (mcore's exchanges, on CPU through shared memory). The CUDA-only ones (the Triton SwiGLU and
-RoPE kernels, the cuDNN/flash attention backends, the float32-output GEMM of the fusion, inductor's GPU kernels, the
-exchanges over GPU symmetric memory) are ``tests/train/test_speed_matrix_gpu.py``'s. The layouts share one world of
-2 ranks (a pool kept between cases, so compiled graphs are reused) and one of 4.
+on CUDA), ``model.cross_entropy_fusion``, ``model.attention_contiguous``, ``model.defer_residual_add``,
+``parallel.tp_comm=p2p`` and ``parallel.dp_comm=p2p`` (mcore's exchanges, on CPU through shared memory). The CUDA-only
+ones (the Triton SwiGLU and RoPE kernels, the cuDNN/flash attention backends, the float32-output GEMM of the fusion,
+inductor's GPU kernels, the exchanges over GPU symmetric memory) are ``tests/train/test_speed_matrix_gpu.py``'s. The
+layouts share one world of 2 ranks (a pool kept between cases, so compiled graphs are reused) and one of 4.
 """
 
 from __future__ import annotations
@@ -32,7 +32,12 @@ SWITCHES = {
     "fast": FAST,  # the CUDA defaults together
     "fusion": ["training.compile=none", "parallel.gradient_accumulation_fusion=true"],
     "compile": ["training.compile=layers", "parallel.gradient_accumulation_fusion=false"],
-    "all": [*FAST, "model.cross_entropy_fusion=true", "model.attention_contiguous=true"],
+    "all": [
+        *FAST,
+        "model.cross_entropy_fusion=true",
+        "model.attention_contiguous=true",
+        "model.defer_residual_add=true",
+    ],
 }
 
 # one process: every switch set x every recompute mode (recompute of some layers, and of the MLPs, only with the CUDA
@@ -49,7 +54,13 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2-sp-selective-mlp": (2, [*TP2_SP, "model.recompute=selective", "model.recompute_modules=[core_attn,mlp]"]),
     "tp2-sp-p2p-selective": (
         2,
-        [*TP2_SP, "parallel.tp_comm=p2p", "model.recompute=selective", "model.cross_entropy_fusion=true"],
+        [
+            *TP2_SP,
+            "parallel.tp_comm=p2p",
+            "model.recompute=selective",
+            "model.cross_entropy_fusion=true",
+            "model.defer_residual_add=true",
+        ],
     ),
     "pp2-full": (2, ["parallel.pp=2", "model.recompute=full"]),
     "pp2-vpp2-selective-untied": (
@@ -59,6 +70,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
             "parallel.vpp=2",
             "model.recompute=selective",
             "model.share_embeddings_and_output_weights=false",
+            "model.defer_residual_add=true",
         ],
     ),
     "dp2-distopt-full": (2, [*DISTOPT, "model.recompute=full"]),

@@ -183,18 +183,43 @@ class GPTModel(nn.Module):
         if mask is not None and position_ids is None:
             position_ids = document_positions(mask.document_ids)
         hidden, rotary = self.embed(input_ids, position_ids, decoder_input=decoder_input)
-        for key, layer in self.decoder.layers.items():
-            if inference_context is not None:
-                inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
-            if inference_context is None and self.training and int(key) in self._full_recompute:
-                hidden = self.ctx.recompute(_LayerCall(layer, mask), hidden, *(rotary or ()))
-            else:
-                hidden = layer(hidden, rotary, inference_context, **mask_kwargs(mask))
+        hidden = self._run_layers(hidden, rotary, mask, inference_context)
         if not self.post_process:
             return hidden
         if inference_context is not None and inference_context.logits_index is not None:
             hidden = hidden.index_select(0, inference_context.logits_index)
         return self.head(hidden, labels, gather_logits=gather_logits)
+
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: DocumentMask | None,
+        inference_context: InferenceContext | None,
+    ) -> torch.Tensor:
+        """This stage's layers in order. With ``defer_residual_add`` (no inference context), a transformer layer
+        followed by another leaves its last residual add to it (``TransformerLayer.forward``'s ``pending`` and
+        ``defer``); a layer of another kind, or one recomputed whole, gets the sum."""
+        layers = list(self.decoder.layers.items())
+        recomputed = [inference_context is None and self.training and int(key) in self._full_recompute
+                      for key, _ in layers]  # fmt: skip
+        takes = [self.config.defer_residual_add and inference_context is None and isinstance(layer, TransformerLayer)
+                 and not again for (_, layer), again in zip(layers, recomputed)]  # fmt: skip
+        pending: torch.Tensor | None = None
+        for i, (key, layer) in enumerate(layers):
+            if inference_context is not None:
+                inference_context.layer_number = int(key)  # read by its attention (see InferenceContext)
+            if pending is not None and not takes[i]:
+                hidden, pending = hidden + pending, None
+            if recomputed[i]:
+                hidden = self.ctx.recompute(_LayerCall(layer, mask), hidden, *(rotary or ()))
+            elif takes[i]:
+                defer = i + 1 < len(layers) and takes[i + 1]
+                out = layer(hidden, rotary, None, **mask_kwargs(mask), pending=pending, defer=defer)
+                hidden, pending = out if defer else (out, None)
+            else:
+                hidden = layer(hidden, rotary, inference_context, **mask_kwargs(mask))
+        return hidden if pending is None else hidden + pending
 
     def _document_mask(
         self, document_ids: torch.Tensor | DocumentMask | None, inference_context: InferenceContext | None

@@ -371,7 +371,7 @@ _RUNTIME_FIELDS = ("recompute", "recompute_modules", "recompute_num_layers", "cr
                    "attention_contiguous", "swiglu_backward", "params_dtype", "extra", "attention_dropout",
                    "hidden_dropout", "seed", "backend", "fp8", "fp8_recipe", "fp8_amax_compute_algo", "fp8_margin",
                    "fp8_modules", "fp8_first_layers_bf16", "fp8_last_layers_bf16", "fp8_allgather",
-                   "fp8_wgrad")  # fmt: skip
+                   "fp8_wgrad", "defer_residual_add")  # fmt: skip
 _RUNTIME_MOE_FIELDS = ("token_dispatcher",)
 # how the scan, convolution and norm are computed, not what
 _RUNTIME_MAMBA_FIELDS = ("scan", "chunk_size", "decode_kernel", "conv_kernel", "norm_kernel")

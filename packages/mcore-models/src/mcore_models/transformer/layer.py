@@ -16,18 +16,23 @@ if TYPE_CHECKING:
     from mcore_models.spec import LayerSpec
     from mcore_models.transformer.attention import InferenceContext
 
-__all__ = ["TransformerLayer", "dropout_add", "norm_mlp", "recomputes_mlp"]
+__all__ = ["TransformerLayer", "dropout_add", "hidden_dropout", "norm_mlp", "recomputes_mlp"]
 
 
 def dropout_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + dropout(x)`` with ``layer``'s ``hidden_dropout`` while it trains, drawn in its context's
     sequence-parallel RNG region (every layer kind's residual add)."""
+    return residual + hidden_dropout(layer, x)
+
+
+def hidden_dropout(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``dropout(x)`` as :func:`dropout_add` draws it (``x`` itself unless ``layer`` trains with dropout)."""
     p: float = getattr(layer, "hidden_dropout", 0.0)
     if p > 0 and layer.training:
         ctx: ModelContext = layer.ctx  # type: ignore[assignment]
         with ctx.sp_region_rng():
             x = F.dropout(x, p, training=True)
-    return residual + x
+    return x
 
 
 def norm_mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +89,25 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
         document_mask: DocumentMask | None = None,
-    ) -> torch.Tensor:
+        *,
+        pending: torch.Tensor | None = None,
+        defer: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The layer's output ``x + attn + mlp`` for ``x`` ``[s, b, hidden]`` (``inference_context``: attention over
         an engine's KV cache, see :class:`~mcore_models.transformer.attention.InferenceContext`; ``document_mask``:
-        packed sequences, see :mod:`~mcore_models.transformer.packed`)."""
+        packed sequences, see :mod:`~mcore_models.transformer.packed`).
+
+        The deferred residual add (``TransformerConfig.defer_residual_add``): ``pending`` is added to ``x`` first
+        (the layer before's last add, in the graph of this layer's input norm), and ``defer`` returns ``(x + attn,
+        mlp)`` (with its dropout) for the next layer to add instead of their sum."""
+        if pending is not None:
+            x = x + pending
         attn = self.self_attention(self.input_layernorm(x), rotary, inference_context, **mask_kwargs(document_mask))
         x = self._dropout_add(attn, x)
         if recomputes_mlp(self):
-            return self._dropout_add(norm_mlp(self, x), x)
-        # the norm here, not inside a call: with the FP8 MLP (a graph break) the add and the norm stay one graph
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+            mlp = norm_mlp(self, x)
+        else:  # the norm here, not inside a call: with the FP8 MLP (a graph break) the add and the norm stay one graph
+            mlp = self.mlp(self.pre_mlp_layernorm(x))
+        if defer:
+            return x, hidden_dropout(self, mlp)
+        return self._dropout_add(mlp, x)
