@@ -16,7 +16,14 @@ from mcore_models.transformer.layer import TransformerLayer
 from mcore_parallel.fp8 import fp8_step
 from tests._model_configs import llama
 
-BASE = llama(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
+BASE = llama(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    defer_residual_add=False,
+)
 FP8 = dict(fp8="hybrid", fp8_recipe="delayed", fp8_first_layers_bf16=0, fp8_last_layers_bf16=0)
 
 
@@ -115,3 +122,11 @@ def test_compiled_fp8_layer_adds_the_pending_sum_inside_its_norm_graph() -> None
     norm_graphs = [ops for ops in graphs if "rms_norm" in ops]
     assert len(norm_graphs) == 2 and all("add" in ops for ops in norm_graphs), graphs
     assert {"add"} not in graphs, f"a graph of only the last residual add: {graphs}"
+
+
+def test_on_by_default_in_every_preset() -> None:
+    """The measured default (``docs/performance.md``): every preset's model defers unless told not to."""
+    from mcore_models.presets import PRESETS, preset
+
+    assert TransformerConfig.__dataclass_fields__["defer_residual_add"].default is True
+    assert all(preset(name).defer_residual_add for name in PRESETS)

@@ -20,8 +20,8 @@ from tests.train._util import config
 
 KEYS = ("loss", "grad_norm")
 
-OFF = ["training.compile=none", "parallel.gradient_accumulation_fusion=false"]
-"""Both defaulting switches off: the plain path every case is compared with."""
+OFF = ["training.compile=none", "parallel.gradient_accumulation_fusion=false", "model.defer_residual_add=false"]
+"""The defaulting switches off: the plain path every case is compared with."""
 
 FAST = ["training.compile=layers", "parallel.gradient_accumulation_fusion=true"]
 """What ``auto`` turns on on CUDA."""
