@@ -15,6 +15,7 @@ from mcore_models.moe import MoEConfig
 from mcore_models.transformer.layer import TransformerLayer
 from mcore_parallel.fp8 import fp8_step
 from tests._model_configs import llama
+from tests.models._graphs import GraphRecorder
 
 BASE = llama(
     num_layers=4,
@@ -96,20 +97,11 @@ def test_packed_documents_and_eval_are_unchanged() -> None:
         assert torch.equal(plain(x), deferred(x))
 
 
-def _graph_ops(gm: torch.fx.GraphModule) -> set[str]:
-    return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
-
-
 def test_compiled_fp8_layer_adds_the_pending_sum_inside_its_norm_graph() -> None:
     """A middle layer (``pending`` in, ``defer`` out) compiled: its first graph adds the layer before's sum and
     normalises it, and no graph is only the layer's last add, with eager mode's output and gradients."""
     layer = GPTModel(BASE.replace(**FP8)).decoder.layers["2"]
-    graphs: list[set[str]] = []
-
-    def record(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        graphs.append(_graph_ops(gm))
-        return gm.forward
-
+    record = GraphRecorder()
     x = torch.randn(16, 2, 64, requires_grad=True)
     pending = torch.randn(16, 2, 64, requires_grad=True)
     with fp8_step([layer]):
@@ -119,9 +111,9 @@ def test_compiled_fp8_layer_adds_the_pending_sum_inside_its_norm_graph() -> None
         grads = torch.autograd.grad(sum(t.square().sum() for t in compiled), (x, pending))
     for a, b in zip((*compiled, *grads), (*eager, *grads_eager)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    norm_graphs = [ops for ops in graphs if "rms_norm" in ops]
-    assert len(norm_graphs) == 2 and all("add" in ops for ops in norm_graphs), graphs
-    assert {"add"} not in graphs, f"a graph of only the last residual add: {graphs}"
+    norm_graphs = record.with_op("rms_norm")
+    assert len(norm_graphs) == 2 and all("add" in ops for ops in norm_graphs), record.graphs
+    assert {"add"} not in record.graphs, f"a graph of only the last residual add: {record.graphs}"
 
 
 def test_on_by_default_in_every_preset() -> None:

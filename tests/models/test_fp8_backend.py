@@ -21,6 +21,7 @@ from mcore_parallel.checkpoint import CheckpointManager
 from mcore_parallel.fp8 import Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear, fp8_step
 from mcore_parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from tests._model_configs import llama
+from tests.models._graphs import GraphRecorder
 
 BASE = llama(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
 
@@ -288,10 +289,6 @@ def test_fp8_fused_swiglu_is_on_wherever_it_can_run_unless_turned_off(kw: dict, 
     assert model.decoder.layers["0"].mlp.fp8_fused is False  # the first layer stays bf16
 
 
-def _graph_ops(gm: torch.fx.GraphModule) -> set[str]:
-    return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
-
-
 @pytest.mark.parametrize("fused_swiglu", [True, False])
 def test_compiled_fp8_layer_keeps_the_residual_add_and_the_mlp_norm_in_one_graph(fused_swiglu: bool) -> None:
     """The FP8 linears (and the fused FP8 MLP) run eagerly, a graph break in a compiled layer: the residual add after
@@ -300,12 +297,7 @@ def test_compiled_fp8_layer_keeps_the_residual_add_and_the_mlp_norm_in_one_graph
     cfg = BASE.replace(fp8="hybrid", fp8_recipe="delayed", fp8_first_layers_bf16=0, fp8_last_layers_bf16=0,
                        fp8_fused_swiglu=fused_swiglu)  # fmt: skip
     layer = GPTModel(cfg).decoder.layers["1"]
-    graphs: list[set[str]] = []
-
-    def record(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        graphs.append(_graph_ops(gm))
-        return gm.forward
-
+    record = GraphRecorder()
     x = torch.randn(16, 2, 64, requires_grad=True)
     with fp8_step([layer]):
         eager = layer(x, None)
@@ -314,6 +306,6 @@ def test_compiled_fp8_layer_keeps_the_residual_add_and_the_mlp_norm_in_one_graph
         (gx,) = torch.autograd.grad(compiled.square().sum(), x)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     torch.testing.assert_close(gx, gx_eager, rtol=0, atol=0)
-    norm_graphs = [ops for ops in graphs if "rms_norm" in ops]
-    assert len(norm_graphs) == 2, graphs  # the input norm, then the pre-MLP norm
-    assert "add" in norm_graphs[1], f"the residual add and the pre-MLP norm are in different graphs: {graphs}"
+    norm_graphs = record.with_op("rms_norm")
+    assert len(norm_graphs) == 2, record.graphs  # the input norm, then the pre-MLP norm
+    assert "add" in norm_graphs[1], f"the residual add and the pre-MLP norm are in different graphs: {record.graphs}"
